@@ -1,7 +1,255 @@
-"""Chunked KDA. Placeholder that defers to the reference until the chunked path lands."""
+"""Chunked KDA in PyTorch: the CPU path (and the algorithm the Triton kernels implement).
 
-from kernels.kda.naive import naive_recurrent_kda
+Per sequence, tokens are cut into chunks of C = 64 (the last one padded with q = k = v = 0,
+g = 0, beta = 0, which leaves the state untouched). Inside a chunk, with G the inclusive
+cumulative log-decay from the chunk start (fp32) and S the state entering the chunk:
+
+    A_kk[r, j] = beta_r sum_c k_rc k_jc exp(G_rc - G_jc)      j <  r
+    A_qk[r, j] = scale sum_c q_rc k_jc exp(G_rc - G_jc)       j <= r
+    [W | U]    = (I + A_kk)^-1 Diag(beta) [exp(G) * K | V]    (UT transform, a triangular solve)
+    V~         = U - W S
+    O          = (scale exp(G) * Q) S + A_qk V~
+    S'         = exp(G_last) * S + (exp(G_last - G) * K)^T V~
+
+The scores A_* are matmuls of factored operands. A factor exp(+G) can only be paired with a
+factor exp(-G) if the span stays small, so they are formed per 16-token sub-tile
+(``intra_chunk_scores``): diagonal sub-tiles shift both exponents to the sub-tile midpoint
+(each factor spans <= 8 tokens: <= 40 nats at g >= -5); off-diagonal sub-tile pairs use a
+reference point at the start of the row sub-tile, so both factors have non-positive
+exponents and are safe with any gate. ``dense_chunk_scores`` is the naive alternative (one
+64-token tile, up to 320 nats at g = -5), kept to show in tests why it is not used.
+
+Deviations from flash-linear-attention's Triton kernel: log-decay stays in natural-log units
+(exp, not exp2), and inputs of any floating dtype are computed in fp32 on CPU (fp64 stays
+fp64), because CPU bf16 matmuls are slow and round every product; outputs are cast back.
+The backward is autograd through this forward. Sequences are laid out as a flat list of
+chunks; the only sequential part is the state pass over chunk positions, vectorised over
+sequences and heads.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kernels.kda.naive import _check_inputs
+
+CHUNK = 64
+SUB = 16
+DEFAULT_LOWER_BOUND = -5.0
+CHECK_ENV = "LONGHORIZON_KDA_CHECK"
 
 
-def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
-    return naive_recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+@dataclass
+class ChunkLayout:
+    """Where every token sits once sequences are padded to whole chunks.
+
+    token_of_slot_S: token index feeding each of the S = num_chunks * C slots (T = padding).
+    slot_of_token_T: slot holding each token, for gathering the outputs back.
+    chunk_start_N / num_chunks_N: the first chunk and the chunk count of each sequence.
+    """
+
+    token_of_slot_S: torch.Tensor
+    slot_of_token_T: torch.Tensor
+    chunk_start_N: torch.Tensor
+    num_chunks_N: torch.Tensor
+
+    @property
+    def num_chunks(self) -> int:
+        return self.token_of_slot_S.numel() // CHUNK
+
+
+def chunk_layout(cu_seqlens_N1: torch.Tensor, T: int) -> ChunkLayout:
+    cu = cu_seqlens_N1.to(device="cpu", dtype=torch.long)
+    lens_N = cu[1:] - cu[:-1]
+    N = lens_N.numel()
+    nch_N = (lens_N + CHUNK - 1) // CHUNK
+    chunk_start_N = torch.cumsum(nch_N, 0) - nch_N
+    slot_start_N = chunk_start_N * CHUNK
+    seq_of_slot = torch.repeat_interleave(torch.arange(N), nch_N * CHUNK)
+    offset_S = torch.arange(seq_of_slot.numel()) - slot_start_N[seq_of_slot]
+    in_seq_S = offset_S < lens_N[seq_of_slot]
+    token_of_slot_S = torch.where(in_seq_S, cu[:-1][seq_of_slot] + offset_S, torch.full_like(offset_S, T))
+    seq_of_token = torch.repeat_interleave(torch.arange(N), lens_N)
+    slot_of_token_T = slot_start_N[seq_of_token] + torch.arange(T) - cu[:-1][seq_of_token]
+    return ChunkLayout(token_of_slot_S, slot_of_token_T, chunk_start_N, nch_N)
+
+
+def to_chunks(x_TH_: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+    """[T, H, *] -> [num_chunks, H, C, *], padding slots filled with zeros."""
+    pad = x_TH_.new_zeros((1, *x_TH_.shape[1:]))
+    x_SH_ = torch.cat([x_TH_, pad]).index_select(0, layout.token_of_slot_S.to(x_TH_.device))
+    x_NcCH_ = x_SH_.unflatten(0, (layout.num_chunks, CHUNK))
+    return x_NcCH_.transpose(1, 2)
+
+
+def from_chunks(x_NcHC_: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+    """[num_chunks, H, C, *] -> [T, H, *] (padding slots dropped)."""
+    x_SH_ = x_NcHC_.transpose(1, 2).flatten(0, 1)
+    return x_SH_.index_select(0, layout.slot_of_token_T.to(x_SH_.device))
+
+
+def dense_chunk_scores(a_CK: torch.Tensor, k_CK: torch.Tensor, G_CK: torch.Tensor) -> torch.Tensor:
+    """The naive dense tile (a * exp(G)) (k * exp(-G))^T over a whole chunk, for any C.
+
+    Exact in exact arithmetic, but exp(-G) spans the whole chunk: at g = -5 a 64-token tile
+    needs e^320, which overflows fp32 and bf16 (max ~e^88.7). Not used by chunk_kda.
+    """
+    return (a_CK * G_CK.exp()) @ (k_CK * (-G_CK).exp()).transpose(-1, -2)
+
+
+def intra_chunk_scores(
+    rows: tuple[torch.Tensor, ...], k_CK: torch.Tensor, G_CK: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """sum_c a_rc k_jc exp(G_rc - G_jc) for j <= r, per row operand a, from 16-token sub-tiles.
+
+    rows: operands a [..., C, K] (q and k share the column factors). Returns one [..., C, C]
+    score per operand, zero above the diagonal (the diagonal itself is kept).
+    """
+    C, n = G_CK.shape[-2], G_CK.shape[-2] // SUB
+    G_nsK = G_CK.unflatten(-2, (n, SUB))
+    k_nsK = k_CK.unflatten(-2, (n, SUB))
+    # Diagonal sub-tiles: shift both factors to the midpoint, each spans at most SUB/2 tokens.
+    G_mid = G_nsK[..., SUB // 2 : SUB // 2 + 1, :]
+    k_diag = k_nsK * (G_mid - G_nsK).exp()
+    # Off-diagonal pairs: reference at the row sub-tile's first token, so for row r >= ref and
+    # column j < ref both exponents are <= 0. Columns at or after ref are masked before exp.
+    G_ref = G_nsK[..., :1, :]
+    before_ref = (
+        torch.arange(C, device=G_CK.device)[None, :] < (torch.arange(n, device=G_CK.device) * SUB)[:, None]
+    )
+    col_exp = (G_ref - G_CK.unsqueeze(-3)).masked_fill(~before_ref[:, :, None], float("-inf"))
+    k_off = k_CK.unsqueeze(-3) * col_exp.exp()  # [..., n, C, K]
+    idx = torch.arange(C, device=G_CK.device)
+    same_tile = (idx[:, None] // SUB) == (idx[None, :] // SUB)
+    causal = idx[:, None] >= idx[None, :]
+    out = []
+    for a_CK in rows:
+        a_nsK = a_CK.unflatten(-2, (n, SUB))
+        diag_nss = (a_nsK * (G_nsK - G_mid).exp()) @ k_diag.transpose(-1, -2)
+        off_nsC = (a_nsK * (G_nsK - G_ref).exp()) @ k_off.transpose(-1, -2)
+        diag_CC = (
+            diag_nss.unsqueeze(-2).expand(*diag_nss.shape[:-1], n, SUB).reshape(*diag_nss.shape[:-3], C, C)
+        )
+        A_CC = torch.where(same_tile, diag_CC, off_nsC.flatten(-3, -2))
+        out.append(torch.where(causal, A_CC, torch.zeros((), dtype=A_CC.dtype, device=A_CC.device)))
+    return tuple(out)
+
+
+def ut_transform(
+    A_kk_CC: torch.Tensor, k_CK: torch.Tensor, v_CV: torch.Tensor, G_CK: torch.Tensor, beta_C: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """W = M (exp(G) * K), U = M V with M = (I + StrictTril(A_kk))^-1 Diag(beta)."""
+    K = k_CK.shape[-1]
+    rhs = beta_C[..., None] * torch.cat([k_CK * G_CK.exp(), v_CV], dim=-1)
+    # unitriangular: the (masked) diagonal of A_kk is ignored and taken as 1.
+    WU = torch.linalg.solve_triangular(A_kk_CC, rhs, upper=False, unitriangular=True)
+    return WU[..., :K], WU[..., K:]
+
+
+def state_pass(
+    W_NcHCK: torch.Tensor,
+    U_NcHCV: torch.Tensor,
+    kdec_NcHCK: torch.Tensor,
+    decay_NcHK: torch.Tensor,
+    state_NHKV: torch.Tensor,
+    layout: ChunkLayout,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sequential part: walk chunk positions, all sequences and heads at once.
+
+    Sequences are sorted by chunk count, so at step s the active ones are a prefix.
+    Returns the state entering each chunk [Nc, H, K, V], V~ per chunk, and the final states.
+    """
+    order_N = torch.argsort(layout.num_chunks_N, descending=True, stable=True)
+    nch_sorted = layout.num_chunks_N[order_N]
+    start_sorted = layout.chunk_start_N[order_N]
+    S_NHKV = state_NHKV[order_N.to(state_NHKV.device)]
+    h_steps, vt_steps, idx_steps = [], [], []
+    for s in range(int(nch_sorted[0]) if len(nch_sorted) else 0):
+        a = int((nch_sorted > s).sum())
+        idx = (start_sorted[:a] + s).to(W_NcHCK.device)
+        h_aHKV = S_NHKV[:a]
+        vt_aHCV = U_NcHCV[idx] - W_NcHCK[idx] @ h_aHKV
+        S_new = decay_NcHK[idx][..., None] * h_aHKV + kdec_NcHCK[idx].transpose(-1, -2) @ vt_aHCV
+        S_NHKV = torch.cat([S_new, S_NHKV[a:]])
+        h_steps.append(h_aHKV)
+        vt_steps.append(vt_aHCV)
+        idx_steps.append(idx)
+    inv_order = torch.argsort(order_N).to(S_NHKV.device)
+    final_NHKV = S_NHKV[inv_order]
+    if not idx_steps:
+        empty = W_NcHCK.new_zeros((0, *W_NcHCK.shape[1:2], W_NcHCK.shape[-1], U_NcHCV.shape[-1]))
+        return empty, U_NcHCV[:0], final_NHKV
+    chunk_order = torch.argsort(torch.cat(idx_steps))
+    return torch.cat(h_steps)[chunk_order], torch.cat(vt_steps)[chunk_order], final_NHKV
+
+
+def check_gate(g: torch.Tensor, lower_bound: float) -> None:
+    """Raise if any log-decay lies below the bound the sub-tiled numerics rely on."""
+    g_min = float(g.detach().min()) if g.numel() else 0.0
+    if not g_min >= lower_bound:
+        raise ValueError(
+            f"chunk_kda: gate contract g >= {lower_bound} violated, min(g) = {g_min:.4g} "
+            f"(bound the decay, e.g. g = g_min * sigmoid(...), or pass lower_bound=)"
+        )
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    *,
+    lower_bound: float = DEFAULT_LOWER_BOUND,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA, same signature and conventions as ``naive_recurrent_kda``.
+
+    q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; state [N, H, K, V] fp32; B = 1 with
+    ``cu_seqlens`` (packed sequences, no state crosses a boundary); scale defaults to K**-0.5.
+
+    Contract: the per-channel log-decay satisfies lower_bound <= g <= 0 (g_min = -5 by
+    default, the model's bounded gate). The 16-token sub-tiles keep every exponent within
+    8 * |g_min| = 40 nats; the path stays finite down to about g = -11 in fp32, and is wrong
+    or non-finite beyond. Set LONGHORIZON_KDA_CHECK=1 to verify the bound (raises ValueError).
+
+    Returns o [B, T, H, V] in q's dtype and, if asked, the final state [N, H, K, V] (fp32;
+    fp64 for fp64 inputs). CUDA tensors go to the Triton kernels.
+    """
+    if os.environ.get(CHECK_ENV, "0") not in ("", "0"):
+        check_gate(g, lower_bound)
+    if q.is_cuda:
+        from kernels.kda.triton import chunk_kda_triton
+
+        return chunk_kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(B + 1) * T
+    layout = chunk_layout(cu_seqlens, B * T)
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:
+        return to_chunks(x.reshape(B * T, H, -1).to(dt), layout)
+
+    q_c, k_c, v_c, g_c = chunks(q) * scale, chunks(k), chunks(v), chunks(g)
+    beta_c = chunks(beta).squeeze(-1)
+    G_c = g_c.cumsum(dim=-2)  # fp32 cumulative log-decay from each chunk start
+    A_qk, A_kk = intra_chunk_scores((q_c, k_c), k_c, G_c)
+    W_c, U_c = ut_transform(A_kk * beta_c[..., None], k_c, v_c, G_c, beta_c)
+    G_last = G_c[..., -1:, :]
+    kdec_c = k_c * (G_last - G_c).exp()
+    S0 = q.new_zeros((N, H, K, V), dtype=dt) if initial_state is None else initial_state.to(dt)
+    h_c, vt_c, final = state_pass(W_c, U_c, kdec_c, G_last.squeeze(-2).exp(), S0, layout)
+    o_c = (q_c * G_c.exp()) @ h_c + A_qk @ vt_c
+    o = from_chunks(o_c, layout).reshape(B, T, H, V).to(q.dtype)
+    state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return o, (final.to(state_dtype) if output_final_state else None)
