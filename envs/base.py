@@ -60,6 +60,10 @@ MAX_RESULT_CHARS = 4000
 """Tool results longer than this are cut (with a note), so one call cannot flood the context."""
 
 
+class ToolError(Exception):
+    """Raised by a tool for a bad request; the model sees ``error: <tool>: <message>``."""
+
+
 @dataclass
 class Tool:
     """A tool the env offers: its JSON schema and the function that runs it.
@@ -108,7 +112,7 @@ class CallOutcome:
 class ToolEnv(gymnasium.Env):
     """Base class of message-space tool environments (see the module docstring for the contract)."""
 
-    metadata = {"render_modes": ["ansi"]}  # noqa: RUF012 (gymnasium's convention)
+    metadata = {"render_modes": ["ansi"], "render_fps": 1}  # noqa: RUF012 (gymnasium convention)
     env_name = "ToolEnv"
     default_max_turns = 8
     test_fraction = 0.2
@@ -273,8 +277,12 @@ class ToolEnv(gymnasium.Env):
         return self._tool_success(call, result)
 
     def _tool_failure(self, call: ToolCall, e: BaseException) -> CallOutcome:
-        kind = "timed out" if isinstance(e, TimeoutError) else f"failed: {type(e).__name__}: {e}"
-        error = f"tool {call.name} {kind}"
+        if isinstance(e, ToolError):
+            error = f"{call.name}: {e}"
+        elif isinstance(e, TimeoutError):
+            error = f"tool {call.name} timed out after {self.tools[call.name].timeout_s:g} s"
+        else:
+            error = f"tool {call.name} failed: {type(e).__name__}: {e}"
         return CallOutcome(protocol.tool_error_message(call, error), error)
 
     def _tool_success(self, call: ToolCall, result: Any) -> CallOutcome:

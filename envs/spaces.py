@@ -7,6 +7,7 @@ Neither flattens to a numpy array (``is_np_flattenable`` is False), which Gymnas
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import gymnasium
@@ -72,7 +73,7 @@ class AssistantTurnSpace(gymnasium.Space):
             return text
         if kind == 1:
             return f"<answer>{int(self.np_random.integers(-100, 1000))}</answer>"
-        return '<tool_call>{"name": "%s", "arguments": {}}</tool_call>' % text.replace('"', "")
+        return "<tool_call>" + json.dumps({"name": text, "arguments": {}}) + "</tool_call>"
 
     def __repr__(self) -> str:
         return "AssistantTurnSpace()"

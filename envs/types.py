@@ -47,7 +47,11 @@ class ToolCall:
     """Why the call could not be parsed or validated (None when it is well formed)."""
 
     def to_message_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass
@@ -95,7 +99,11 @@ class Episode:
 
     @property
     def loss_mask(self) -> list[bool]:  # [T], True on sampled tokens only
-        return [m for t in self.turns for m in (*([False] * len(t.prompt_token_ids)), *([True] * len(t.token_ids)))]
+        return [
+            m
+            for t in self.turns
+            for m in (*([False] * len(t.prompt_token_ids)), *([True] * len(t.token_ids)))
+        ]
 
     @property
     def rollout_logprobs(self) -> list[float]:  # [T], 0 on non-sampled tokens

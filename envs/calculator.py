@@ -1,0 +1,60 @@
+"""Calculator: multi-step integer arithmetic that the model solves through a ``calculator`` tool.
+
+The quickstart task, so its texts are short and regular. Difficulty d chains d operations left to
+right, ``((a op b) op c) ...``; the scripted expert computes one operation per tool call, feeding
+each result into the next call, then answers ``<answer>N</answer>``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from envs import protocol
+from envs.arith import format_number, numbers_match, safe_eval
+from envs.base import Task, Tool, ToolEnv
+
+SYSTEM = "Use the calculator tool. Reply with <answer>N</answer> when done."
+_OPS = ("+", "-", "*")
+
+
+def _apply(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+class CalculatorEnv(ToolEnv):
+    env_name = "Calculator"
+    default_max_turns = 8
+
+    def make_tools(self) -> list[Tool]:
+        params = {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "maxLength": 200}},
+            "required": ["expression"],
+        }
+        return [Tool("calculator", "Evaluate an arithmetic expression.", params, self._calculate)]
+
+    @staticmethod
+    def _calculate(expression: str) -> str:
+        return format_number(safe_eval(expression))
+
+    def generate_task(self, rng: np.random.Generator, difficulty: int) -> Task:
+        value = int(rng.integers(10, 100))
+        text = str(value)
+        steps = []
+        for i in range(difficulty):
+            op = _OPS[int(rng.integers(len(_OPS)))]
+            b = int(rng.integers(2, 10)) if op == "*" else int(rng.integers(10, 100))
+            steps.append(f"{value} {op} {b}")
+            text = f"{text} {op} {b}" if i == 0 else f"({text}) {op} {b}"
+            value = _apply(value, op, b)
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {text}?"}]
+        return Task(key=text, messages=messages, target=str(value), data={"expression": text, "steps": steps})
+
+    def score_answer(self, answer: str | None) -> bool:
+        return self.task is not None and numbers_match(answer, self.task.target)
+
+    def expert_action(self) -> str:
+        steps = self.task.data["steps"]
+        if self.turn < len(steps):
+            return protocol.format_tool_call("calculator", {"expression": steps[self.turn]})
+        return protocol.format_answer(self.task.target)
