@@ -1,0 +1,116 @@
+"""KDA step recurrence for decoding: a few tokens per sequence, state in fp32.
+
+The same recurrence as ``naive_recurrent_kda`` (decay, then the delta-rule write), but
+vectorised over sequences and heads and run in fp32 instead of float64, for generation
+caches and rollout engines. ``kda_decode_step_`` reads and writes the states of a pool
+[P, H, K, V] in place by slot index, the way vLLM keeps recurrent states per request.
+Differentiable by autograd (out-of-place updates), though decoding rarely needs it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.kda.naive import _check_inputs
+
+
+def _padded_steps(x_TH_: torch.Tensor, cu: torch.Tensor, L: int) -> torch.Tensor:
+    """Packed [T, H, *] -> [L, N, H, *] by position in sequence; positions past the end are zero."""
+    starts_N, lens_N = cu[:-1], cu[1:] - cu[:-1]
+    pos_L1 = torch.arange(L)[:, None]
+    src_LN = torch.where(pos_L1 < lens_N[None, :], starts_N[None, :] + pos_L1, x_TH_.shape[0])
+    padded = torch.cat([x_TH_, x_TH_.new_zeros((1, *x_TH_.shape[1:]))])
+    return padded[src_LN.to(x_TH_.device)]
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA token by token in fp32, same signature and conventions as ``naive_recurrent_kda``.
+
+    Cost is sequential in the longest sequence: meant for decoding, prefill uses chunk_kda.
+    Padding steps of shorter sequences use g = 0, beta = 0, k = 0, which leaves a state as is.
+    """
+    N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cu = (torch.arange(B + 1) * T) if cu_seqlens is None else cu_seqlens.to("cpu", torch.long)
+    L = int((cu[1:] - cu[:-1]).max()) if N else 0
+
+    def steps(x: torch.Tensor) -> torch.Tensor:
+        return _padded_steps(x.reshape(B * T, H, -1).to(dt), cu, L)
+
+    q_L, k_L, v_L, g_L = steps(q) * scale, steps(k), steps(v), steps(g)
+    beta_L = steps(beta)  # [L, N, H, 1]
+    S_NHKV = q.new_zeros((N, H, K, V), dtype=dt) if initial_state is None else initial_state.to(dt)
+    o_steps = []
+    for t in range(L):
+        S_NHKV = S_NHKV * g_L[t].exp()[..., None]
+        residual_NHV = v_L[t] - torch.einsum("nhk,nhkv->nhv", k_L[t], S_NHKV)
+        S_NHKV = S_NHKV + (beta_L[t] * k_L[t])[..., None] * residual_NHV[..., None, :]
+        o_steps.append(torch.einsum("nhk,nhkv->nhv", q_L[t], S_NHKV))
+    o_LNHV = torch.stack(o_steps) if o_steps else q.new_zeros((0, N, H, V), dtype=dt)
+    # Back to packed token order: token i of sequence n sits at (i, n).
+    lens_N = cu[1:] - cu[:-1]
+    seq_T = torch.repeat_interleave(torch.arange(N), lens_N)
+    pos_T = torch.arange(B * T) - cu[:-1][seq_T]
+    o = o_LNHV[pos_T.to(o_LNHV.device), seq_T.to(o_LNHV.device)].reshape(B, T, H, V).to(q.dtype)
+    state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return o, (S_NHKV.to(state_dtype) if output_final_state else None)
+
+
+@torch.no_grad()
+def kda_decode_step_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Advance N sequences whose states live in ``state_pool`` [P, H, K, V], in place.
+
+    q, k, g [N, T, H, K], v [N, T, H, V], beta [N, T, H]: T new tokens for each of N
+    sequences (or [N, H, K] etc. for one token each). ``state_indices`` [N] names each
+    sequence's slot; a negative index is a padding entry (vLLM's PAD_SLOT_ID): its output is
+    zero and no slot is touched. Returns o shaped like v.
+    """
+    single = q.dim() == 3
+    if single:
+        q, k, v, g, beta = q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None]
+    N, _, H, K = q.shape
+    P, V = state_pool.shape[0], v.shape[-1]
+    if tuple(state_pool.shape[1:]) != (H, K, V):
+        raise ValueError(
+            f"state_pool must be [P, H, K, V] = [P, {H}, {K}, {V}], got {tuple(state_pool.shape)}"
+        )
+    idx_N = state_indices.to(device=state_pool.device, dtype=torch.long).reshape(-1)
+    if idx_N.numel() != N:
+        raise ValueError(f"state_indices must hold one slot per sequence ({N}), got {idx_N.numel()}")
+    valid_N = idx_N >= 0
+    slots = idx_N[valid_N]
+    if bool((slots >= P).any()):
+        raise ValueError(f"state_indices out of range for a pool of {P} slots: {idx_N.tolist()}")
+    if slots.unique().numel() != slots.numel():
+        raise ValueError(f"state_indices name a slot twice: {idx_N.tolist()}")
+    o = torch.zeros_like(v)
+    if slots.numel():
+        sel = valid_N.to(q.device)
+        o_sel, state = fused_recurrent_kda(
+            q[sel], k[sel], v[sel], g[sel], beta[sel], scale, state_pool[slots], output_final_state=True
+        )
+        o[sel] = o_sel
+        state_pool[slots] = state.to(state_pool.dtype)
+    return o[:, 0] if single else o

@@ -1,0 +1,96 @@
+"""Decode paths: fused_recurrent_kda and the in-place pool step against the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kda_cases import TOL, H, K, V, compare, make_inputs, run_with_grads
+
+from kernels.kda import chunk_kda, fused_recurrent_kda, kda_decode_step_, naive_recurrent_kda
+from kernels.testing import assert_close
+
+
+def f64(inputs):
+    return {n: x.double() for n, x in inputs.items()}
+
+
+@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_recurrent_matches_reference(T, dtype):
+    inputs = make_inputs(2, T, dtype, seed=20 + T)
+    h0 = torch.randn(2, H, K, V, generator=torch.Generator().manual_seed(3))
+    ref = run_with_grads(naive_recurrent_kda, inputs, h0, compute_dtype=torch.float64)
+    out = run_with_grads(fused_recurrent_kda, inputs, h0)
+    compare(ref, out, dtype, f"fused T={T} {dtype}")
+
+
+def test_fused_recurrent_varlen():
+    lengths = [3, 0, 1, 5]
+    cu = torch.tensor([0, 3, 3, 4, 9])
+    inputs = make_inputs(1, sum(lengths), torch.float32, seed=9)
+    h0 = torch.randn(4, H, K, V)
+    o_ref, ht_ref = naive_recurrent_kda(
+        **f64(inputs), initial_state=h0.double(), output_final_state=True, cu_seqlens=cu
+    )
+    o, ht = fused_recurrent_kda(**inputs, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert_close("fused varlen o", o_ref, o, TOL[torch.float32]["o"])
+    assert_close("fused varlen ht", ht_ref, ht, TOL[torch.float32]["ht"])
+
+
+def test_prefill_then_decode_equals_full_sequence():
+    """chunk_kda over a prompt, then fused_recurrent token by token == the reference over all of it."""
+    T0, T1 = 70, 4
+    inputs = make_inputs(2, T0 + T1, torch.float32, seed=13)
+    o_ref, ht_ref = naive_recurrent_kda(**f64(inputs), output_final_state=True)
+    head = {n: x[:, :T0] for n, x in inputs.items()}
+    o_pre, state = chunk_kda(**head, output_final_state=True)
+    outs = [o_pre]
+    for t in range(T0, T0 + T1):
+        step = {n: x[:, t : t + 1] for n, x in inputs.items()}
+        o_t, state = fused_recurrent_kda(**step, initial_state=state, output_final_state=True)
+        outs.append(o_t)
+    assert_close("prefill+decode o", o_ref, torch.cat(outs, dim=1), 1e-5)
+    assert_close("prefill+decode state", ht_ref, state, 1e-5)
+
+
+def test_pool_decode_in_place():
+    """Three sequences in slots [4, 0, 2] of a 6-slot pool plus one padding entry, decoded one token a step."""
+    P, steps = 6, 5
+    slots = [4, 0, 2]
+    seqs = [make_inputs(1, steps, torch.float32, seed=30 + i) for i in range(3)]
+    h0 = torch.randn(3, H, K, V, generator=torch.Generator().manual_seed(4))
+    pool = torch.randn(P, H, K, V, generator=torch.Generator().manual_seed(5))
+    pool[slots] = h0
+    untouched = pool[[1, 3, 5]].clone()
+    indices = torch.tensor([*slots, -1], dtype=torch.int32)
+    outs = []
+    for t in range(steps):
+        # [N, H, K] form: one token per sequence, the padding row gets copies of row 0.
+        step = {n: torch.cat([s[n][0, t][None] for s in [*seqs, seqs[0]]]) for n in seqs[0]}
+        o = kda_decode_step_(**step, state_pool=pool, state_indices=indices)
+        assert o.shape == (4, H, V)
+        assert torch.equal(o[3], torch.zeros(H, V)), "padding entry must produce zeros"
+        outs.append(o[:3])
+    for i, s in enumerate(seqs):
+        o_ref, ht_ref = naive_recurrent_kda(
+            **f64(s), initial_state=h0[i : i + 1].double(), output_final_state=True
+        )
+        o_dec = torch.stack([o[i] for o in outs])
+        assert_close(f"pool seq {i} o", o_ref[0], o_dec, 1e-5)
+        assert_close(f"pool seq {i} state", ht_ref[0], pool[slots[i]], 1e-5)
+    assert torch.equal(pool[[1, 3, 5]], untouched), "slots not named must be left alone"
+
+
+def test_pool_decode_multi_token_and_errors():
+    inputs = make_inputs(2, 3, torch.float32, seed=40)
+    pool = torch.zeros(3, H, K, V)
+    o = kda_decode_step_(**inputs, state_pool=pool, state_indices=torch.tensor([2, 0]))
+    o_ref, ht_ref = naive_recurrent_kda(**f64(inputs), output_final_state=True)
+    assert_close("multi-token o", o_ref, o, 1e-5)
+    assert_close("multi-token states", ht_ref, pool[[2, 0]], 1e-5)
+    with pytest.raises(ValueError, match="twice"):
+        kda_decode_step_(**inputs, state_pool=pool, state_indices=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="out of range"):
+        kda_decode_step_(**inputs, state_pool=pool, state_indices=torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="state_pool"):
+        kda_decode_step_(**inputs, state_pool=torch.zeros(3, H, K, V + 1), state_indices=torch.tensor([0, 1]))
