@@ -1,0 +1,462 @@
+"""Typed configuration: the dataclasses here are the source of truth, YAML only sets values.
+
+``load_config(path, overrides)`` composes YAML files and ``key=value`` overrides with OmegaConf
+against the schema, then validates cross-field rules, so an unknown key, a wrong type or an
+impossible combination fails with a message naming the key before any actor starts. Below the
+loader nothing sees an OmegaConf object: each component receives its own plain sub-config
+(``LearnerConfig``, ``RolloutConfig``, ...), never the whole ``TrainConfig``.
+
+Composition: a YAML file may start with a ``defaults`` list, Hydra style, merged in order before
+the file's own values::
+
+    defaults:
+      - ../base.yaml            # a path relative to this file (".yaml" optional)
+      - model: cpu_tiny         # configs/model/cpu_tiny.yaml, placed under the key ``model.arch``
+
+Group entries (``group: name``) read ``configs/<group>/<name>.yaml`` and place it under the key
+listed in ``GROUP_TARGETS``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rl import algorithms
+
+CONFIGS_ROOT = Path(__file__).resolve().parent.parent / "configs"
+GROUP_TARGETS = {"model": "model.arch", "env": "env", "exp": ""}
+
+
+class ConfigError(ValueError):
+    """A configuration is unusable; the message names the key and the reason."""
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    """Train LoRA adapters (peft) instead of all weights; weight sync then ships adapters only."""
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """peft target module names; "all-linear" means every nn.Linear except the LM head."""
+
+
+@dataclass
+class ModelConfig:
+    arch: dict[str, Any] = field(default_factory=dict)
+    """``model.HybridConfig`` fields (a preset from configs/model/ plus overrides)."""
+    init_from: str | None = None
+    """Checkpoint directory to start from (e.g. the SFT warm start); None = random init."""
+    seed: int = 0
+    """Seed of the random initialisation."""
+
+
+# --------------------------------------------------------------------------- env
+
+
+@dataclass
+class EnvConfig:
+    mix: dict[str, float] = field(default_factory=lambda: {"calculator": 1.0})
+    """Training data mix: env registry id -> sampling weight (a curriculum stage may override it)."""
+    kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Constructor kwargs per env id."""
+    eval_env: str = "calculator"
+    """Env id of the held-out evaluation."""
+    num_eval_tasks: int = 64
+    """Held-out tasks per evaluation (greedy, one episode per task)."""
+    eval_seed: int = 1_000_000
+    """Held-out task seeds are eval_seed + i; training seeds count up from ``seed`` and never reach it."""
+    seed: int = 0
+
+
+# --------------------------------------------------------------------------- rollout
+
+
+@dataclass
+class RolloutConfig:
+    num_workers: int = 1
+    """Rollout worker actors (one vLLM engine each)."""
+    worker_num_cpus: float = 1.0
+    group_size: int = 8
+    """Episodes per task (G): the unit of group baselines."""
+    tasks_per_step: int = 8
+    """Tasks per RL step; the step trains on tasks_per_step * group_size episodes."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_turns: int = 4
+    max_tokens_per_turn: int = 64
+    max_context_tokens: int = 1024
+    """Budget of the whole episode in tokens (prompt + all turns); a curriculum stage may override it."""
+    episode_timeout_s: float = 120.0
+    max_episode_retries: int = 1
+    """Times an episode that failed for infrastructure reasons (worker died) is re-run before the step fails."""
+    engine: dict[str, Any] = field(default_factory=dict)
+    """Extra engine keyword arguments passed to the rollout worker (e.g. kv_cache_memory_bytes)."""
+    seed: int = 0
+
+
+# --------------------------------------------------------------------------- algorithm
+
+
+@dataclass
+class AlgorithmConfig:
+    """The objective. ``name`` picks a preset row from ``rl/algorithms.py``; fields left null take it."""
+
+    name: str = "grpo"
+    credit: str = "outcome"
+    """outcome: the episode reward broadcast over all sampled tokens; turn: per-turn rewards, discounted
+    returns across turns; gae: turn-level GAE with a value head read at turn boundaries."""
+    gamma: float = 1.0
+    """Discount across turns (credit=turn or gae)."""
+    lam: float = 0.95
+    """GAE lambda across turns."""
+    baseline: str | None = None
+    std_norm: str | None = None
+    ratio_level: str | None = None
+    clip_low: float | None = None
+    clip_high: float | None = None
+    dual_clip: float | None = None
+    """Dual-clip bound c > 1 for negative advantages (None: off)."""
+    loss_agg: str | None = None
+    norm_tokens: int = 512
+    """Constant normaliser for loss_agg=constant: per-episode token budget."""
+    dynamic_sampling: bool | None = None
+    max_resample_rounds: int = 2
+    """Dynamic sampling: extra collection rounds to refill dropped groups."""
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    tis_cap: float | None = 2.0
+    """Truncated importance sampling cap on pi_old / pi_rollout per token (None: off)."""
+    vf_coef: float | None = None
+    value_clip: float | None = 0.2
+    ppo_epochs: int = 1
+    num_minibatches: int = 1
+    """Optimizer steps per RL step = ppo_epochs * num_minibatches."""
+    adv_eps: float = 1e-6
+
+    def resolved(self) -> AlgorithmConfig:
+        """A copy with every null field filled from the preset row."""
+        row = algorithms.preset(self.name)
+        values = {
+            k: (row[k] if getattr(self, k) is None and k in row else getattr(self, k)) for k in _fields(self)
+        }
+        return AlgorithmConfig(**values)
+
+
+# --------------------------------------------------------------------------- learner
+
+
+@dataclass
+class LearnerConfig:
+    lr: float = 1e-5
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    micro_batch_tokens: int = 4096
+    """Token budget of one packed micro-batch (gradient accumulation over micro-batches)."""
+    device: str = "auto"
+    """auto: cuda when available, else cpu."""
+    dtype: str = "float32"
+    """Autocast dtype for forward: float32 or bfloat16 (bfloat16 needs a GPU)."""
+    activation_checkpointing: bool = False
+    routing_replay: bool = True
+    """Replay the rollout's expert choices in the learner forward (R3); gate weights are recomputed."""
+    balancer: str = "frozen"
+    """MoE balancing bias during RL: frozen, or update (recomputed each step and shipped with weights)."""
+    num_cpus: float = 1.0
+    seed: int = 0
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+# --------------------------------------------------------------------------- sft
+
+
+@dataclass
+class SFTConfig:
+    enabled: bool = False
+    """In rl.train: run the warm start first when model.init_from is unset."""
+    env_mix: dict[str, float] = field(default_factory=lambda: {"calculator": 1.0})
+    num_episodes: int = 256
+    """Scripted-expert episodes to train on."""
+    epochs: int = 2
+    batch_episodes: int = 16
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    output_dir: str = ""
+    """Checkpoint directory; empty = <run_dir>/sft."""
+    seed: int = 0
+
+
+# --------------------------------------------------------------------------- curriculum
+
+
+@dataclass
+class NIAHConfig:
+    enabled: bool = True
+    num_samples: int = 8
+    lengths: list[int] = field(default_factory=list)
+    """Haystack lengths in tokens; empty = the stage's max_context_tokens."""
+
+
+@dataclass
+class StageConfig:
+    name: str = "stage"
+    steps: int = 10
+    max_context_tokens: int | None = None
+    mix: dict[str, float] | None = None
+    tasks_per_step: int | None = None
+    group_size: int | None = None
+    max_tokens_per_turn: int | None = None
+
+
+@dataclass
+class CurriculumConfig:
+    stages: list[StageConfig] = field(default_factory=list)
+    """Empty: one stage of ``steps`` steps with the rollout/env settings."""
+    steps: int = 10
+    niah: NIAHConfig = field(default_factory=NIAHConfig)
+
+
+# --------------------------------------------------------------------------- run, logging, ray
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/${name}"
+    save_every: int = 10
+    """Checkpoint every N steps (and at the end); 0 = only at the end."""
+    keep_checkpoints: int = 2
+    resume: bool = True
+    """Resume from the newest checkpoint in ``dir`` when there is one."""
+    eval_every: int = 0
+    """Held-out eval every N steps (always before the first and after the last step); 0 = only those."""
+    tensorboard: bool = True
+    plots: bool = True
+    progress_bar: bool = True
+    stop_after_steps: int | None = None
+    """Stop (after checkpointing) once this many steps ran in this process: for kill-and-resume tests."""
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None
+    """None: join the cluster of ``ray job submit`` / RAY_ADDRESS, else start a local one."""
+    num_cpus: int | None = None
+    """CPUs of a locally started cluster (None: all)."""
+    object_store_memory: int = 1_000_000_000
+    runtime_env: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainConfig:
+    name: str = "run"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _fields(obj: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(obj)]
+
+
+def _compose(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
+    """Load one YAML file with its ``defaults`` list merged underneath it."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"defaults cycle: {' -> '.join(str(p) for p in (*seen, path))}")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    node = OmegaConf.load(path)
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    defaults = node.pop("defaults", [])
+    if not isinstance(defaults, ListConfig | list):
+        raise ConfigError(f"{path}: 'defaults' must be a list")
+    parts = [_load_default(entry, path, (*seen, path)) for entry in defaults]
+    return OmegaConf.merge(*parts, node) if parts else node
+
+
+def _load_default(entry: Any, parent: Path, seen: tuple[Path, ...]) -> DictConfig:
+    if isinstance(entry, str):
+        p = Path(entry if entry.endswith(".yaml") else entry + ".yaml")
+        return _compose(p if p.is_absolute() else parent.parent / p, seen)
+    if isinstance(entry, DictConfig | dict) and len(entry) == 1:
+        group, name = next(iter(entry.items()))
+        if group not in GROUP_TARGETS:
+            raise ConfigError(f"{parent}: unknown defaults group {group!r}; known: {sorted(GROUP_TARGETS)}")
+        node = _compose(CONFIGS_ROOT / group / f"{name}.yaml", seen)
+        target = GROUP_TARGETS[group]
+        for key in reversed(target.split(".") if target else []):
+            node = OmegaConf.create({key: node})
+        return node
+    raise ConfigError(f"{parent}: a defaults entry must be 'path' or 'group: name', got {entry!r}")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Schema <- YAML (with defaults) <- ``key=value`` overrides; validated; plain dataclasses out."""
+    schema = OmegaConf.structured(TrainConfig)
+    layers = [_compose(Path(path))] if path else []
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"overrides must be key=value, got {bad}")
+    try:
+        merged = OmegaConf.merge(schema, *layers, OmegaConf.from_dotlist(list(overrides)))
+        cfg: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{path or '<schema>'}: {_explain(e)}") from None
+    cfg.algorithm = cfg.algorithm.resolved() if cfg.algorithm.name in algorithms.PRESETS else cfg.algorithm
+    validate(cfg)
+    return cfg
+
+
+def _explain(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None)
+    msg = str(e).splitlines()[0]
+    return f"key '{key}': {msg}" if key else msg
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check(ok: bool, key: str, why: str, errors: list[str]) -> None:
+    if not ok:
+        errors.append(f"{key}: {why}")
+
+
+def _choice(value: Any, allowed: tuple[str, ...], key: str, errors: list[str]) -> None:
+    _check(value in allowed, key, f"must be one of {list(allowed)}, got {value!r}", errors)
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Cross-field rules the types cannot express; raises ConfigError listing every problem."""
+    errors: list[str] = []
+    _validate_algorithm(cfg.algorithm, cfg.rollout, errors)
+    _validate_learner(cfg.learner, errors)
+    _validate_rollout(cfg.rollout, errors)
+    _validate_curriculum(cfg, errors)
+    for key, mix in [("env.mix", cfg.env.mix), ("sft.env_mix", cfg.sft.env_mix)]:
+        _check(bool(mix) and all(w >= 0 for w in mix.values()) and sum(mix.values()) > 0, key,
+               "needs at least one env with a positive weight and no negative weights", errors)  # fmt: skip
+    _check(cfg.env.num_eval_tasks >= 1, "env.num_eval_tasks", "must be >= 1", errors)
+    _check(cfg.sft.epochs >= 1 and cfg.sft.num_episodes >= 1 and cfg.sft.batch_episodes >= 1, "sft",
+           "epochs, num_episodes and batch_episodes must be >= 1", errors)  # fmt: skip
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def _validate_algorithm(a: AlgorithmConfig, r: RolloutConfig, errors: list[str]) -> None:
+    if a.name not in algorithms.PRESETS:
+        errors.append(f"algorithm.name: unknown algorithm {a.name!r}; known: {sorted(algorithms.PRESETS)}")
+        return
+    _choice(a.credit, algorithms.CREDITS, "algorithm.credit", errors)
+    _choice(a.baseline, algorithms.BASELINES, "algorithm.baseline", errors)
+    _choice(a.std_norm, algorithms.STD_NORMS, "algorithm.std_norm", errors)
+    _choice(a.ratio_level, algorithms.RATIO_LEVELS, "algorithm.ratio_level", errors)
+    _choice(a.loss_agg, algorithms.LOSS_AGGS, "algorithm.loss_agg", errors)
+    _choice(a.kl_estimator, algorithms.KL_ESTIMATORS, "algorithm.kl_estimator", errors)
+    _check(0 <= a.clip_low < 1, "algorithm.clip_low", f"must be in [0, 1), got {a.clip_low}", errors)
+    _check(a.clip_high > 0, "algorithm.clip_high", f"must be > 0, got {a.clip_high}", errors)
+    _check(a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip", "must be > 1 or null", errors)
+    _check(a.tis_cap is None or a.tis_cap >= 1, "algorithm.tis_cap", "must be >= 1 or null", errors)
+    _check(0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "algorithm.gamma/lam", "must lie in [0, 1]", errors)
+    _check(a.kl_coef >= 0 and a.entropy_coef >= 0, "algorithm.kl_coef/entropy_coef", "must be >= 0", errors)
+    _check(a.ppo_epochs >= 1 and a.num_minibatches >= 1, "algorithm.ppo_epochs/num_minibatches",
+           "must be >= 1", errors)  # fmt: skip
+    uses_value = a.baseline == "value" or a.credit == "gae"
+    _check(not uses_value or (a.vf_coef or 0) > 0, "algorithm.vf_coef",
+           "a value baseline or credit=gae needs a value head: set vf_coef > 0", errors)  # fmt: skip
+    _check(a.credit != "gae" or a.baseline == "value", "algorithm.credit",
+           "credit=gae computes advantages from the value head; use baseline=value (e.g. name=ppo)", errors)  # fmt: skip
+    grouped = a.baseline in ("group_mean", "leave_one_out") or a.std_norm == "group"
+    _check(not grouped or r.group_size >= 2, "rollout.group_size",
+           f"{a.name} uses group statistics and needs group_size >= 2, got {r.group_size}", errors)  # fmt: skip
+    _check(not a.dynamic_sampling or a.baseline in ("group_mean", "leave_one_out"), "algorithm.dynamic_sampling",
+           "drops zero-variance groups, so it needs a group baseline", errors)  # fmt: skip
+    _check(a.norm_tokens >= 1, "algorithm.norm_tokens", "must be >= 1", errors)
+
+
+def _validate_learner(c: LearnerConfig, errors: list[str]) -> None:
+    _check(c.lr > 0, "learner.lr", "must be > 0", errors)
+    _check(len(c.betas) == 2, "learner.betas", "needs two values", errors)
+    _check(c.micro_batch_tokens >= 16, "learner.micro_batch_tokens", "must be >= 16", errors)
+    _choice(c.device, ("auto", "cpu", "cuda"), "learner.device", errors)
+    _choice(c.dtype, ("float32", "bfloat16"), "learner.dtype", errors)
+    _check(not (c.dtype == "bfloat16" and c.device == "cpu"), "learner.dtype",
+           "bfloat16 autocast is for GPUs; use float32 with device=cpu", errors)  # fmt: skip
+    _choice(c.balancer, ("frozen", "update"), "learner.balancer", errors)
+    _check(c.lora.r >= 1, "learner.lora.r", "must be >= 1", errors)
+
+
+def _validate_rollout(r: RolloutConfig, errors: list[str]) -> None:
+    _check(r.num_workers >= 1, "rollout.num_workers", "must be >= 1", errors)
+    _check(r.group_size >= 1 and r.tasks_per_step >= 1, "rollout", "group_size and tasks_per_step must be >= 1",
+           errors)  # fmt: skip
+    _check(r.temperature > 0, "rollout.temperature", "must be > 0 (sampling needs it)", errors)
+    _check(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]", errors)
+    _check(r.max_turns >= 1, "rollout.max_turns", "must be >= 1", errors)
+    _check(0 < r.max_tokens_per_turn < r.max_context_tokens, "rollout.max_tokens_per_turn",
+           f"must be in (0, max_context_tokens={r.max_context_tokens})", errors)  # fmt: skip
+
+
+def _validate_curriculum(cfg: TrainConfig, errors: list[str]) -> None:
+    for i, s in enumerate(cfg.curriculum.stages):
+        key = f"curriculum.stages[{i}]"
+        _check(s.steps >= 1, f"{key}.steps", "must be >= 1", errors)
+        ctx = s.max_context_tokens or cfg.rollout.max_context_tokens
+        per_turn = s.max_tokens_per_turn or cfg.rollout.max_tokens_per_turn
+        _check(per_turn < ctx, key, f"max_tokens_per_turn={per_turn} must be below max_context_tokens={ctx}",
+               errors)  # fmt: skip
+        g = s.group_size or cfg.rollout.group_size
+        a = cfg.algorithm
+        grouped = a.baseline in ("group_mean", "leave_one_out") or a.std_norm == "group"
+        _check(not grouped or g >= 2, f"{key}.group_size", f"{a.name} needs group_size >= 2", errors)
+        if s.mix is not None:
+            _check(bool(s.mix) and sum(s.mix.values()) > 0, f"{key}.mix", "needs a positive weight", errors)
+    _check(
+        cfg.curriculum.steps >= 1 or bool(cfg.curriculum.stages), "curriculum.steps", "must be >= 1", errors
+    )
+
+
+def stages(cfg: TrainConfig) -> list[StageConfig]:
+    """The curriculum's stages with every null field filled from the rollout/env config."""
+    raw = cfg.curriculum.stages or [StageConfig(name="main", steps=cfg.curriculum.steps)]
+    r = cfg.rollout
+    return [
+        StageConfig(
+            name=s.name,
+            steps=s.steps,
+            max_context_tokens=s.max_context_tokens or r.max_context_tokens,
+            mix=dict(s.mix) if s.mix else dict(cfg.env.mix),
+            tasks_per_step=s.tasks_per_step or r.tasks_per_step,
+            group_size=s.group_size or r.group_size,
+            max_tokens_per_turn=s.max_tokens_per_turn or r.max_tokens_per_turn,
+        )
+        for s in raw
+    ]
