@@ -1,0 +1,108 @@
+"""Shared Triton helpers and host-side index preparation for the KDA kernels.
+
+Layout: every kernel sees tokens flattened to one axis (B*T rows), so fixed-length batches are just
+packed sequences with cu_seqlens = [0, T, 2T, ...]. A chunk never crosses a sequence boundary;
+`chunk_indices[c] = (sequence, chunk within sequence)` drives the chunk-parallel kernels and
+`chunk_offsets[n]` locates sequence n's first chunk in the per-chunk state buffers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+BT = 64  # chunk length of the state pass
+BC = 16  # diagonal sub-tile length: with g >= G_MIN a tile spans at most 16*|G_MIN| nats
+G_MIN = -5.0  # contract: every log-decay g >= G_MIN (checked when LONGHORIZON_KDA_DEBUG=1)
+LOG2E = 1.4426950408889634
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("LONGHORIZON_KDA_DEBUG", "0") == "1"
+
+
+@dataclass
+class ChunkPlan:
+    """Where the chunks of a packed batch live. Tensors are int32 on the input's device."""
+
+    cu_seqlens_N1: torch.Tensor  # [N + 1] token offsets of the sequences
+    chunk_indices_C2: torch.Tensor  # [NC, 2] (sequence, chunk within the sequence)
+    chunk_offsets_N1: torch.Tensor  # [N + 1] first global chunk of each sequence
+    num_seqs: int
+    num_chunks: int
+
+
+def plan_chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkPlan:
+    if cu_seqlens is None:
+        cu = torch.arange(0, (B + 1) * T, T, device=device, dtype=torch.int32)[: B + 1]
+    else:
+        cu = cu_seqlens.to(device=device, dtype=torch.int32)
+    lens = (cu[1:] - cu[:-1]).long()
+    n_chunks = (lens + BT - 1) // BT
+    offsets = torch.zeros(len(lens) + 1, device=device, dtype=torch.long)
+    offsets[1:] = torch.cumsum(n_chunks, 0)
+    total = int(offsets[-1])
+    seq_of_chunk = torch.repeat_interleave(torch.arange(len(lens), device=device), n_chunks)
+    within = torch.arange(total, device=device) - offsets[seq_of_chunk]
+    indices = torch.stack([seq_of_chunk, within], 1).to(torch.int32).contiguous()
+    return ChunkPlan(cu, indices, offsets.to(torch.int32), len(lens), total)
+
+
+def block_size(n: int) -> int:
+    """Padded tile width of a feature axis (tl.dot needs at least 16)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+@triton.jit
+def chunk_bounds(cu_seqlens, chunk_indices, i_c, BT: tl.constexpr):
+    """First token of chunk i_c and the end of its sequence (global row indices)."""
+    i_n = tl.load(chunk_indices + 2 * i_c).to(tl.int32)
+    i_t = tl.load(chunk_indices + 2 * i_c + 1).to(tl.int32)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
+    return bos + i_t * BT, eos
+
+
+@triton.jit
+def load_tile(ptr, t0, eos, stride_t, col0, NR: tl.constexpr, D, BD: tl.constexpr):
+    """Rows t0..t0+NR (masked at eos) and columns col0..col0+BD (masked at D) as fp32."""
+    rows = t0 + tl.arange(0, NR)
+    cols = col0 + tl.arange(0, BD)
+    mask = (rows[:, None] < eos) & (cols[None, :] < D)
+    return tl.load(ptr + rows[:, None] * stride_t + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_tile(ptr, x, t0, eos, stride_t, col0, NR: tl.constexpr, D, BD: tl.constexpr):
+    rows = t0 + tl.arange(0, NR)
+    cols = col0 + tl.arange(0, BD)
+    mask = (rows[:, None] < eos) & (cols[None, :] < D)
+    tl.store(ptr + rows[:, None] * stride_t + cols[None, :], x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def load_rows(ptr, t0, eos, stride_t, NR: tl.constexpr):
+    """A per-token scalar (beta) for rows t0..t0+NR as fp32."""
+    rows = t0 + tl.arange(0, NR)
+    return tl.load(ptr + rows * stride_t, mask=rows < eos, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_row(ptr, t, stride_t, D, BD: tl.constexpr):
+    cols = tl.arange(0, BD)
+    return tl.load(ptr + t * stride_t + cols, mask=cols < D, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def decay_factor(G, ref, t0, eos, NR: tl.constexpr, SIGN: tl.constexpr):
+    """exp2(SIGN * (G - ref)) on valid rows and 0 on rows past eos (whose G is a masked 0 and
+    would otherwise overflow against a very negative reference)."""
+    rows = t0 + tl.arange(0, NR)
+    e = tl.exp2(SIGN * (G - ref[None, :]))
+    return tl.where(rows[:, None] < eos, e, 0.0)

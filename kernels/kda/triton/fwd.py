@@ -1,0 +1,285 @@
+"""Chunked KDA forward in Triton.
+
+Per chunk of BT = 64 tokens and head, with G the in-chunk cumulative log-decay (stored in log2
+units so that every decay is one exp2):
+
+    L   = StrictTril(Diag(beta) (k e^G)(k e^-G)^T)    Aqk = Tril((q e^G)(k e^-G)^T)
+    X   = (I + L)^-1                                   W = X Diag(beta) (k e^G),  U = X Diag(beta) v
+    Vn  = U - W S                                      O = scale (q e^G) S + scale Aqk Vn
+    S'  = Diag(e^G_C) S + (k e^(G_C - G))^T Vn
+
+The products with e^-G are never formed over a whole chunk: they are taken in 16 x 16 sub-tiles.
+Off the diagonal the exponents are referred to the boundary between the two sub-tiles, so both
+factors are <= 1 for any decay. On the diagonal they are referred to the tile midpoint, so each factor
+is at most e^(8 |g_min|); that is where the contract g >= G_MIN (= -5, i.e. <= e^40) is needed, and
+it lets the diagonal tiles use the same dense tl.dot as the rest (operands in the input dtype,
+fp32 accumulation) instead of a per-pair loop. (I + L)^-1 is built from forward substitution on the
+four diagonal 16 x 16 blocks and block back-substitution for the six blocks below them.
+
+Kernels: `_cumsum` (G), `_intra` (Aqk, X, W, U), `_state` (sequential over chunks: per-chunk states
+and Vn), `_output` (O, parallel over chunks).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.kda.triton.common import (
+    BC,
+    BT,
+    INTERPRET,
+    LOG2E,
+    ChunkPlan,
+    block_size,
+    chunk_bounds,
+    decay_factor,
+    load_row,
+    load_rows,
+    load_tile,
+    store_tile,
+)
+
+
+def _configs(space: list[dict], warps: list[int], stages: list[int]) -> list[triton.Config]:
+    if INTERPRET:  # the interpreter would "benchmark" every config; one is enough
+        return [triton.Config(space[0], num_warps=warps[0], num_stages=stages[0])]
+    return [triton.Config(s, num_warps=w, num_stages=n) for s in space for w in warps for n in stages]
+
+
+@triton.jit
+def _cumsum_kernel(g, G, cu_seqlens, chunk_indices, H, K, BK: tl.constexpr, BT: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
+    g_BK = load_tile(g + i_h * K, t0, eos, H * K, 0, BT, K, BK)
+    store_tile(G + i_h * K, tl.cumsum(g_BK, axis=0) * 1.4426950408889634, t0, eos, H * K, 0, BT, K, BK)
+
+
+@triton.jit
+def _pair(q, k, G, beta, ti, tj, eos, H, K, BK: tl.constexpr, BC: tl.constexpr, DIAG: tl.constexpr, DT: tl.constexpr):
+    """Sub-tile (i, j) of Aqk and L, rows ti.., columns tj.. (fp32, masked)."""
+    st = H * K
+    q_i = load_tile(q, ti, eos, st, 0, BC, K, BK)
+    k_i = load_tile(k, ti, eos, st, 0, BC, K, BK)
+    G_i = load_tile(G, ti, eos, st, 0, BC, K, BK)
+    k_j = load_tile(k, tj, eos, st, 0, BC, K, BK)
+    G_j = load_tile(G, tj, eos, st, 0, BC, K, BK)
+    b_i = load_rows(beta, ti, eos, H, BC)
+    if DIAG:
+        ref_t = tl.minimum(ti + BC // 2, eos - 1)
+    else:
+        ref_t = tl.minimum(ti, eos - 1)
+    ref = load_row(G, ref_t, st, K, BK)
+    f_i = decay_factor(G_i, ref, ti, eos, BC, 1.0)
+    kc_j = (k_j * decay_factor(G_j, ref, tj, eos, BC, -1.0)).to(DT)
+    A_qk = tl.dot((q_i * f_i).to(DT), tl.trans(kc_j))
+    L = tl.dot((k_i * f_i).to(DT), tl.trans(kc_j)) * b_i[:, None]
+    if DIAG:
+        r = tl.arange(0, BC)
+        A_qk = tl.where(r[:, None] >= r[None, :], A_qk, 0.0)
+        L = tl.where(r[:, None] > r[None, :], L, 0.0)
+    return A_qk, L
+
+
+@triton.jit
+def _inv_unit_lower(L, BC: tl.constexpr):
+    """(I + L)^-1 for a strictly lower BC x BC tile, by forward substitution in registers."""
+    r = tl.arange(0, BC)
+    X = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    for i in tl.static_range(1, BC):
+        l_i = tl.sum(tl.where(r[:, None] == i, L, 0.0), 0)
+        upd = tl.sum(l_i[:, None] * X, 0)
+        X = tl.where(r[:, None] == i, X - upd[None, :], X)
+    return X
+
+
+@triton.jit
+def _mm(a, b):
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _store_sq(ptr, x, ti, eos, j, H, BT: tl.constexpr, BC: tl.constexpr):
+    store_tile(ptr + j * BC, x, ti, eos, H * BT, 0, BC, BC, BC)
+
+
+@triton.jit
+def _wy_in(k, v, G, beta, tj, eos, H, K, V, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr):
+    """Diag(beta)(k e^G) and Diag(beta) v for sub-tile j, in the dot dtype."""
+    b = load_rows(beta, tj, eos, H, BC)[:, None]
+    k_j = load_tile(k, tj, eos, H * K, 0, BC, K, BK)
+    G_j = load_tile(G, tj, eos, H * K, 0, BC, K, BK)
+    v_j = load_tile(v, tj, eos, H * V, 0, BC, V, BV)
+    return (b * k_j * tl.exp2(G_j)).to(DT), (b * v_j).to(DT)
+
+
+@triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["K", "V", "STORE_X"])
+@triton.jit
+def _intra_kernel(
+    q, k, v, G, beta, Aqk, Ainv, W, U, cu_seqlens, chunk_indices, H, K, V,
+    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STORE_X: tl.constexpr,
+):  # fmt: skip
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
+    DT = W.dtype.element_ty
+    q, k, G, v, beta = q + i_h * K, k + i_h * K, G + i_h * K, v + i_h * V, beta + i_h
+    Aqk, Ainv, W, U = Aqk + i_h * BT, Ainv + i_h * BT, W + i_h * K, U + i_h * V
+    t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
+    A00, L00 = _pair(q, k, G, beta, t0, t0, eos, H, K, BK, BC, True, DT)
+    A10, L10 = _pair(q, k, G, beta, t1, t0, eos, H, K, BK, BC, False, DT)
+    A11, L11 = _pair(q, k, G, beta, t1, t1, eos, H, K, BK, BC, True, DT)
+    A20, L20 = _pair(q, k, G, beta, t2, t0, eos, H, K, BK, BC, False, DT)
+    A21, L21 = _pair(q, k, G, beta, t2, t1, eos, H, K, BK, BC, False, DT)
+    A22, L22 = _pair(q, k, G, beta, t2, t2, eos, H, K, BK, BC, True, DT)
+    A30, L30 = _pair(q, k, G, beta, t3, t0, eos, H, K, BK, BC, False, DT)
+    A31, L31 = _pair(q, k, G, beta, t3, t1, eos, H, K, BK, BC, False, DT)
+    A32, L32 = _pair(q, k, G, beta, t3, t2, eos, H, K, BK, BC, False, DT)
+    A33, L33 = _pair(q, k, G, beta, t3, t3, eos, H, K, BK, BC, True, DT)
+    _store_sq(Aqk, A00, t0, eos, 0, H, BT, BC)
+    _store_sq(Aqk, A10, t1, eos, 0, H, BT, BC)
+    _store_sq(Aqk, A11, t1, eos, 1, H, BT, BC)
+    _store_sq(Aqk, A20, t2, eos, 0, H, BT, BC)
+    _store_sq(Aqk, A21, t2, eos, 1, H, BT, BC)
+    _store_sq(Aqk, A22, t2, eos, 2, H, BT, BC)
+    _store_sq(Aqk, A30, t3, eos, 0, H, BT, BC)
+    _store_sq(Aqk, A31, t3, eos, 1, H, BT, BC)
+    _store_sq(Aqk, A32, t3, eos, 2, H, BT, BC)
+    _store_sq(Aqk, A33, t3, eos, 3, H, BT, BC)
+    # (I + L)^-1 blockwise: X_ii by substitution, X_ij = -X_ii sum_{m=j}^{i-1} L_im X_mj.
+    X00 = _inv_unit_lower(L00, BC)
+    X11 = _inv_unit_lower(L11, BC)
+    X22 = _inv_unit_lower(L22, BC)
+    X33 = _inv_unit_lower(L33, BC)
+    X10 = -_mm(X11, _mm(L10, X00))
+    X21 = -_mm(X22, _mm(L21, X11))
+    X32 = -_mm(X33, _mm(L32, X22))
+    X20 = -_mm(X22, _mm(L20, X00) + _mm(L21, X10))
+    X31 = -_mm(X33, _mm(L31, X11) + _mm(L32, X21))
+    X30 = -_mm(X33, _mm(L30, X00) + _mm(L31, X10) + _mm(L32, X20))
+    if STORE_X:
+        _store_sq(Ainv, X00, t0, eos, 0, H, BT, BC)
+        _store_sq(Ainv, X10, t1, eos, 0, H, BT, BC)
+        _store_sq(Ainv, X11, t1, eos, 1, H, BT, BC)
+        _store_sq(Ainv, X20, t2, eos, 0, H, BT, BC)
+        _store_sq(Ainv, X21, t2, eos, 1, H, BT, BC)
+        _store_sq(Ainv, X22, t2, eos, 2, H, BT, BC)
+        _store_sq(Ainv, X30, t3, eos, 0, H, BT, BC)
+        _store_sq(Ainv, X31, t3, eos, 1, H, BT, BC)
+        _store_sq(Ainv, X32, t3, eos, 2, H, BT, BC)
+        _store_sq(Ainv, X33, t3, eos, 3, H, BT, BC)
+    xk0, yv0 = _wy_in(k, v, G, beta, t0, eos, H, K, V, BK, BV, BC, DT)
+    xk1, yv1 = _wy_in(k, v, G, beta, t1, eos, H, K, V, BK, BV, BC, DT)
+    xk2, yv2 = _wy_in(k, v, G, beta, t2, eos, H, K, V, BK, BV, BC, DT)
+    xk3, yv3 = _wy_in(k, v, G, beta, t3, eos, H, K, V, BK, BV, BC, DT)
+    X00, X10, X11, X20, X21 = X00.to(DT), X10.to(DT), X11.to(DT), X20.to(DT), X21.to(DT)
+    X22, X30, X31, X32, X33 = X22.to(DT), X30.to(DT), X31.to(DT), X32.to(DT), X33.to(DT)
+    store_tile(W, tl.dot(X00, xk0), t0, eos, H * K, 0, BC, K, BK)
+    store_tile(U, tl.dot(X00, yv0), t0, eos, H * V, 0, BC, V, BV)
+    store_tile(W, tl.dot(X10, xk0) + tl.dot(X11, xk1), t1, eos, H * K, 0, BC, K, BK)
+    store_tile(U, tl.dot(X10, yv0) + tl.dot(X11, yv1), t1, eos, H * V, 0, BC, V, BV)
+    w2 = tl.dot(X20, xk0) + tl.dot(X21, xk1) + tl.dot(X22, xk2)
+    u2 = tl.dot(X20, yv0) + tl.dot(X21, yv1) + tl.dot(X22, yv2)
+    store_tile(W, w2, t2, eos, H * K, 0, BC, K, BK)
+    store_tile(U, u2, t2, eos, H * V, 0, BC, V, BV)
+    w3 = tl.dot(X30, xk0) + tl.dot(X31, xk1) + tl.dot(X32, xk2) + tl.dot(X33, xk3)
+    u3 = tl.dot(X30, yv0) + tl.dot(X31, yv1) + tl.dot(X32, yv2) + tl.dot(X33, yv3)
+    store_tile(W, w3, t3, eos, H * K, 0, BC, K, BK)
+    store_tile(U, u3, t3, eos, H * V, 0, BC, V, BV)
+
+
+@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [4], [2, 3]), key=["K", "V"])
+@triton.jit
+def _state_kernel(
+    k, G, W, U, h0, Hc, Vn, ht, cu_seqlens, chunk_offsets, H, K, V,
+    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+):  # fmt: skip
+    """Sequential pass over one sequence's chunks for one head and BV value columns."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    DT = W.dtype.element_ty
+    k, G, W, U, Vn = k + i_h * K, G + i_h * K, W + i_h * K, U + i_h * V, Vn + i_h * V
+    v0 = i_v * BV
+    rk, rv = tl.arange(0, BK), v0 + tl.arange(0, BV)
+    kv_mask = (rk[:, None] < K) & (rv[None, :] < V)
+    kv_off = rk[:, None] * V + rv[None, :]
+    h = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        h += tl.load(h0 + i_nh * K * V + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+    for c in range(0, tl.cdiv(eos - bos, BT)):
+        t0 = bos + c * BT
+        tl.store(Hc + ((c0 + c) * H + i_h) * K * V + kv_off, h.to(DT), mask=kv_mask)
+        w = load_tile(W, t0, eos, H * K, 0, BT, K, BK).to(DT)
+        vn = load_tile(U, t0, eos, H * V, v0, BT, V, BV) - tl.dot(w, h.to(DT))
+        store_tile(Vn, vn, t0, eos, H * V, v0, BT, V, BV)
+        g_last = load_row(G, tl.minimum(t0 + BT, eos) - 1, H * K, K, BK)
+        kd = load_tile(k, t0, eos, H * K, 0, BT, K, BK) * decay_factor(
+            load_tile(G, t0, eos, H * K, 0, BT, K, BK), g_last, t0, eos, BT, -1.0
+        )
+        h = h * tl.exp2(g_last)[:, None] + tl.dot(tl.trans(kd.to(DT)), vn.to(DT))
+    if STORE_HT:
+        tl.store(ht + i_nh * K * V + kv_off, h, mask=kv_mask)
+
+
+@triton.autotune(configs=_configs([{"BV": 64}, {"BV": 128}], [4, 8], [2]), key=["K", "V"])
+@triton.jit
+def _output_kernel(
+    q, G, Hc, Aqk, Vn, o, scale, cu_seqlens, chunk_indices, H, K, V,
+    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+):  # fmt: skip
+    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
+    DT = Vn.dtype.element_ty
+    v0 = i_v * BV
+    qg = load_tile(q + i_h * K, t0, eos, H * K, 0, BT, K, BK) * tl.exp2(
+        load_tile(G + i_h * K, t0, eos, H * K, 0, BT, K, BK)
+    )
+    rk, rv = tl.arange(0, BK), v0 + tl.arange(0, BV)
+    kv_mask = (rk[:, None] < K) & (rv[None, :] < V)
+    h = tl.load(Hc + (i_c.to(tl.int64) * H + i_h) * K * V + rk[:, None] * V + rv[None, :], mask=kv_mask, other=0.0)
+    r = tl.arange(0, BT)
+    A = load_tile(Aqk + i_h * BT, t0, eos, H * BT, 0, BT, BT, BT)
+    A = tl.where(r[:, None] >= r[None, :], A, 0.0)
+    vn = load_tile(Vn + i_h * V, t0, eos, H * V, v0, BT, V, BV)
+    out = tl.dot(qg.to(DT), h.to(DT)) + tl.dot(A.to(DT), vn.to(DT))
+    store_tile(o + i_h * V, out * scale, t0, eos, H * V, v0, BT, V, BV)
+
+
+def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool, store_x: bool):
+    """q, k, g [T, H, K], v [T, H, V], beta [T, H] (tokens flattened). Returns a dict of tensors."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    NC, N = plan.num_chunks, plan.num_seqs
+    BK, BV = block_size(K), block_size(V)
+    dt = q.dtype
+    dev = q.device
+    G = torch.empty(T, H, K, device=dev, dtype=torch.float32)
+    Aqk = torch.empty(T, H, BT, device=dev, dtype=dt)
+    Ainv = torch.empty(T, H, BT, device=dev, dtype=torch.float32) if store_x else G.new_empty(1)
+    W, U = torch.empty(T, H, K, device=dev, dtype=dt), torch.empty(T, H, V, device=dev, dtype=dt)
+    Hc = torch.empty(NC, H, K, V, device=dev, dtype=dt)
+    Vn = torch.empty(T, H, V, device=dev, dtype=dt)
+    ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if store_ht else G.new_empty(1)
+    o = torch.empty(T, H, V, device=dev, dtype=dt)
+    cu, ci = plan.cu_seqlens_N1, plan.chunk_indices_C2
+    if NC > 0:
+        _cumsum_kernel[(NC, H)](g, G, cu, ci, H, K, BK=BK, BT=BT)
+        _intra_kernel[(NC, H)](
+            q, k, v, G, beta, Aqk, Ainv, W, U, cu, ci, H, K, V, BK=BK, BV=BV, BT=BT, BC=BC, STORE_X=store_x
+        )
+    h0_arg = h0 if h0 is not None else G.new_empty(1)
+    grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * H)
+    _state_kernel[grid](
+        k, G, W, U, h0_arg, Hc, Vn, ht, cu, plan.chunk_offsets_N1, H, K, V,
+        BK=BK, BT=BT, HAS_H0=h0 is not None, STORE_HT=store_ht,
+    )  # fmt: skip
+    if NC > 0:
+        grid_o = lambda meta: (triton.cdiv(V, meta["BV"]), NC, H)
+        _output_kernel[grid_o](q, G, Hc, Aqk, Vn, o, scale, cu, ci, H, K, V, BK=BK, BT=BT)
+    return {"o": o, "ht": ht if store_ht else None, "G": G, "Aqk": Aqk, "Ainv": Ainv, "W": W, "Hc": Hc, "Vn": Vn}
+
+
+__all__ = ["LOG2E", "kda_fwd"]
