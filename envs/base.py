@@ -162,6 +162,10 @@ class ToolEnv(gymnasium.Env):
         """Hook after each successful call; return True to terminate the episode (e.g. game over)."""
         return False
 
+    def step_info(self) -> dict[str, Any]:
+        """Env-specific extras merged into every step's (and reset's) info."""
+        return {}
+
     def final_info(self) -> dict[str, Any]:
         """Env-specific extras merged into the episode-end info."""
         return {}
@@ -210,6 +214,7 @@ class ToolEnv(gymnasium.Env):
         task_id = f"{self.env_name}/{split}/d{difficulty}/{index}"
         self._task_info = {"task_id": task_id, "split": split, "difficulty": difficulty}
         info = {**self._task_info, "target": self.task.target, "task": copy.deepcopy(self.task.data)}
+        info.update(self.step_info())
         return self._obs(self.messages), info
 
     def on_reset(self) -> None:
@@ -298,14 +303,16 @@ class ToolEnv(gymnasium.Env):
         errors = [o.error for o in outcomes if o.error is not None]
         self._stats["num_tool_calls"] += len(calls)
         self._stats["num_tool_errors"] += len(errors)
-        ended_by_tool = any(
+        ended = [
             o.error is None and self.on_tool_result(c, o.message["content"]) for c, o in zip(calls, outcomes)
-        )
+        ]
+        ended_by_tool = any(ended)
         info = {
             **self._task_info,
             "turn": self.turn,
             "tool_calls": [c.name for c in calls],
             "tool_errors": errors,
+            **self.step_info(),
         }
         reward = float(self.turn_reward(calls, outcomes))
         terminated = ended_by_tool or not calls
