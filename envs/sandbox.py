@@ -21,6 +21,7 @@ drop where possible and a private temp dir, and says so: ``protection["namespace
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -278,10 +279,8 @@ class Sandbox:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     proc.kill()
     proc.wait()
 
