@@ -96,8 +96,11 @@ def dense_chunk_scores(a_CK: torch.Tensor, k_CK: torch.Tensor, G_CK: torch.Tenso
 
     Exact in exact arithmetic, but exp(-G) spans the whole chunk: at g = -5 a 64-token tile
     needs e^320, which overflows fp32 and bf16 (max ~e^88.7). Not used by chunk_kda.
+    Operands are cast to a's dtype before the matmul, as a kernel feeding bf16 tensor cores does.
     """
-    return (a_CK * G_CK.exp()) @ (k_CK * (-G_CK).exp()).transpose(-1, -2)
+    a_op = (a_CK * G_CK.exp()).to(a_CK.dtype)
+    k_op = (k_CK * (-G_CK).exp()).to(a_CK.dtype)
+    return a_op @ k_op.transpose(-1, -2)
 
 
 def intra_chunk_scores(
@@ -106,14 +109,17 @@ def intra_chunk_scores(
     """sum_c a_rc k_jc exp(G_rc - G_jc) for j <= r, per row operand a, from 16-token sub-tiles.
 
     rows: operands a [..., C, K] (q and k share the column factors). Returns one [..., C, C]
-    score per operand, zero above the diagonal (the diagonal itself is kept).
+    score per operand, zero above the diagonal (the diagonal itself is kept). G stays in its
+    own (fp32) dtype; the scaled operands are cast to k's dtype before each matmul, as a
+    kernel feeding bf16 tensor cores does (chunk_kda passes fp32 on CPU).
     """
+    op = k_CK.dtype
     C, n = G_CK.shape[-2], G_CK.shape[-2] // SUB
     G_nsK = G_CK.unflatten(-2, (n, SUB))
     k_nsK = k_CK.unflatten(-2, (n, SUB))
     # Diagonal sub-tiles: shift both factors to the midpoint, each spans at most SUB/2 tokens.
     G_mid = G_nsK[..., SUB // 2 : SUB // 2 + 1, :]
-    k_diag = k_nsK * (G_mid - G_nsK).exp()
+    k_diag = (k_nsK * (G_mid - G_nsK).exp()).to(op)
     # Off-diagonal pairs: reference at the row sub-tile's first token, so for row r >= ref and
     # column j < ref both exponents are <= 0. Columns at or after ref are masked before exp.
     G_ref = G_nsK[..., :1, :]
@@ -121,15 +127,15 @@ def intra_chunk_scores(
         torch.arange(C, device=G_CK.device)[None, :] < (torch.arange(n, device=G_CK.device) * SUB)[:, None]
     )
     col_exp = (G_ref - G_CK.unsqueeze(-3)).masked_fill(~before_ref[:, :, None], float("-inf"))
-    k_off = k_CK.unsqueeze(-3) * col_exp.exp()  # [..., n, C, K]
+    k_off = (k_CK.unsqueeze(-3) * col_exp.exp()).to(op)  # [..., n, C, K]
     idx = torch.arange(C, device=G_CK.device)
     same_tile = (idx[:, None] // SUB) == (idx[None, :] // SUB)
     causal = idx[:, None] >= idx[None, :]
     out = []
     for a_CK in rows:
         a_nsK = a_CK.unflatten(-2, (n, SUB))
-        diag_nss = (a_nsK * (G_nsK - G_mid).exp()) @ k_diag.transpose(-1, -2)
-        off_nsC = (a_nsK * (G_nsK - G_ref).exp()) @ k_off.transpose(-1, -2)
+        diag_nss = (a_nsK * (G_nsK - G_mid).exp()).to(op) @ k_diag.transpose(-1, -2)
+        off_nsC = (a_nsK * (G_nsK - G_ref).exp()).to(op) @ k_off.transpose(-1, -2)
         diag_CC = (
             diag_nss.unsqueeze(-2).expand(*diag_nss.shape[:-1], n, SUB).reshape(*diag_nss.shape[:-3], C, C)
         )

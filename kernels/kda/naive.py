@@ -20,7 +20,9 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> int:
     """Validate shapes and return N, the number of sequences."""
     B, T, H, K = q.shape
     if k.shape != q.shape or g.shape != q.shape:
-        raise ValueError(f"q, k and g must share a shape, got q {tuple(q.shape)}, k {tuple(k.shape)}, g {tuple(g.shape)}")
+        raise ValueError(
+            f"q, k and g must share a shape, got q {tuple(q.shape)}, k {tuple(k.shape)}, g {tuple(g.shape)}"
+        )
     if v.shape[:3] != (B, T, H):
         raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
     if beta.shape != (B, T, H):
@@ -35,7 +37,9 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> int:
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     V = v.shape[-1]
     if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
-        raise ValueError(f"initial_state must be [N, H, K, V] = [{N}, {H}, {K}, {V}], got {tuple(initial_state.shape)}")
+        raise ValueError(
+            f"initial_state must be [N, H, K, V] = [{N}, {H}, {K}, {V}], got {tuple(initial_state.shape)}"
+        )
     return N
 
 
