@@ -57,7 +57,9 @@ def _cumsum_kernel(g, G, cu_seqlens, chunk_indices, H, K, BK: tl.constexpr, BT: 
 
 
 @triton.jit
-def _pair(q, k, G, beta, ti, tj, eos, H, K, BK: tl.constexpr, BC: tl.constexpr, DIAG: tl.constexpr, DT: tl.constexpr):
+def _pair(
+    q, k, G, beta, ti, tj, eos, H, K, BK: tl.constexpr, BC: tl.constexpr, DIAG: tl.constexpr, DT: tl.constexpr
+):
     """Sub-tile (i, j) of Aqk and L, rows ti.., columns tj.. (fp32, masked)."""
     st = H * K
     q_i = load_tile(q, ti, eos, st, 0, BC, K, BK)
@@ -105,7 +107,9 @@ def _store_sq(ptr, x, ti, eos, j, H, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _wy_in(k, v, G, beta, tj, eos, H, K, V, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr):
+def _wy_in(
+    k, v, G, beta, tj, eos, H, K, V, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr
+):
     """Diag(beta)(k e^G) and Diag(beta) v for sub-tile j, in the dot dtype."""
     b = load_rows(beta, tj, eos, H, BC)[:, None]
     k_j = load_tile(k, tj, eos, H * K, 0, BC, K, BK)
@@ -239,7 +243,9 @@ def _output_kernel(
     )
     rk, rv = tl.arange(0, BK), v0 + tl.arange(0, BV)
     kv_mask = (rk[:, None] < K) & (rv[None, :] < V)
-    h = tl.load(Hc + (i_c.to(tl.int64) * H + i_h) * K * V + rk[:, None] * V + rv[None, :], mask=kv_mask, other=0.0)
+    h = tl.load(
+        Hc + (i_c.to(tl.int64) * H + i_h) * K * V + rk[:, None] * V + rv[None, :], mask=kv_mask, other=0.0
+    )
     r = tl.arange(0, BT)
     A = load_tile(Aqk + i_h * BT, t0, eos, H * BT, 0, BT, BT, BT)
     A = tl.where(r[:, None] >= r[None, :], A, 0.0)
@@ -279,7 +285,16 @@ def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool,
     if NC > 0:
         grid_o = lambda meta: (triton.cdiv(V, meta["BV"]), NC, H)
         _output_kernel[grid_o](q, G, Hc, Aqk, Vn, o, scale, cu, ci, H, K, V, BK=BK, BT=BT)
-    return {"o": o, "ht": ht if store_ht else None, "G": G, "Aqk": Aqk, "Ainv": Ainv, "W": W, "Hc": Hc, "Vn": Vn}
+    return {
+        "o": o,
+        "ht": ht if store_ht else None,
+        "G": G,
+        "Aqk": Aqk,
+        "Ainv": Ainv,
+        "W": W,
+        "Hc": Hc,
+        "Vn": Vn,
+    }
 
 
 __all__ = ["LOG2E", "kda_fwd"]

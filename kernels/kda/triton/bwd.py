@@ -1,0 +1,423 @@
+"""Chunked KDA backward in Triton (notation of fwd.py; dX means the gradient of the loss wrt X).
+
+Reverse pass over chunks (`_state_bwd`), with dS' the gradient of the state leaving a chunk:
+
+    dVn = scale Aqk^T dO + (k e^(G_C - G)) dS'
+    dS  = Diag(e^G_C) dS' + scale (q e^G)^T dO - W^T dVn
+
+Per chunk (`_main_bwd`, parallel): the inter-chunk terms of dq, dk, the WY terms
+(dW = -dVn S^T, dU = dVn, through X = (I + L)^-1: dL = -X^T (dW Xk^T + dU Yv^T) X^T) and their
+contributions to dbeta, dv and to dG, the gradient wrt the cumulative log-decay. `_intra_bwd` adds
+the terms of Aqk and L, again in 16 x 16 sub-tiles with the reference exponents of the forward, and
+turns dG into dg by a reverse cumulative sum within the chunk; e^(G_C) (the chunk's total decay)
+feeds every position of the chunk, which is the carry that reverse sum starts from.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.kda.triton.common import (
+    BC,
+    BT,
+    ChunkPlan,
+    block_size,
+    chunk_bounds,
+    decay_factor,
+    load_row,
+    load_rows,
+    load_tile,
+    store_tile,
+)
+from kernels.kda.triton.fwd import _configs
+
+
+@triton.autotune(configs=_configs([{"BV": 64}, {"BV": 128}], [4, 8], [2]), key=["V"])
+@triton.jit
+def _dav_kernel(
+    Aqk, Vn, do, dAqk, dVi, scale, cu_seqlens, chunk_indices, H, V, BV: tl.constexpr, BT: tl.constexpr
+):
+    """dAqk = scale Tril(dO Vn^T) and the intra-chunk part of dVn, scale Aqk^T dO."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
+    DT = Vn.dtype.element_ty
+    r = tl.arange(0, BT)
+    causal = r[:, None] >= r[None, :]
+    A = tl.where(causal, load_tile(Aqk + i_h * BT, t0, eos, H * BT, 0, BT, BT, BT), 0.0).to(DT)
+    dA = tl.zeros([BT, BT], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        do_t = load_tile(do + i_h * V, t0, eos, H * V, v0, BT, V, BV).to(DT)
+        vn = load_tile(Vn + i_h * V, t0, eos, H * V, v0, BT, V, BV).to(DT)
+        dA += tl.dot(do_t, tl.trans(vn))
+        store_tile(dVi + i_h * V, tl.dot(tl.trans(A), do_t) * scale, t0, eos, H * V, v0, BT, V, BV)
+    store_tile(dAqk + i_h * BT, tl.where(causal, dA * scale, 0.0), t0, eos, H * BT, 0, BT, BT, BT)
+
+
+@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [4], [2, 3]), key=["K", "V"])
+@triton.jit
+def _state_bwd_kernel(
+    q, k, G, W, do, dVi, dht, dHc, dVn, dh0, scale, cu_seqlens, chunk_offsets, H, K, V,
+    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+):  # fmt: skip
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    DT = W.dtype.element_ty
+    q, k, G, W = q + i_h * K, k + i_h * K, G + i_h * K, W + i_h * K
+    do, dVi, dVn = do + i_h * V, dVi + i_h * V, dVn + i_h * V
+    v0 = i_v * BV
+    rk, rv = tl.arange(0, BK), v0 + tl.arange(0, BV)
+    kv_mask = (rk[:, None] < K) & (rv[None, :] < V)
+    kv_off = rk[:, None] * V + rv[None, :]
+    dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        dh += tl.load(dht + i_nh * K * V + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+    n_chunks = tl.cdiv(eos - bos, BT)
+    for cc in range(0, n_chunks):
+        c = n_chunks - 1 - cc
+        t0 = bos + c * BT
+        tl.store(dHc + ((c0 + c) * H + i_h) * K * V + kv_off, dh.to(DT), mask=kv_mask)
+        g_last = load_row(G, tl.minimum(t0 + BT, eos) - 1, H * K, K, BK)
+        G_t = load_tile(G, t0, eos, H * K, 0, BT, K, BK)
+        kd = load_tile(k, t0, eos, H * K, 0, BT, K, BK) * decay_factor(G_t, g_last, t0, eos, BT, -1.0)
+        dvn = load_tile(dVi, t0, eos, H * V, v0, BT, V, BV) + tl.dot(kd.to(DT), dh.to(DT))
+        store_tile(dVn, dvn, t0, eos, H * V, v0, BT, V, BV)
+        qg = load_tile(q, t0, eos, H * K, 0, BT, K, BK) * tl.exp2(G_t)
+        do_t = load_tile(do, t0, eos, H * V, v0, BT, V, BV).to(DT)
+        w = load_tile(W, t0, eos, H * K, 0, BT, K, BK).to(DT)
+        dh = dh * tl.exp2(g_last)[:, None] + scale * tl.dot(tl.trans(qg.to(DT)), do_t)
+        dh -= tl.dot(tl.trans(w), dvn.to(DT))
+    if STORE_DH0:
+        tl.store(dh0 + i_nh * K * V + kv_off, dh, mask=kv_mask)
+
+
+@triton.jit
+def _kv_tile(ptr, i_c, i_h, H, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
+    rk, rv = tl.arange(0, BK), v0 + tl.arange(0, BV)
+    mask = (rk[:, None] < K) & (rv[None, :] < V)
+    return tl.load(
+        ptr + (i_c.to(tl.int64) * H + i_h) * K * V + rk[:, None] * V + rv[None, :], mask=mask, other=0.0
+    )
+
+
+@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [4, 8], [2]), key=["K", "V"])
+@triton.jit
+def _main_bwd_kernel(
+    q, k, v, G, beta, Ainv, Hc, dHc, Vn, dVn, do, dq, dk, dG, dv, dbeta, dAkk, dGl, scale,
+    cu_seqlens, chunk_indices, H, K, V, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+):  # fmt: skip
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
+    DT = Vn.dtype.element_ty
+    stk, stv = H * K, H * V
+    G_t = load_tile(G + i_h * K, t0, eos, stk, 0, BT, K, BK)
+    q_t = load_tile(q + i_h * K, t0, eos, stk, 0, BT, K, BK)
+    k_t = load_tile(k + i_h * K, t0, eos, stk, 0, BT, K, BK)
+    b = load_rows(beta + i_h, t0, eos, H, BT)
+    g_last = load_row(G + i_h * K, tl.minimum(t0 + BT, eos) - 1, stk, K, BK)
+    eG = tl.exp2(G_t)
+    kdf = decay_factor(G_t, g_last, t0, eos, BT, -1.0)
+    Xk = b[:, None] * k_t * eG
+    r = tl.arange(0, BT)
+    X = tl.where(r[:, None] >= r[None, :], load_tile(Ainv + i_h * BT, t0, eos, H * BT, 0, BT, BT, BT), 0.0)
+    Xt = tl.trans(X.to(DT))
+    dqg = tl.zeros([BT, BK], dtype=tl.float32)
+    dkd = tl.zeros([BT, BK], dtype=tl.float32)
+    dW = tl.zeros([BT, BK], dtype=tl.float32)
+    dX = tl.zeros([BT, BT], dtype=tl.float32)
+    dg_last = tl.zeros([BK], dtype=tl.float32)
+    db = tl.zeros([BT], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        h = _kv_tile(Hc, i_c, i_h, H, K, V, v0, BK, BV).to(DT)
+        dh = _kv_tile(dHc, i_c, i_h, H, K, V, v0, BK, BV).to(DT)
+        do_t = load_tile(do + i_h * V, t0, eos, stv, v0, BT, V, BV).to(DT)
+        vn = load_tile(Vn + i_h * V, t0, eos, stv, v0, BT, V, BV).to(DT)
+        dvn = load_tile(dVn + i_h * V, t0, eos, stv, v0, BT, V, BV).to(DT)
+        v_t = load_tile(v + i_h * V, t0, eos, stv, v0, BT, V, BV)
+        dqg += tl.dot(do_t, tl.trans(h))
+        dkd += tl.dot(vn, tl.trans(dh))
+        dW -= tl.dot(dvn, tl.trans(h))
+        dg_last += tl.sum(h.to(tl.float32) * dh.to(tl.float32), 1)
+        dX += tl.dot(dvn, tl.trans((b[:, None] * v_t).to(DT)))
+        dY = tl.dot(Xt, dvn)
+        store_tile(dv + i_h * V, b[:, None] * dY, t0, eos, stv, v0, BT, V, BV)
+        db += tl.sum(v_t * dY, 1)
+    dX += tl.dot(dW.to(DT), tl.trans(Xk.to(DT)))
+    dXk = tl.dot(Xt, dW.to(DT))
+    dq_t = scale * dqg * eG
+    dk_t = dkd * kdf + b[:, None] * eG * dXk
+    store_tile(dq + i_h * K, dq_t, t0, eos, stk, 0, BT, K, BK)
+    store_tile(dk + i_h * K, dk_t, t0, eos, stk, 0, BT, K, BK)
+    store_tile(dG + i_h * K, q_t * dq_t - k_t * kdf * dkd + Xk * dXk, t0, eos, stk, 0, BT, K, BK)
+    store_tile(dbeta + i_h, (db + tl.sum(k_t * eG * dXk, 1))[:, None], t0, eos, H, 0, BT, 1, 1)
+    dg_last = dg_last * tl.exp2(g_last) + tl.sum(k_t * kdf * dkd, 0)
+    rk = tl.arange(0, BK)
+    tl.store(dGl + (i_c.to(tl.int64) * H + i_h) * K + rk, dg_last, mask=rk < K)
+    # dL = -X^T dX X^T, kept on its strictly lower part (fp32 operands: X can be large).
+    Xf = tl.trans(X)
+    dL = -tl.dot(Xf, tl.dot(dX, Xf))
+    store_tile(dAkk + i_h * BT, tl.where(r[:, None] > r[None, :], dL, 0.0), t0, eos, H * BT, 0, BT, BT, BT)
+
+
+@triton.jit
+def _row_side(
+    k,
+    G,
+    dAqk,
+    dAkk,
+    ti,
+    tj,
+    ref,
+    eos,
+    H,
+    K,
+    BK: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """Sub-tile (i, j) seen from its rows: dAqk_ij (k_j e^(ref - G_j)) and the same for dL."""
+    kc = load_tile(k, tj, eos, H * K, 0, BC, K, BK) * decay_factor(
+        load_tile(G, tj, eos, H * K, 0, BC, K, BK), ref, tj, eos, BC, -1.0
+    )
+    kc = kc.to(DT)
+    dAq = load_tile(dAqk, ti, eos, H * BT, 0, BC, BC, BC).to(DT)
+    dAk = load_tile(dAkk, ti, eos, H * BT, 0, BC, BC, BC).to(DT)
+    return tl.dot(dAq, kc), tl.dot(dAk, kc)
+
+
+@triton.jit
+def _col_side(
+    q,
+    k,
+    G,
+    beta,
+    dAqk,
+    dAkk,
+    tj,
+    ref,
+    eos,
+    H,
+    K,
+    BK: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """Sub-tile (j, i) seen from its columns: dAqk_ji^T (q_j e^(G_j - ref)) + dL_ji^T (beta k_j e^(G_j - ref))."""
+    f = decay_factor(load_tile(G, tj, eos, H * K, 0, BC, K, BK), ref, tj, eos, BC, 1.0)
+    qf = (load_tile(q, tj, eos, H * K, 0, BC, K, BK) * f).to(DT)
+    b = load_rows(beta, tj, eos, H, BC)
+    kf = (b[:, None] * load_tile(k, tj, eos, H * K, 0, BC, K, BK) * f).to(DT)
+    dAq = load_tile(dAqk, tj, eos, H * BT, 0, BC, BC, BC).to(DT)
+    dAk = load_tile(dAkk, tj, eos, H * BT, 0, BC, BC, BC).to(DT)
+    return tl.dot(tl.trans(dAq), qf) + tl.dot(tl.trans(dAk), kf)
+
+
+@triton.jit
+def _intra_bwd_block(
+    q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dq, dk, dg, dbeta, carry, t0, eos, H, K,
+    I: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr,
+):  # fmt: skip
+    stk = H * K
+    ti = t0 + I * BC
+    q_i = load_tile(q, ti, eos, stk, 0, BC, K, BK)
+    k_i = load_tile(k, ti, eos, stk, 0, BC, K, BK)
+    G_i = load_tile(G, ti, eos, stk, 0, BC, K, BK)
+    b_i = load_rows(beta, ti, eos, H, BC)
+    # rows of sub-tile row I, off-diagonal columns referred to the tile's first row
+    ref_o = load_row(G, tl.minimum(ti, eos - 1), stk, K, BK)
+    dq_o = tl.zeros([BC, BK], dtype=tl.float32)
+    P_o = tl.zeros([BC, BK], dtype=tl.float32)
+    for j in tl.static_range(I):
+        a, p = _row_side(
+            k, G, dAqk + j * BC, dAkk + j * BC, ti, t0 + j * BC, ref_o, eos, H, K, BK, BT, BC, DT
+        )
+        dq_o += a
+        P_o += p
+    f_o = decay_factor(G_i, ref_o, ti, eos, BC, 1.0)
+    ref_m = load_row(G, tl.minimum(ti + BC // 2, eos - 1), stk, K, BK)
+    f_m = decay_factor(G_i, ref_m, ti, eos, BC, 1.0)
+    a, p = _row_side(k, G, dAqk + I * BC, dAkk + I * BC, ti, ti, ref_m, eos, H, K, BK, BT, BC, DT)
+    dq_i = dq_o * f_o + a * f_m
+    P = P_o * f_o + p * f_m
+    # columns of sub-tile column I, later rows referred to the tile's last row
+    ref_c = load_row(G, tl.minimum(ti + BC - 1, eos - 1), stk, K, BK)
+    dkc_o = tl.zeros([BC, BK], dtype=tl.float32)
+    for j in tl.static_range(I + 1, BT // BC):
+        dkc_o += _col_side(
+            q, k, G, beta, dAqk + I * BC, dAkk + I * BC, t0 + j * BC, ref_c, eos, H, K, BK, BT, BC, DT
+        )
+    dkc = dkc_o * decay_factor(G_i, ref_c, ti, eos, BC, -1.0)
+    d = _col_side(q, k, G, beta, dAqk + I * BC, dAkk + I * BC, ti, ref_m, eos, H, K, BK, BT, BC, DT)
+    dkc += d * decay_factor(G_i, ref_m, ti, eos, BC, -1.0)
+    dk_row = b_i[:, None] * P
+    dG_i = q_i * dq_i + k_i * (dk_row - dkc) + load_tile(dG_p, ti, eos, stk, 0, BC, K, BK)
+    store_tile(dq, dq_i + load_tile(dq_p, ti, eos, stk, 0, BC, K, BK), ti, eos, stk, 0, BC, K, BK)
+    store_tile(dk, dk_row + dkc + load_tile(dk_p, ti, eos, stk, 0, BC, K, BK), ti, eos, stk, 0, BC, K, BK)
+    db = tl.sum(k_i * P, 1) + load_rows(db_p, ti, eos, H, BC)
+    store_tile(dbeta, db[:, None], ti, eos, H, 0, BC, 1, 1)
+    store_tile(dg, tl.cumsum(dG_i, 0, reverse=True) + carry[None, :], ti, eos, stk, 0, BC, K, BK)
+    return carry + tl.sum(dG_i, 0)
+
+
+@triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["K"])
+@triton.jit
+def _intra_bwd_kernel(
+    q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dGl, dq, dk, dg, dbeta, cu_seqlens, chunk_indices,
+    H, K, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
+    DT = q.dtype.element_ty
+    q, k, G, beta = q + i_h * K, k + i_h * K, G + i_h * K, beta + i_h
+    dAqk, dAkk = dAqk + i_h * BT, dAkk + i_h * BT
+    dq_p, dk_p, dG_p, db_p = dq_p + i_h * K, dk_p + i_h * K, dG_p + i_h * K, db_p + i_h
+    dq, dk, dg, dbeta = dq + i_h * K, dk + i_h * K, dg + i_h * K, dbeta + i_h
+    rk = tl.arange(0, BK)
+    carry = tl.load(dGl + (i_c.to(tl.int64) * H + i_h) * K + rk, mask=rk < K, other=0.0)
+    carry = _intra_bwd_block(
+        q,
+        k,
+        G,
+        beta,
+        dAqk,
+        dAkk,
+        dq_p,
+        dk_p,
+        dG_p,
+        db_p,
+        dq,
+        dk,
+        dg,
+        dbeta,
+        carry,
+        t0,
+        eos,
+        H,
+        K,
+        3,
+        BK,
+        BT,
+        BC,
+        DT,
+    )
+    carry = _intra_bwd_block(
+        q,
+        k,
+        G,
+        beta,
+        dAqk,
+        dAkk,
+        dq_p,
+        dk_p,
+        dG_p,
+        db_p,
+        dq,
+        dk,
+        dg,
+        dbeta,
+        carry,
+        t0,
+        eos,
+        H,
+        K,
+        2,
+        BK,
+        BT,
+        BC,
+        DT,
+    )
+    carry = _intra_bwd_block(
+        q,
+        k,
+        G,
+        beta,
+        dAqk,
+        dAkk,
+        dq_p,
+        dk_p,
+        dG_p,
+        db_p,
+        dq,
+        dk,
+        dg,
+        dbeta,
+        carry,
+        t0,
+        eos,
+        H,
+        K,
+        1,
+        BK,
+        BT,
+        BC,
+        DT,
+    )
+    carry = _intra_bwd_block(
+        q,
+        k,
+        G,
+        beta,
+        dAqk,
+        dAkk,
+        dq_p,
+        dk_p,
+        dG_p,
+        db_p,
+        dq,
+        dk,
+        dg,
+        dbeta,
+        carry,
+        t0,
+        eos,
+        H,
+        K,
+        0,
+        BK,
+        BT,
+        BC,
+        DT,
+    )
+
+
+def kda_bwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, saved: dict, do, dht):
+    """Gradients (dq, dk, dv, dg, dbeta, dh0) for tokens flattened to [T, H, *]."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    NC, N = plan.num_chunks, plan.num_seqs
+    BK = block_size(K)
+    dt, dev, f32 = q.dtype, q.device, torch.float32
+    cu, ci = plan.cu_seqlens_N1, plan.chunk_indices_C2
+    dAqk = torch.empty(T, H, BT, device=dev, dtype=f32)
+    dVi = torch.empty(T, H, V, device=dev, dtype=dt)
+    if NC > 0:
+        _dav_kernel[(NC, H)](saved["Aqk"], saved["Vn"], do, dAqk, dVi, scale, cu, ci, H, V, BT=BT)
+    dHc = torch.empty(NC, H, K, V, device=dev, dtype=dt)
+    dVn = torch.empty(T, H, V, device=dev, dtype=dt)
+    dh0 = torch.empty(N, H, K, V, device=dev, dtype=f32) if h0 is not None else None
+    grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * H)
+    _state_bwd_kernel[grid](
+        q, k, saved["G"], saved["W"], do, dVi, dht if dht is not None else dVi, dHc, dVn,
+        dh0 if dh0 is not None else dVi, scale, cu, plan.chunk_offsets_N1, H, K, V,
+        BK=BK, BT=BT, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
+    )  # fmt: skip
+    dq_p, dk_p, dG_p = (torch.empty(T, H, K, device=dev, dtype=f32) for _ in range(3))
+    db_p, dv = torch.empty(T, H, device=dev, dtype=f32), torch.empty_like(v)
+    dAkk, dGl = torch.empty(T, H, BT, device=dev, dtype=f32), torch.empty(NC, H, K, device=dev, dtype=f32)
+    dq, dk, dg, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g), torch.empty_like(beta)
+    if NC > 0:
+        _main_bwd_kernel[(NC, H)](
+            q, k, v, saved["G"], beta, saved["Ainv"], saved["Hc"], dHc, saved["Vn"], dVn, do,
+            dq_p, dk_p, dG_p, dv, db_p, dAkk, dGl, scale, cu, ci, H, K, V, BK=BK, BT=BT,
+        )  # fmt: skip
+        _intra_bwd_kernel[(NC, H)](
+            q, k, saved["G"], beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dGl, dq, dk, dg, dbeta, cu, ci,
+            H, K, BK=BK, BT=BT, BC=BC,
+        )  # fmt: skip
+    return dq, dk, dv, dg, dbeta, dh0
