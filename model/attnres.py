@@ -1,0 +1,34 @@
+"""Block Attention Residuals (AttnRes paper, arXiv 2603.15031; K3 Eq. 8-10).
+
+Instead of adding every sub-layer output to one residual stream, each sub-layer (attention, MoE)
+and the final output read a softmax mixture of a few sources: the token embedding, each completed
+block's summed output, and the running sum of the current block:
+
+    h = sum_i softmax_i(w^T RMSNorm(v_i)) v_i
+
+with a learned pseudo-query w per sub-layer, zero-initialised (uniform mixing at step 0), no
+temperature, keys RMS-normalised, values not. Wiring follows NeMo's ``_forward_attn_residual`` /
+FLA's ``KDABlock.forward`` (see model/modeling.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.layers import RMSNorm
+
+
+class AttnResMix(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(hidden_size))
+        self.norm = RMSNorm(hidden_size, eps=eps)
+
+    def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        if len(sources) == 1:
+            return sources[0]
+        v_SBTD = torch.stack(sources)
+        logits_SBT = (self.norm(v_SBTD).float() * self.query.float()).sum(-1)
+        a_SBT = logits_SBT.softmax(dim=0)
+        return (a_SBT[..., None] * v_SBTD.float()).sum(0).to(v_SBTD.dtype)

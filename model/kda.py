@@ -1,0 +1,125 @@
+"""Kimi Delta Attention layer (K3 Eq. 1-6) around ``kernels.kda``.
+
+q, k = L2Norm(SiLU(ShortConv4(W x))), v = SiLU(ShortConv4(W_v x)), beta = sigmoid(W_b x),
+decay logits z = f_b(f_a(x)) + dt_bias (low rank = head_dim), and per channel:
+
+    bounded (K3, default):  g = g_min * sigmoid(exp(A_log) * z)    in (g_min, 0), A_log init 0
+    unbounded (Kimi Linear): g = -exp(A_log) * softplus(z)          in (-inf, 0), A_log = log U(1, 16)
+
+Gate math runs in fp32 and the kernel gets g already mapped (FLA's ``use_gate_in_kernel=False``
+with a caller-guaranteed bound, as NeMo's K3 port does). Output: o_proj(sigmoid(g_proj x) *
+RMSNorm_head(o)) with a full-rank gate (K3) rather than Kimi Linear's low-rank one.
+Parameter names follow FLA/NeMo so checkpoints map onto vLLM's KimiDeltaAttention.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.cache import KDAState
+from model.config import HybridConfig
+from model.layers import RMSNorm, SeqLayout, ShortConvolution, l2_normalize
+
+
+def kda_gate(z: torch.Tensor, A_log_H: torch.Tensor, kind: str, lower_bound: float) -> torch.Tensor:
+    """Per-channel log-decay from decay logits z [..., H, D] in fp32."""
+    z32 = z.float()
+    A_H1 = A_log_H.float().exp()[:, None]
+    if kind == "bounded":
+        return lower_bound * torch.sigmoid(A_H1 * z32)
+    if kind == "unbounded":
+        return -A_H1 * F.softplus(z32)
+    raise ValueError(f"kda gate must be 'bounded' or 'unbounded', got {kind!r}")
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: HybridConfig, layer_idx: int) -> None:
+        super().__init__()
+        lac = config.linear_attn_config
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim = int(lac["num_heads"]), int(lac["head_dim"])
+        self.lower_bound = float(lac["gate_lower_bound"])
+        self.gate_kind = config.kda_gate
+        d, HD, K = config.hidden_size, self.num_heads * self.head_dim, int(lac["short_conv_kernel_size"])
+        self.q_proj = nn.Linear(d, HD, bias=False)
+        self.k_proj = nn.Linear(d, HD, bias=False)
+        self.v_proj = nn.Linear(d, HD, bias=False)
+        self.q_conv1d = ShortConvolution(HD, K)
+        self.k_conv1d = ShortConvolution(HD, K)
+        self.v_conv1d = ShortConvolution(HD, K)
+        self.f_a_proj = nn.Linear(d, self.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_dim, HD, bias=False)
+        self.b_proj = nn.Linear(d, self.num_heads, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads))
+        self.dt_bias = nn.Parameter(torch.zeros(HD))
+        self.g_proj = nn.Linear(d, HD, bias=False)
+        self.o_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(HD, d, bias=False)
+        self.reset_gate_parameters()
+
+    @torch.no_grad()
+    def reset_gate_parameters(self) -> None:
+        """K3 init: A = 0 for the bounded gate; dt_bias = softplus^-1(dt), dt ~ logU(1e-3, 1e-1)."""
+        if self.gate_kind == "bounded":
+            self.A_log.zero_()
+        else:
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+        dt = torch.exp(torch.rand_like(self.dt_bias) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+        dt = dt.clamp(min=1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def log_decay(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """g [B, T, H, D] in fp32."""
+        B, T, _ = x_BTD.shape
+        z = self.f_b_proj(self.f_a_proj(x_BTD)).float() + self.dt_bias.float()
+        return kda_gate(
+            z.view(B, T, self.num_heads, self.head_dim), self.A_log, self.gate_kind, self.lower_bound
+        )
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        layout: SeqLayout,
+        cu_seqlens: torch.Tensor | None = None,
+        state: KDAState | None = None,
+        return_state: bool = False,
+    ) -> tuple[torch.Tensor, KDAState | None]:
+        B, T, _ = x_BTD.shape
+        H, Dh = self.num_heads, self.head_dim
+        q, conv_q = self.q_conv1d(self.q_proj(x_BTD), layout, state.conv_q_NCW if state else None)
+        k, conv_k = self.k_conv1d(self.k_proj(x_BTD), layout, state.conv_k_NCW if state else None)
+        v, conv_v = self.v_conv1d(self.v_proj(x_BTD), layout, state.conv_v_NCW if state else None)
+        q_BTHK = l2_normalize(q.view(B, T, H, Dh))
+        k_BTHK = l2_normalize(k.view(B, T, H, Dh))
+        v_BTHV = v.view(B, T, H, Dh)
+        beta_BTH = torch.sigmoid(self.b_proj(x_BTD).float())
+        g_BTHK = self.log_decay(x_BTD)
+        o_BTHV, final_NHKV = self._kernel(T, state)(
+            q_BTHK,
+            k_BTHK,
+            v_BTHV,
+            g_BTHK,
+            beta_BTH,
+            scale=Dh**-0.5,
+            initial_state=state.recurrent_NHKV if state else None,
+            output_final_state=return_state,
+            cu_seqlens=cu_seqlens,
+        )
+        o_BTHV = self.o_norm(o_BTHV.to(x_BTD.dtype)) * torch.sigmoid(self.g_proj(x_BTD)).view(B, T, H, Dh)
+        y_BTD = self.o_proj(o_BTHV.reshape(B, T, H * Dh))
+        new_state = KDAState(final_NHKV, conv_q, conv_k, conv_v) if return_state else None
+        return y_BTD, new_state
+
+    def _kernel(self, T: int, state: KDAState | None):
+        """Chunked kernel for prefill/training; the step recurrence for decode and for the
+        unbounded gate (the chunked path's dense 16-token tiles are only safe for g >= g_min)."""
+        from kernels.kda import chunk_kda, fused_recurrent_kda
+
+        if (state is not None and T == 1) or self.gate_kind == "unbounded":
+            return fused_recurrent_kda
+        return functools.partial(chunk_kda, lower_bound=self.lower_bound)

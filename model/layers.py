@@ -1,0 +1,152 @@
+"""Small building blocks shared by the KDA, MLA and MoE layers.
+
+* ``RMSNorm`` computes in fp32 and casts back (K3 keeps norms in fp32).
+* ``ShortConvolution`` is a depthwise causal conv whose weight has nn.Conv1d's layout [C, 1, K]
+  (the layout of FLA and vLLM checkpoints), with a conv state in and out and packed (varlen)
+  sequences: a token never sees inputs of another sequence, it sees the sequence's conv state
+  (or zeros) instead.
+* ``GLUMLP`` is a gated MLP with either SiTU-GLU (K3) or SiLU-GLU (SwiGLU) activation.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """L2 norm over the last dim in fp32 (FLA's l2norm uses eps inside the rsqrt)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def situ_glu(
+    gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0
+) -> torch.Tensor:
+    """K3's SiTU-GLU in fp32: [beta tanh(g/beta) sigmoid(g)] * [linear_beta tanh(u/linear_beta)]; |h| <= 100."""
+    g32, u32 = gate.float(), up.float()
+    h = beta * torch.tanh(g32 / beta) * torch.sigmoid(g32) * (linear_beta * torch.tanh(u32 / linear_beta))
+    return h.to(gate.dtype)
+
+
+def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+class GLUMLP(nn.Module):
+    """down_proj(act(gate_proj x, up_proj x)); used for dense layers, shared and routed experts."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "situ", situ_betas=(4.0, 25.0)) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        if act not in ("situ", "silu"):
+            raise ValueError(f"GLU activation must be 'situ' or 'silu', got {act!r}")
+        self.act = act
+        self.situ_betas = tuple(situ_betas)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = self.gate_proj(x), self.up_proj(x)
+        h = situ_glu(g, u, *self.situ_betas) if self.act == "situ" else silu_glu(g, u)
+        return self.down_proj(h)
+
+
+# ---------------------------------------------------------------------------- sequences
+@dataclass
+class SeqLayout:
+    """Where each token sits: its sequence (state row) and its position inside that sequence.
+
+    seq_BT indexes the state rows [N, ...]; pos_BT counts from 0 at each sequence start.
+    For padded input N = B; for packed input (B = 1) N = len(cu_seqlens) - 1.
+    """
+
+    seq_BT: torch.Tensor
+    pos_BT: torch.Tensor
+    bounds: list[tuple[int, int, int]]  # (batch row, start, end) per sequence, in state order
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.bounds)
+
+
+def seq_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> SeqLayout:
+    if cu_seqlens is None:
+        seq_BT = torch.arange(B, device=device)[:, None].expand(B, T)
+        pos_BT = torch.arange(T, device=device)[None, :].expand(B, T)
+        return SeqLayout(seq_BT, pos_BT, [(b, 0, T) for b in range(B)])
+    if B != 1:
+        raise ValueError(f"packed sequences (cu_seqlens) need batch size 1, got {B}")
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in itertools.pairwise(cu)):
+        raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T = {T}, got {cu}")
+    lengths = torch.tensor([b - a for a, b in itertools.pairwise(cu)], device=device)
+    seq_T = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+    starts_T = torch.tensor(cu[:-1], device=device)[seq_T]
+    pos_T = torch.arange(T, device=device) - starts_T
+    return SeqLayout(seq_T[None], pos_T[None], [(0, a, b) for a, b in itertools.pairwise(cu)])
+
+
+class ShortConvolution(nn.Module):
+    """Depthwise causal conv (kernel K) + optional SiLU, with a conv state of the last K-1 inputs.
+
+    conv state layout: [N, C, K-1], oldest input first, matching vLLM's causal_conv1d state.
+    """
+
+    def __init__(self, channels: int, kernel_size: int = 4, activation: str | None = "silu") -> None:
+        super().__init__()
+        self.channels, self.kernel_size = channels, kernel_size
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+        self.activation = activation
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+
+    def forward(
+        self, x_BTC: torch.Tensor, layout: SeqLayout, conv_state_NCW: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (y_BTC, final conv state [N, C, K-1])."""
+        K, W = self.kernel_size, self.kernel_size - 1
+        _B, T, _C = x_BTC.shape
+        w_CK = self.weight[:, 0, :].to(x_BTC.dtype)
+        y_BTC = x_BTC * w_CK[:, K - 1]
+        for j in range(1, K):  # tap j reads the input j steps back
+            shifted_BTC = F.pad(x_BTC, (0, 0, j, 0))[:, :T]
+            inside_BT1 = (layout.pos_BT >= j)[..., None]
+            if conv_state_NCW is not None:
+                idx_BT = (W + layout.pos_BT - j).clamp(min=0, max=max(W - 1, 0))  # masked where inside
+                from_state_BTC = conv_state_NCW.to(x_BTC.dtype)[layout.seq_BT, :, idx_BT]
+                shifted_BTC = torch.where(inside_BT1, shifted_BTC, from_state_BTC)
+            else:
+                shifted_BTC = shifted_BTC * inside_BT1
+            y_BTC = y_BTC + shifted_BTC * w_CK[:, K - 1 - j]
+        if self.activation == "silu":
+            y_BTC = F.silu(y_BTC)
+        return y_BTC, self._final_state(x_BTC, layout, conv_state_NCW)
+
+    def _final_state(self, x_BTC, layout: SeqLayout, conv_state_NCW) -> torch.Tensor:
+        W = self.kernel_size - 1
+        finals = []
+        for n, (b, start, end) in enumerate(layout.bounds):
+            prev_CW = (
+                conv_state_NCW[n].to(x_BTC.dtype)
+                if conv_state_NCW is not None
+                else x_BTC.new_zeros(x_BTC.shape[-1], W)
+            )
+            extended_CL = torch.cat([prev_CW, x_BTC[b, start:end].transpose(0, 1)], dim=1)
+            finals.append(extended_CL[:, -W:] if W > 0 else extended_CL[:, :0])
+        return torch.stack(finals)

@@ -1,0 +1,344 @@
+"""The sparse hybrid causal LM: KDA and gated MLA layers (1-based ``kda_layers`` /
+``full_attn_layers``), dense-then-MoE FFNs, Block Attention Residuals, and an LM head.
+
+Module names follow Kimi Linear's HF/vLLM layout (``model.layers.N.self_attn``,
+``block_sparse_moe`` for MoE layers, ``mlp`` for dense ones, ``input_layernorm``,
+``post_attention_layernorm``, ``model.norm``, ``lm_head``) plus ``attn_res`` / ``mlp_res`` /
+``model.out_res`` for the AttnRes pseudo-queries. Single-device math only: no ranks or meshes.
+
+Forward options the RL stack relies on:
+* ``cu_seqlens`` (input [1, T]): packed varlen sequences; KDA state, conv state and attention never
+  cross a boundary; labels never predict across one.
+* ``routed_experts`` [B*T, num_moe_layers, top_k]: replay the rollout's expert choices (R3);
+  ``output_router_choices=True`` returns the experts used in the same layout.
+* ``target_ids`` [B, T]: returns ``token_logprobs`` = log p(target_ids[t] | tokens <= t).
+* ``past_key_values`` (``HybridCache``) + ``use_cache``: incremental decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import initialization as init
+from transformers.utils import ModelOutput
+
+from model.attnres import AttnResMix
+from model.cache import HybridCache
+from model.config import HybridConfig
+from model.kda import KimiDeltaAttention
+from model.layers import RMSNorm, SeqLayout, ShortConvolution, seq_layout
+from model.mla import GatedMLA
+from model.moe import DenseMLP, MoEGate, SparseMoE
+
+
+@dataclass
+class HybridCausalLMOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None  # [B, T, V]
+    past_key_values: HybridCache | None = None
+    router_choices: torch.Tensor | None = None  # [B*T, num_moe_layers, top_k]
+    token_logprobs: torch.Tensor | None = None  # [B, T], fp32
+    hidden_states: torch.Tensor | None = None  # [B, T, D], final (normed) hidden states
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, config: HybridConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.is_kda = config.is_kda_layer(layer_idx)
+        self.is_moe = config.is_moe_layer(layer_idx)
+        self.self_attn = KimiDeltaAttention(config, layer_idx) if self.is_kda else GatedMLA(config, layer_idx)
+        if self.is_moe:
+            self.block_sparse_moe = SparseMoE(config)
+        else:
+            self.mlp = DenseMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.uses_attn_res:
+            # layer 0's attention reads the embedding directly, so it has no attn_res mix
+            if layer_idx > 0:
+                self.attn_res = AttnResMix(config.hidden_size, eps=config.rms_norm_eps)
+            self.mlp_res = AttnResMix(config.hidden_size, eps=config.rms_norm_eps)
+
+    def attention(self, x_BTD, layout, cu_seqlens, state, return_state):
+        return self.self_attn(self.input_layernorm(x_BTD), layout, cu_seqlens, state, return_state)
+
+    def ffn(self, x_BTD, replay_TK):
+        h = self.post_attention_layernorm(x_BTD)
+        if self.is_moe:
+            return self.block_sparse_moe(h, replay_TK)
+        return self.mlp(h), None
+
+
+@dataclass
+class _Step:
+    """Per-forward context threaded through the layers."""
+
+    layout: SeqLayout
+    cu_seqlens: torch.Tensor | None
+    cache: HybridCache | None
+    use_cache: bool
+    replay_TMK: torch.Tensor | None
+    choices: list[torch.Tensor]
+
+
+class HybridPreTrainedModel(PreTrainedModel):
+    config_class = HybridConfig
+    config: HybridConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = False
+    _no_split_modules: ClassVar[list[str]] = ["HybridDecoderLayer"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, RMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, ShortConvolution):
+            init.kaiming_uniform_(module.weight, a=5**0.5)
+        elif isinstance(module, AttnResMix):
+            init.zeros_(module.query)  # uniform mixing at step 0
+        elif isinstance(module, MoEGate):
+            init.normal_(module.weight, mean=0.0, std=std)
+            init.zeros_(module.e_score_correction_bias)
+        elif isinstance(module, KimiDeltaAttention):
+            A_log, dt_bias = module.A_log.detach().clone(), module.dt_bias.detach().clone()
+            if A_log.device.type != "meta":
+                module.reset_gate_parameters()
+                A_log, dt_bias = module.A_log.detach().clone(), module.dt_bias.detach().clone()
+            init.copy_(module.A_log, A_log)
+            init.copy_(module.dt_bias, dt_bias)
+
+
+class HybridModel(HybridPreTrainedModel):
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(HybridDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.uses_attn_res:
+            self.out_res = AttnResMix(config.hidden_size, eps=config.rms_norm_eps)
+        self.moe_layer_ids = {idx: j for j, idx in enumerate(config.moe_layer_indices)}
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        past_key_values: HybridCache | None = None,
+        use_cache: bool = False,
+        routed_experts: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, HybridCache | None, list[torch.Tensor]]:
+        """Returns (final normed hidden states [B, T, D], cache or None, experts used per MoE layer)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        x_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T, _ = x_BTD.shape
+        if cu_seqlens is not None:
+            cu_seqlens = cu_seqlens.to(device=x_BTD.device, dtype=torch.long)
+        if use_cache and past_key_values is None:
+            past_key_values = HybridCache.empty(len(self.layers))
+        step = _Step(
+            seq_layout(B, T, cu_seqlens, x_BTD.device),
+            cu_seqlens,
+            past_key_values,
+            use_cache,
+            self._check_replay(routed_experts, B * T),
+            [],
+        )
+        if self.config.uses_attn_res:
+            h_BTD = self._forward_attn_res(x_BTD, step)
+        else:
+            h_BTD = self._forward_plain(x_BTD, step)
+        if past_key_values is not None and use_cache:
+            past_key_values.seen_tokens += T
+        return self.norm(h_BTD), past_key_values if use_cache else None, step.choices
+
+    def _check_replay(self, routed: torch.Tensor | None, tokens: int) -> torch.Tensor | None:
+        if routed is None:
+            return None
+        want = (tokens, len(self.moe_layer_ids), self.config.num_experts_per_token)
+        if tuple(routed.shape) != want:
+            raise ValueError(
+                f"routed_experts must be [B*T, num_moe_layers, top_k] = {list(want)}, got {list(routed.shape)}"
+            )
+        return routed
+
+    def _attn(self, layer: HybridDecoderLayer, x_BTD, step: _Step) -> torch.Tensor:
+        i = layer.layer_idx
+        state = step.cache.layers[i] if step.cache is not None else None
+        y_BTD, new_state = layer.attention(x_BTD, step.layout, step.cu_seqlens, state, step.use_cache)
+        if step.use_cache:
+            step.cache.layers[i] = new_state
+        return y_BTD
+
+    def _ffn(self, layer: HybridDecoderLayer, x_BTD, step: _Step) -> torch.Tensor:
+        replay = None
+        if layer.is_moe and step.replay_TMK is not None:
+            replay = step.replay_TMK[:, self.moe_layer_ids[layer.layer_idx]]
+        y_BTD, experts_TK = layer.ffn(x_BTD, replay)
+        if experts_TK is not None:
+            step.choices.append(experts_TK)
+        return y_BTD
+
+    def _forward_plain(self, h_BTD, step: _Step) -> torch.Tensor:
+        for layer in self.layers:
+            h_BTD = h_BTD + self._attn(layer, h_BTD, step)
+            h_BTD = h_BTD + self._ffn(layer, h_BTD, step)
+        return h_BTD
+
+    def _forward_attn_res(self, emb_BTD, step: _Step) -> torch.Tensor:
+        """Block AttnRes wiring (NeMo ``_forward_attn_residual``, FLA ``KDABlock.forward``)."""
+        S = self.config.attn_res_block_size
+        blocks: list[torch.Tensor] = []
+        partial = emb_BTD  # running sum of the current block (the embedding before layer 0)
+        for l, layer in enumerate(self.layers):
+            x_BTD = layer.attn_res([*blocks, partial]) if blocks else partial
+            if l % S == 0:  # close the previous block (the embedding at l = 0)
+                blocks.append(partial)
+                partial = None
+            a_BTD = self._attn(layer, x_BTD, step)
+            partial = a_BTD if partial is None else partial + a_BTD
+            x2_BTD = layer.mlp_res([*blocks, partial])
+            partial = partial + self._ffn(layer, x2_BTD, step)
+        return self.out_res([*blocks, partial])
+
+
+class HybridForCausalLM(HybridPreTrainedModel):
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__(config)
+        self.model = HybridModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        past_key_values: HybridCache | None = None,
+        use_cache: bool = False,
+        labels: torch.Tensor | None = None,
+        target_ids: torch.Tensor | None = None,
+        routed_experts: torch.Tensor | None = None,
+        output_router_choices: bool = False,
+        inputs_embeds: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        **unused,
+    ) -> HybridCausalLMOutput:
+        """``labels`` [B, T]: next-token cross-entropy (-100 ignored, no prediction across packed
+        boundaries). ``target_ids`` [B, T]: per-token log-probs of the given targets at each position.
+        ``logits_to_keep`` > 0 keeps only the last positions' logits (generation)."""
+        if unused:
+            raise TypeError(f"HybridForCausalLM.forward got unexpected arguments {sorted(unused)}")
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError("padding masks are not supported: pack sequences with cu_seqlens instead")
+        h_BTD, cache, choices = self.model(
+            input_ids, cu_seqlens, past_key_values, use_cache, routed_experts, inputs_embeds
+        )
+        kept_BTD = h_BTD[:, -logits_to_keep:] if logits_to_keep else h_BTD
+        logits = self.lm_head(kept_BTD)
+        out = HybridCausalLMOutput(logits=logits, past_key_values=cache, hidden_states=h_BTD)
+        if labels is not None:
+            out.loss = self._next_token_loss(logits, labels, cu_seqlens)
+        if target_ids is not None:
+            out.token_logprobs = token_logprobs(logits, target_ids)
+        if output_router_choices and choices:
+            out.router_choices = torch.stack(choices, dim=1)
+        return out
+
+    @staticmethod
+    def _next_token_loss(logits, labels, cu_seqlens) -> torch.Tensor:
+        targets = labels[:, 1:].clone()
+        if cu_seqlens is not None:  # the last token of a sequence does not predict the next sequence
+            ends = cu_seqlens[1:-1].long() - 1
+            targets[0, ends[ends < targets.shape[1]]] = -100
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 32,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        eos_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+        **unused,
+    ) -> torch.Tensor:
+        """Greedy or temperature sampling with the cache; returns [B, T + new] token ids.
+
+        Rows that emit ``eos_token_id`` keep emitting it (the batch stops when every row has).
+        """
+        if unused:
+            raise TypeError(f"generate got unsupported arguments {sorted(unused)}")
+        if do_sample and temperature <= 0:
+            raise ValueError(f"temperature must be positive when sampling, got {temperature}")
+        out = self(input_ids, use_cache=True, logits_to_keep=1)
+        tokens, finished = (
+            [input_ids],
+            torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device),
+        )
+        for _ in range(max_new_tokens):
+            logits_BV = out.logits[:, -1].float()
+            if do_sample:
+                probs = (logits_BV / temperature).softmax(-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
+            else:
+                nxt = logits_BV.argmax(-1)
+            if eos_token_id is not None:
+                nxt = torch.where(finished, torch.full_like(nxt, eos_token_id), nxt)
+                finished |= nxt == eos_token_id
+            tokens.append(nxt[:, None])
+            if eos_token_id is not None and bool(finished.all()):
+                break
+            out = self(nxt[:, None], past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
+        return torch.cat(tokens, dim=1)
+
+
+def token_logprobs(logits_BTV: torch.Tensor, target_ids_BT: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """log softmax(logits)[target] in fp32, a chunk of positions at a time (bounded memory)."""
+    if logits_BTV.shape[:2] != target_ids_BT.shape:
+        raise ValueError(
+            f"target_ids {tuple(target_ids_BT.shape)} must match logits[:2] {tuple(logits_BTV.shape[:2])}"
+        )
+    out = []
+    for s in range(0, logits_BTV.shape[1], chunk):
+        lg = logits_BTV[:, s : s + chunk].float()
+        tgt = target_ids_BT[:, s : s + chunk].long()
+        out.append(lg.gather(-1, tgt[..., None])[..., 0] - lg.logsumexp(-1))
+    return torch.cat(out, dim=1)
+
+
+AutoModelForCausalLM.register(HybridConfig, HybridForCausalLM, exist_ok=True)

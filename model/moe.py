@@ -1,0 +1,153 @@
+"""Sparse MoE with K3's sigmoid router, shared experts and (optionally) latent experts.
+
+Router (``MoEGate``, DeepSeek/NeMo naming: ``gate.weight``, ``gate.e_score_correction_bias``):
+s = sigmoid(W_r x) in fp32; experts = top-k of (s + b); weights = the *unbiased* s of the chosen
+experts, renormalised (moe_renormalize), times routed_scaling_factor. b is a buffer (no gradient)
+set by ``model.balancing.ExpertBalancer``.
+
+Routing replay (R3): given expert indices [T, k] are used for the selection while the weights are
+still the router's s at those indices, so the router keeps learning.
+
+Stable LatentMoE (K3): z = routed_expert_down_proj(x); u = sum_i p_i E_i(z);
+y = shared_experts(x) + routed_expert_up_proj(RMSNorm(u)). Without routed_expert_hidden_size the
+experts act on x directly (DeepSeek-style).
+
+Experts are a ModuleList of ``GLUMLP`` (nn.Linear projections) so that PEFT LoRA can target them;
+the loop over experts with index_add is the readable single-device reference (grouped GEMMs
+belong in kernels/moe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.balancing import RoutingStats
+from model.config import HybridConfig
+from model.layers import GLUMLP, RMSNorm
+
+
+@dataclass
+class RouterOutput:
+    experts_TK: torch.Tensor  # long, the experts used
+    weights_TK: torch.Tensor  # fp32 routing weights (differentiable w.r.t. the router)
+
+
+class MoEGate(nn.Module):
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_token
+        self.renormalize, self.scaling = config.moe_renormalize, config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+        self.balancing_mode = config.moe_balancing
+        self.balancing_rate = config.moe_balancing_rate
+        self.balancing_bins = config.moe_balancing_bins
+        self.balancing_quantile = config.moe_balancing_quantile
+        self._stats: RoutingStats | None = None
+        nn.init.normal_(self.weight, std=config.initializer_range)
+
+    def set_balancing(self, mode: str, bins: int) -> None:
+        self.balancing_mode, self.balancing_bins, self._stats = mode, bins, None
+
+    def pop_stats(self) -> RoutingStats | None:
+        stats, self._stats = self._stats, None
+        return stats
+
+    def forward(self, x_TD: torch.Tensor, replay_TK: torch.Tensor | None = None) -> RouterOutput:
+        scores_TE = torch.sigmoid(F.linear(x_TD.float(), self.weight.float()))
+        biased_TE = scores_TE.detach() + self.e_score_correction_bias.float()
+        collect = self.training and self.balancing_mode != "frozen"
+        top_vals, top_idx = biased_TE.topk(self.top_k + 1 if collect else self.top_k, dim=-1)
+        experts_TK = top_idx[:, : self.top_k]
+        if replay_TK is not None:
+            experts_TK = self._check_replay(replay_TK, x_TD.shape[0]).to(experts_TK)
+        weights_TK = scores_TE.gather(-1, experts_TK)
+        if self.renormalize:
+            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True).clamp(min=1e-20)
+        weights_TK = weights_TK * self.scaling
+        if collect:
+            self._record(scores_TE, top_vals[:, self.top_k], experts_TK)
+        return RouterOutput(experts_TK, weights_TK)
+
+    def _check_replay(self, replay_TK: torch.Tensor, T: int) -> torch.Tensor:
+        if tuple(replay_TK.shape) != (T, self.top_k):
+            raise ValueError(
+                f"replayed experts must be [T, top_k] = [{T}, {self.top_k}], got {tuple(replay_TK.shape)}"
+            )
+        if bool((replay_TK < 0).any()) or bool((replay_TK >= self.num_experts).any()):
+            raise ValueError(f"replayed expert ids must lie in [0, {self.num_experts})")
+        return replay_TK.long()
+
+    @torch.no_grad()
+    def _record(self, scores_TE, cutoff_T, experts_TK) -> None:
+        if self._stats is None:
+            self._stats = RoutingStats(load_E=torch.zeros(self.num_experts, device=scores_TE.device))
+        bias = self.e_score_correction_bias
+        self._stats.record(self.balancing_mode, scores_TE, cutoff_T, experts_TK, bias, self.balancing_bins)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        d, act = config.hidden_size, config.hidden_act
+        betas = (config.activation_situ_beta, config.activation_situ_linear_beta)
+        self.gate = MoEGate(config)
+        latent = config.routed_expert_hidden_size
+        self.expert_dim = latent or d
+        if latent:
+            self.routed_expert_down_proj = nn.Linear(d, latent, bias=False)
+            self.routed_expert_norm = RMSNorm(latent, eps=config.rms_norm_eps)
+            self.routed_expert_up_proj = nn.Linear(latent, d, bias=False)
+        self.experts = nn.ModuleList(
+            GLUMLP(self.expert_dim, config.moe_intermediate_size, act, betas)
+            for _ in range(config.num_experts)
+        )
+        self.shared_experts = (
+            GLUMLP(d, config.moe_intermediate_size * config.num_shared_experts, act, betas)
+            if config.num_shared_experts
+            else None
+        )
+        self.latent = bool(latent)
+
+    def forward(
+        self, x_BTD: torch.Tensor, replay_TK: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (y_BTD, experts used [B*T, k])."""
+        B, T, D = x_BTD.shape
+        x_TD = x_BTD.reshape(B * T, D)
+        route = self.gate(x_TD, replay_TK)
+        z_TZ = self.routed_expert_down_proj(x_TD) if self.latent else x_TD
+        u_TZ = self._routed(z_TZ, route)
+        y_TD = self.routed_expert_up_proj(self.routed_expert_norm(u_TZ)) if self.latent else u_TZ
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts(x_TD)
+        return y_TD.view(B, T, D), route.experts_TK
+
+    def _routed(self, z_TZ: torch.Tensor, route: RouterOutput) -> torch.Tensor:
+        out_TZ = torch.zeros_like(z_TZ, dtype=torch.float32)
+        flat_experts = route.experts_TK.reshape(-1)
+        order = flat_experts.argsort(stable=True)
+        counts = torch.bincount(flat_experts, minlength=len(self.experts)).tolist()
+        token_of_slot = order // route.experts_TK.shape[1]
+        weight_of_slot = route.weights_TK.reshape(-1)[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok = token_of_slot[start : start + n]
+            h = self.experts[e](z_TZ[tok]).float() * weight_of_slot[start : start + n, None]
+            out_TZ = out_TZ.index_add(0, tok, h)
+            start += n
+        return out_TZ.to(z_TZ.dtype)
+
+
+class DenseMLP(GLUMLP):
+    """The first ``first_k_dense_replace`` layers' FFN (K3: one dense layer)."""
+
+    def __init__(self, config: HybridConfig) -> None:
+        betas = (config.activation_situ_beta, config.activation_situ_linear_beta)
+        super().__init__(config.hidden_size, config.intermediate_size, config.hidden_act, betas)

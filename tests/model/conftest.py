@@ -1,0 +1,9 @@
+"""Fixtures for the model tests."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
