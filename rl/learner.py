@@ -1,0 +1,367 @@
+"""The learner: owns the policy (+ optional value head, reference copy), the optimizer and balancer.
+
+A plain class; ``rl/train.py`` wraps it with ``ray.remote``. Per RL step it receives mini-batches of
+packed micro-batches (``rl/batching.py``), accumulates gradients over the micro-batches of each
+mini-batch, clips, and takes one AdamW step per mini-batch. Every step it also reports the
+rollout/learner logprob mismatch on the sampled tokens (pre-update learner logprobs against the
+engine's): ``mismatch/logprob_abs_mean`` and ``mismatch/kl`` (k3 estimate of KL(rollout || learner)).
+
+Routing replay (R3): a micro-batch's ``routed_experts_TLK`` fixes the experts of the tokens the
+engine recorded; tokens without a record (-1, e.g. prompt tokens) take the learner's own choice from
+a no-grad routing pass first. The gate weights are always recomputed, so the router still learns.
+
+Balancing bias: ``balancer = frozen`` (default) never changes it during RL; ``update`` recomputes it
+after each optimizer step with the model's balancing rule, and the bias ships with the weights
+(it is a buffer of the state dict) at the next sync.
+
+Deviation: with ``ppo_epochs * num_minibatches == 1`` the pre-update logprobs are taken from the
+training forward itself (ratio == 1 exactly), saving a forward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import inspect
+import json
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from rl.config import AlgorithmConfig, LearnerConfig, ModelConfig
+from rl.losses import LossInputs, policy_loss
+from rl.types import TrainBatch
+
+
+@dataclass
+class WeightUpdate:
+    """What a rollout worker needs to load the learner's weights (a directory, not tensors in RPCs)."""
+
+    version: int
+    path: str  # directory: model.safetensors (+ config.json), or adapter_model.safetensors
+    adapter_only: bool = False
+
+
+@dataclass
+class ForwardOut:
+    logprobs_T: torch.Tensor  # log p(input_ids[t] | < t), 0 at sequence starts
+    entropy_T: torch.Tensor | None
+    values_T: torch.Tensor | None
+
+
+def build_model(cfg: ModelConfig):
+    """The policy from ``init_from`` (a checkpoint directory) or a random init of ``arch``."""
+    from model import HybridConfig, HybridForCausalLM
+
+    if cfg.init_from:
+        if not Path(cfg.init_from, "config.json").is_file():
+            raise FileNotFoundError(
+                f"model.init_from={cfg.init_from!r} has no config.json (not a checkpoint dir)"
+            )
+        return HybridForCausalLM.from_pretrained(cfg.init_from, torch_dtype=torch.float32)
+    known = set(inspect.signature(HybridConfig.__init__).parameters) - {"self", "kwargs"}
+    unknown = sorted(set(cfg.arch) - known)
+    if unknown:
+        raise ValueError(f"model.arch has unknown HybridConfig fields {unknown}")
+    torch.manual_seed(cfg.seed)
+    return HybridForCausalLM(HybridConfig(**cfg.arch))
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _checkpoint_layers(model: nn.Module) -> None:
+    """Recompute each decoder layer's attention and FFN in backward instead of storing activations."""
+    for layer in model.model.layers:
+        for name in ("attention", "ffn"):
+            fn = getattr(layer, name)
+            setattr(layer, name, functools.partial(checkpoint, fn, use_reentrant=False))
+
+
+class Learner:
+    def __init__(self, model_cfg: ModelConfig, cfg: LearnerConfig, algo: AlgorithmConfig) -> None:
+        from model import ExpertBalancer
+
+        self.cfg, self.algo = cfg, algo
+        torch.manual_seed(cfg.seed)
+        self.device = _device(cfg.device)
+        self.policy = build_model(model_cfg).to(self.device)
+        self.base_model = self.policy
+        self.balancer = None
+        if self.policy.config.num_experts > 0:
+            mode = "frozen" if cfg.balancer == "frozen" else None  # None: the model's own rule
+            self.balancer = ExpertBalancer(self.policy, mode=mode)
+        self.reference = None
+        if algo.kl_coef > 0 and not cfg.lora.enabled:
+            self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        if cfg.lora.enabled:
+            self.policy = self._wrap_lora(self.policy)
+        if cfg.activation_checkpointing:
+            _checkpoint_layers(self.base_model)
+        hidden = self.base_model.config.hidden_size
+        self.value_head = nn.Linear(hidden, 1).to(self.device) if (algo.vf_coef or 0) > 0 else None
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        if self.value_head is not None:
+            params += list(self.value_head.parameters())
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
+        self.step_count = 0
+        self.version = 0
+
+    # ------------------------------------------------------------------ setup helpers
+    def _wrap_lora(self, model):
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+
+        lc = self.cfg.lora
+        targets = lc.target_modules[0] if lc.target_modules == ["all-linear"] else list(lc.target_modules)
+        peft_cfg = PeftLoraConfig(
+            r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=targets
+        )
+        return get_peft_model(model, peft_cfg)
+
+    def _autocast(self):
+        if self.cfg.dtype == "bfloat16" and self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _lr_scale(self) -> float:
+        w = self.cfg.warmup_steps
+        return min(1.0, (self.step_count + 1) / w) if w > 0 else 1.0
+
+    # ------------------------------------------------------------------ forward
+    def _free_routes(self, model, ids_1T, cu) -> torch.Tensor:
+        with torch.no_grad(), self._autocast():
+            return model(ids_1T, cu_seqlens=cu, output_router_choices=True).router_choices
+
+    def forward(self, batch: TrainBatch, model=None, need_entropy: bool = False) -> ForwardOut:
+        """Learner logprobs of every token given its prefix (per packed sequence), entropy, values."""
+        model = model if model is not None else self.policy
+        ids_1T = batch.input_ids_T.to(self.device)[None]
+        cu = batch.cu_seqlens_N1.to(self.device)
+        routes = None
+        if self.cfg.routing_replay and batch.routed_experts_TLK is not None:
+            routes = batch.routed_experts_TLK.to(self.device)
+            if bool((routes < 0).any()):
+                routes = torch.where(routes >= 0, routes, self._free_routes(model, ids_1T, cu))
+        targets_1T = torch.roll(ids_1T, -1, dims=1)
+        with self._autocast():
+            out = model(ids_1T, cu_seqlens=cu, routed_experts=routes, target_ids=targets_1T)
+        logprobs_T = torch.zeros(ids_1T.shape[1], device=self.device, dtype=torch.float32)
+        logprobs_T = torch.cat([logprobs_T[:1], out.token_logprobs[0, :-1]])
+        starts = torch.zeros_like(logprobs_T, dtype=torch.bool)
+        starts[cu[:-1].long()] = True
+        logprobs_T = torch.where(starts, torch.zeros_like(logprobs_T), logprobs_T)
+        entropy_T = None
+        if need_entropy:  # with grad only when the loss has an entropy term (it costs a [T, V] softmax)
+            with contextlib.nullcontext() if self.algo.entropy_coef > 0 else torch.no_grad():
+                logits_TV = torch.cat([out.logits[0, :1], out.logits[0, :-1]]).float()
+                entropy_T = logits_TV.logsumexp(-1) - (logits_TV.softmax(-1) * logits_TV).sum(-1)
+        values_T = (
+            self.value_head(out.hidden_states[0].float())[:, 0] if self.value_head is not None else None
+        )
+        return ForwardOut(logprobs_T, entropy_T, values_T)
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Learner logprobs [T] without gradient (eval mode): parity checks and diagnostics."""
+        self.policy.eval()
+        return self.forward(batch).logprobs_T.cpu()
+
+    @torch.no_grad()
+    def turn_values(self, batch: TrainBatch) -> list[list[float]]:
+        """Value head at each turn boundary, per sequence: the V_k of turn-level GAE."""
+        if self.value_head is None:
+            raise ValueError("turn_values needs a value head (algorithm.vf_coef > 0)")
+        self.policy.eval()
+        values_T = self.forward(batch).values_T.cpu()
+        return [values_T[(batch.seq_ids_T == i) & batch.value_mask_T].tolist() for i in range(batch.num_seqs)]
+
+    # ------------------------------------------------------------------ RL step
+    def _loss_inputs(self, mb: TrainBatch, fwd: ForwardOut, old_T, old_values_T) -> LossInputs:
+        dev = self.device
+        ref_T = None
+        if self.algo.kl_coef > 0:
+            ref_model = self.reference
+            ctx = self.policy.disable_adapter() if self.cfg.lora.enabled else contextlib.nullcontext()
+            with torch.no_grad(), ctx:
+                ref_T = self.forward(mb, model=ref_model if ref_model is not None else self.policy).logprobs_T
+        return LossInputs(
+            logprobs_T=fwd.logprobs_T, old_logprobs_T=old_T, rollout_logprobs_T=mb.rollout_logprobs_T.to(dev),
+            advantages_T=mb.advantages_T.to(dev), token_weights_T=mb.token_weights_T.to(dev),
+            loss_mask_T=mb.loss_mask_T.to(dev), seq_ids_T=mb.seq_ids_T.to(dev), ref_logprobs_T=ref_T,
+            entropy_T=fwd.entropy_T, values_T=fwd.values_T, old_values_T=old_values_T,
+            value_targets_T=mb.value_targets_T.to(dev), value_weights_T=mb.value_weights_T.to(dev),
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def _pre_update(self, minibatches: list[list[TrainBatch]]) -> dict:
+        """Pre-update logprobs/values of every micro-batch, needed when there are several updates."""
+        self.policy.eval()
+        out = {}
+        for i, mb in enumerate(minibatches):
+            for j, micro in enumerate(mb):
+                f = self.forward(micro)
+                out[i, j] = (f.logprobs_T, f.values_T)
+        return out
+
+    def train_step(self, minibatches: list[list[TrainBatch]]) -> dict[str, float]:
+        """One RL step: ppo_epochs x mini-batches optimizer updates; returns averaged metrics."""
+        updates = self.algo.ppo_epochs * len(minibatches)
+        pre = self._pre_update(minibatches) if updates > 1 else None
+        sums: dict[str, float] = defaultdict(float)
+        mismatch = _MismatchMeter()
+        for epoch in range(self.algo.ppo_epochs):
+            for i, mb in enumerate(minibatches):
+                m = self._update(mb, i, pre, mismatch if epoch == 0 else None)
+                for k, v in m.items():
+                    sums[k] = max(sums[k], v) if k.endswith("_max") else sums[k] + v / updates
+        metrics = dict(sums)
+        metrics.update(mismatch.result())
+        if self.balancer is not None:
+            metrics.update(self.balancer.summarize(self.balancer.step()))
+        self.version += 1
+        metrics["learner/version"] = float(self.version)
+        return metrics
+
+    def _update(self, micro_batches: list[TrainBatch], i: int, pre, mismatch) -> dict[str, float]:
+        self.policy.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        need_entropy = True
+        sums: dict[str, float] = defaultdict(float)
+        for j, micro in enumerate(micro_batches):
+            fwd = self.forward(micro, need_entropy=need_entropy)
+            old_T, old_v = pre[i, j] if pre is not None else (fwd.logprobs_T.detach(), None)
+            if fwd.values_T is not None and old_v is None:
+                old_v = fwd.values_T.detach()
+            if mismatch is not None:
+                mismatch.add(
+                    old_T, micro.rollout_logprobs_T.to(self.device), micro.loss_mask_T.to(self.device)
+                )
+            loss, m = policy_loss(self._loss_inputs(micro, fwd, old_T, old_v), self.algo)
+            loss.backward()
+            for k, v in m.items():
+                sums[k] = max(sums[k], v) if k.endswith("_max") else sums[k] + v
+        sums["grad_norm"] = float(self._clip_and_step())
+        return dict(sums)
+
+    def _clip_and_step(self) -> torch.Tensor:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.cfg.lr * self._lr_scale()
+        self.optimizer.step()
+        self.step_count += 1
+        return norm
+
+    # ------------------------------------------------------------------ SFT step
+    def sft_step(self, micro_batches: list[TrainBatch]) -> dict[str, float]:
+        """Next-token cross-entropy on the loss-masked (assistant) tokens, weights from ``token_weights``."""
+        self.policy.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        nll, correct = 0.0, 0.0
+        for micro in micro_batches:
+            fwd = self.forward(micro)
+            w_T = micro.token_weights_T.to(self.device)
+            loss = -(w_T * fwd.logprobs_T).sum()
+            loss.backward()
+            nll += float(loss.detach())
+            correct += float((w_T * (fwd.logprobs_T.detach() > np.log(0.5)).float()).sum())
+        norm = self._clip_and_step()
+        if self.balancer is not None:
+            self.balancer.step()
+        self.version += 1
+        return {"sft/nll": nll, "sft/p_gt_half": correct, "sft/grad_norm": float(norm)}
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def export_weights(self, out_dir: str) -> WeightUpdate:
+        """Write the current weights for the rollout workers, tagged with the policy version.
+
+        Full weights go out as an HF checkpoint (config.json + model.safetensors, balancer biases
+        included as buffers). With LoRA only the adapter (plus the biases) is written.
+        """
+        path = Path(out_dir) / f"v{self.version:06d}"
+        path.mkdir(parents=True, exist_ok=True)
+        if self.cfg.lora.enabled:
+            self.policy.save_pretrained(str(path))
+            adapter_only = True
+        else:
+            self.base_model.save_pretrained(str(path), safe_serialization=True)
+            adapter_only = False
+        (path / "version.json").write_text(json.dumps({"version": self.version}))
+        return WeightUpdate(self.version, str(path), adapter_only)
+
+    def save_pretrained(self, out_dir: str) -> str:
+        """A standalone HF checkpoint of the (merged, if LoRA) policy: what ``model.init_from`` loads."""
+        model = self.policy.merge_and_unload() if self.cfg.lora.enabled else self.base_model
+        model.save_pretrained(out_dir, safe_serialization=True)
+        if self.cfg.lora.enabled:  # merge_and_unload removed the adapters: wrap a fresh copy again
+            self.policy = self._wrap_lora(model)
+        return out_dir
+
+    def state_dict(self) -> dict:
+        """Everything exact resume needs from the learner: weights, optimizer, balancer, RNG, counters."""
+        return {
+            "policy": self.policy.state_dict(),
+            "value_head": self.value_head.state_dict() if self.value_head is not None else None,
+            "optimizer": self.optimizer.state_dict(),
+            "balancer": self.balancer.state_dict() if self.balancer is not None else None,
+            "step_count": self.step_count,
+            "version": self.version,
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "numpy": np.random.get_state(),
+                "python": random.getstate(),
+            },
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy.load_state_dict(state["policy"])
+        if self.value_head is not None and state["value_head"] is not None:
+            self.value_head.load_state_dict(state["value_head"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.balancer is not None and state["balancer"] is not None:
+            self.balancer.load_state_dict(state["balancer"])
+        self.step_count, self.version = state["step_count"], state["version"]
+        torch.set_rng_state(state["rng"]["torch"])
+        np.random.set_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+
+    def save(self, path: str) -> None:
+        torch.save(self.state_dict(), path)
+
+    def load(self, path: str) -> None:
+        self.load_state_dict(torch.load(path, weights_only=False))
+
+
+class _MismatchMeter:
+    """|logp_learner - logp_rollout| and k3 KL(rollout || learner) over sampled tokens."""
+
+    def __init__(self) -> None:
+        self.abs_sum = self.kl_sum = self.n = 0.0
+        self.abs_max = 0.0
+
+    def add(self, learner_T: torch.Tensor, rollout_T: torch.Tensor, mask_T: torch.Tensor) -> None:
+        d_T = (learner_T.detach() - rollout_T)[mask_T]
+        if d_T.numel() == 0:
+            return
+        self.abs_sum += float(d_T.abs().sum())
+        self.abs_max = max(self.abs_max, float(d_T.abs().max()))
+        self.kl_sum += float((torch.exp(d_T) - d_T - 1).sum())
+        self.n += d_T.numel()
+
+    def result(self) -> dict[str, float]:
+        n = max(self.n, 1)
+        return {"mismatch/logprob_abs_mean": self.abs_sum / n, "mismatch/logprob_abs_max": self.abs_max,
+                "mismatch/kl": self.kl_sum / n, "mismatch/tokens": self.n}  # fmt: skip
