@@ -118,9 +118,15 @@ def _parse_one(body: str, call_id: str, table: dict[str, dict] | None, max_bytes
     if size > max_bytes:
         return ToolCall("", {}, call_id, f"tool call payload too large ({size} bytes, limit {max_bytes})")
     try:
-        obj = json.loads(body)
-    except (json.JSONDecodeError, RecursionError) as e:
-        msg = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+        obj = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        msg = (
+            e.msg
+            if isinstance(e, json.JSONDecodeError)
+            else "nested too deeply"
+            if isinstance(e, RecursionError)
+            else str(e)
+        )
         return ToolCall("", {}, call_id, f"tool call is not valid JSON ({msg})")
     if not isinstance(obj, dict):
         return ToolCall("", {}, call_id, 'tool call must be a JSON object {"name": ..., "arguments": {...}}')
@@ -129,9 +135,9 @@ def _parse_one(body: str, call_id: str, table: dict[str, dict] | None, max_bytes
         return ToolCall("", {}, call_id, 'tool call needs a "name" string')
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
-            return ToolCall(name, {}, call_id, f"arguments string is not valid JSON ({e.msg})")
+            args = json.loads(args, parse_constant=_reject_constant) if args.strip() else {}
+        except (ValueError, RecursionError) as e:
+            return ToolCall(name, {}, call_id, f"arguments string is not valid JSON ({getattr(e, 'msg', e)})")
     if not isinstance(args, dict):
         return ToolCall(name, {}, call_id, f"arguments must be a JSON object, got {_json_type(args)}")
     extra = set(obj) - {"name", "arguments", "id", "type"}
@@ -159,7 +165,13 @@ _TYPES = {
 
 
 def _json_type(v: Any) -> str:
-    return next((t for t, ok in _TYPES.items() if t != "number" and ok(v)), type(v).__name__)
+    if _TYPES["integer"](v):
+        return "integer"
+    return next((t for t, ok in _TYPES.items() if ok(v)), type(v).__name__)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def validate_arguments(value: Any, schema: dict[str, Any], path: str = "arguments") -> str | None:

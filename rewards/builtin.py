@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from envs import protocol
-from envs.types import Episode
+from envs.types import Episode, EpisodeStatus
 from rewards.base import per_turn
 from rewards.math_equiv import equivalent
 
@@ -55,23 +55,25 @@ _CALL_RE = re.compile(
 )
 
 
-def _turn_compliant(text: str, is_last: bool) -> bool:
+def _turn_compliant(text: str, is_last: bool, env_ended: bool) -> bool:
     n_open, n_close = text.count(protocol.TOOL_CALL_START), text.count(protocol.TOOL_CALL_END)
     n_answers = text.count(protocol.ANSWER_START)
     if n_open != n_close or n_open != len(_CALL_RE.findall(text)):
         return False
-    if is_last:
-        return n_open == 0 and n_answers == 1 and protocol.extract_answer(text) is not None
-    return n_open >= 1 and n_answers == 0
+    if n_open:  # a tool-call turn; it may be the last one only when the env ended the episode on it
+        return n_answers == 0 and (not is_last or env_ended)
+    return is_last and n_answers == 1 and protocol.extract_answer(text) is not None
 
 
 def format_compliance(episode: Episode) -> float:
     """Fraction of turns in the expected shape: tool-call turns (balanced tags, no answer) and a
-    last turn with exactly one ``<answer>`` and no calls."""
+    last turn with exactly one ``<answer>`` and no calls (or, when the env ended the episode on a
+    tool call, e.g. a game over, a last tool-call turn)."""
     turns = episode.turns
     if not turns:
         return 0.0
-    ok = [_turn_compliant(t.text, i == len(turns) - 1) for i, t in enumerate(turns)]
+    ended = episode.status == EpisodeStatus.COMPLETED
+    ok = [_turn_compliant(t.text, i == len(turns) - 1, ended) for i, t in enumerate(turns)]
     return sum(ok) / len(ok)
 
 
