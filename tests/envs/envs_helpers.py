@@ -6,7 +6,7 @@ import gymnasium
 
 import envs
 
-FAST_SANDBOX = {"cpu_s": 1, "wall_s": 3.0, "memory_mb": 256, "file_mb": 4, "nproc": 16}
+FAST_SANDBOX = {"cpu_s": 1, "wall_s": 2.0, "memory_mb": 256, "file_mb": 4, "nproc": 16}
 ENV_NAMES = sorted(envs.BUILTIN_ENVS)
 
 
