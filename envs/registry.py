@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
 
 import gymnasium
+from gymnasium.envs.registration import EnvSpec
 
 ENV_GROUP = "longhorizon.envs"
 NAMESPACE = "longhorizon"
@@ -109,12 +111,16 @@ def resolve_env(spec: str | type | Callable[..., Any]) -> Callable[..., Any] | s
 
 def make(spec: str | type | Callable[..., Any], **kwargs: Any) -> Any:
     """Build an env from any of the names above; returns the unwrapped env (``.expert_action()``
-    etc. are reachable). Keyword arguments go to the env's constructor."""
+    etc. are reachable) with ``env.spec`` set. Keyword arguments go to the env's constructor."""
     register_builtins()
     target = resolve_env(spec)
     if isinstance(target, str):
         return gymnasium.make(target, **kwargs).unwrapped
-    env = target(**kwargs)
+    if inspect.isclass(target) and not issubclass(target, gymnasium.Env):
+        raise TypeError(f"env spec {spec!r} names {target.__name__}, which is not a gymnasium.Env subclass")
+    name = spec if isinstance(spec, str) and ":" not in spec else getattr(target, "__name__", "Plugin")
+    env_spec = EnvSpec(id=gym_id(name), entry_point=target, disable_env_checker=True)
+    env = gymnasium.make(env_spec, **kwargs).unwrapped
     if not isinstance(env, gymnasium.Env):
         raise TypeError(f"env spec {spec!r} built a {type(env).__name__}, not a gymnasium.Env")
     return env
