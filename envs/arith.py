@@ -6,7 +6,9 @@ Values are exact ``Fraction``s; sizes are bounded so a model cannot make a tool 
 from __future__ import annotations
 
 import ast
+import math
 import operator
+import re
 from fractions import Fraction
 
 from envs.base import ToolError
@@ -41,6 +43,8 @@ def _eval(node: ast.AST) -> Fraction:
         and isinstance(node.value, int | float)
         and not isinstance(node.value, bool)
     ):
+        if not math.isfinite(node.value) or abs(node.value) > MAX_ABS:
+            raise ToolError("number too large")
         return Fraction(node.value)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
         v = _eval(node.operand)
@@ -65,17 +69,28 @@ def format_number(v: Fraction) -> str:
     return f"{float(v):.6f}".rstrip("0").rstrip(".")
 
 
+_HUGE_EXPONENT = re.compile(r"[eE][+-]?\d{4,}")
+
+
 def parse_number(text: str | None) -> Fraction | None:
-    """A number written by a model ("1,234", "-7", "2.5", "3/4"), or None."""
+    """A number written by a model ("1,234", "-7", "2.5", "3/4", "1e5"), or None. Exponents beyond
+    999 and very long strings are refused: ``Fraction("1e999999999")`` would build a huge integer."""
     if text is None:
         return None
     t = text.strip().replace(",", "").rstrip(".")
+    if len(t) > 100 or _HUGE_EXPONENT.search(t):
+        return None
     try:
         return Fraction(t)
     except (ValueError, ZeroDivisionError):
         return None
 
 
+def numbers_close(a: Fraction, b: Fraction, tol: float = 1e-6) -> bool:
+    """|a - b| <= tol * max(1, |b|), exactly (no float overflow on big values)."""
+    return abs(a - b) <= Fraction(tol) * max(Fraction(1), abs(b))
+
+
 def numbers_match(answer: str | None, target: str, tol: float = 1e-6) -> bool:
     a, b = parse_number(answer), parse_number(target)
-    return a is not None and b is not None and abs(float(a - b)) <= tol * max(1.0, abs(float(b)))
+    return a is not None and b is not None and numbers_close(a, b, tol)

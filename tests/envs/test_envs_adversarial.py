@@ -66,6 +66,7 @@ CALC_CASES = [
     Case("nan_argument", "Calculator", raw('{"name": "calculator", "arguments": {"expression": NaN}}'), "NaN"),
     Case("power_tower", "Calculator", calc("9**9**9"), "exponent"),
     Case("huge_product", "Calculator", calc("99999999999**2*99999999999**2*99999999999"), "too large"),
+    Case("huge_literal", "Calculator", calc("1e999 * 2"), "too large"),
     Case("division_by_zero", "Calculator", calc("1/0"), "division by zero"),
     Case("code_injection", "Calculator", calc("__import__('os').system('touch /tmp/pwned')"), "unsupported syntax"),
     Case("garbage_expression", "Calculator", calc("1 +* 2 ☃"), "cannot parse"),

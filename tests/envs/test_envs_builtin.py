@@ -126,6 +126,16 @@ def test_wrong_answers_score_zero_in_env_and_reward(name):
     assert ep.info["solved"] is False and ep.env_reward == 0.0 and rubric(ep) == 0.0
 
 
+@pytest.mark.parametrize("answer", ["1e99999999999", "9" * 5000, "9**9**9**9", "\x00", "<answer>"])
+def test_hostile_final_answers_score_zero_quickly(answer):
+    for name in ("Calculator", "Countdown", "NeedleHaystack"):
+        env = make_env(name)
+        env.reset(seed=0)
+        t0 = time.monotonic()
+        r = env.step(protocol.format_answer(answer))
+        assert r.terminated and r.reward == 0.0 and time.monotonic() - t0 < 1.0
+
+
 def test_chat_message_actions_match_text_actions():
     a, b = make_env("Calculator"), make_env("Calculator")
     a.reset(seed=1)
