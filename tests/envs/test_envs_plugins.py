@@ -94,3 +94,14 @@ def test_unknown_plugin_names_fail_clearly():
         envs.make("test_envs_plugins:Missing")
     with pytest.raises(TypeError, match=r"not a gymnasium\.Env"):
         envs.make("envs.base:Task")
+
+
+def test_pyproject_entry_points_list_exactly_the_builtins():
+    import tomllib
+    from pathlib import Path
+
+    from rewards import BUILTIN_REWARDS
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["longhorizon.envs"] == envs.BUILTIN_ENVS
+    assert project["entry-points"]["longhorizon.rewards"] == BUILTIN_REWARDS
