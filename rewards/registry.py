@@ -77,7 +77,8 @@ def build_rubric(
                 f"rubric term {term!r}: needs 'reward', may have weight/name/params; got {sorted(cfg)}"
             )
         spec = cfg["reward"]
-        name = cfg.get("name") or (spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec)))
+        default = spec.split(":")[-1] if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
+        name = cfg.get("name") or default
         fn = load_reward(spec, **dict(cfg.get("params") or {}))
         built.append(RubricTerm(str(name), fn, float(cfg.get("weight", 1.0))))
     return Rubric(built, truncated_reward=truncated_reward, error_reward=error_reward)

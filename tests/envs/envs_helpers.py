@@ -1,7 +1,5 @@
 """Shared helpers for tests/envs: fast sandbox limits and env construction."""
 
-import warnings
-
 import gymnasium
 
 import envs
@@ -14,11 +12,3 @@ def make_env(name: str, **kwargs):
     if name == "Python":
         kwargs.setdefault("sandbox_limits", FAST_SANDBOX)
     return gymnasium.make(f"longhorizon/{name}-v0", **kwargs).unwrapped
-
-
-def strict_warnings():
-    """A context in which gymnasium's checker warnings fail the test."""
-    ctx = warnings.catch_warnings()
-    ctx.__enter__()
-    warnings.simplefilter("error")
-    return ctx
