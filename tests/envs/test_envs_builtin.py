@@ -234,3 +234,15 @@ def test_gymnasium_make_without_importing_envs_first():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_sandboxed_tool_calls_of_many_episodes_run_concurrently():
+    group = [make_env("Python") for _ in range(4)]
+    for i, e in enumerate(group):
+        e.reset(seed=i)
+    action = protocol.format_tool_call("python", {"code": "import time\ntime.sleep(1.0)\nprint('done')"})
+    t0 = time.monotonic()
+    results = step_concurrently(group, [action] * 4)
+    elapsed = time.monotonic() - t0
+    assert [r.obs["messages"][0]["content"] for r in results] == ["done"] * 4
+    assert elapsed < 3.0, f"4 x 1 s sandbox runs took {elapsed:.1f} s: not concurrent"
