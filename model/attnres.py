@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.layers import RMSNorm
+from model.layers import RMSNorm, f32
 
 
 class AttnResMix(nn.Module):
@@ -29,6 +29,6 @@ class AttnResMix(nn.Module):
         if len(sources) == 1:
             return sources[0]
         v_SBTD = torch.stack(sources)
-        logits_SBT = (self.norm(v_SBTD).float() * self.query.float()).sum(-1)
+        logits_SBT = (f32(self.norm(v_SBTD)) * f32(self.query)).sum(-1)
         a_SBT = logits_SBT.softmax(dim=0)
-        return (a_SBT[..., None] * v_SBTD.float()).sum(0).to(v_SBTD.dtype)
+        return (a_SBT[..., None] * f32(v_SBTD)).sum(0).to(v_SBTD.dtype)

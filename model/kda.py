@@ -23,13 +23,13 @@ from torch import nn
 
 from model.cache import KDAState
 from model.config import HybridConfig
-from model.layers import RMSNorm, SeqLayout, ShortConvolution, l2_normalize
+from model.layers import RMSNorm, SeqLayout, ShortConvolution, f32, l2_normalize
 
 
 def kda_gate(z: torch.Tensor, A_log_H: torch.Tensor, kind: str, lower_bound: float) -> torch.Tensor:
     """Per-channel log-decay from decay logits z [..., H, D] in fp32."""
-    z32 = z.float()
-    A_H1 = A_log_H.float().exp()[:, None]
+    z32 = f32(z)
+    A_H1 = f32(A_log_H).exp()[:, None]
     if kind == "bounded":
         return lower_bound * torch.sigmoid(A_H1 * z32)
     if kind == "unbounded":
@@ -76,7 +76,7 @@ class KimiDeltaAttention(nn.Module):
     def log_decay(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """g [B, T, H, D] in fp32."""
         B, T, _ = x_BTD.shape
-        z = self.f_b_proj(self.f_a_proj(x_BTD)).float() + self.dt_bias.float()
+        z = f32(self.f_b_proj(self.f_a_proj(x_BTD))) + f32(self.dt_bias)
         return kda_gate(
             z.view(B, T, self.num_heads, self.head_dim), self.A_log, self.gate_kind, self.lower_bound
         )
@@ -97,7 +97,7 @@ class KimiDeltaAttention(nn.Module):
         q_BTHK = l2_normalize(q.view(B, T, H, Dh))
         k_BTHK = l2_normalize(k.view(B, T, H, Dh))
         v_BTHV = v.view(B, T, H, Dh)
-        beta_BTH = torch.sigmoid(self.b_proj(x_BTD).float())
+        beta_BTH = torch.sigmoid(f32(self.b_proj(x_BTD)))
         g_BTHK = self.log_decay(x_BTD)
         o_BTHV, final_NHKV = self._kernel(T, state)(
             q_BTHK,

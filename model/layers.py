@@ -18,6 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def f32(x: torch.Tensor) -> torch.Tensor:
+    """Upcast to at least fp32 (fp64 stays fp64, so float64 equivalence tests stay tight)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -25,14 +30,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = f32(x)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
+        return (x32 * f32(self.weight)).to(x.dtype)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """L2 norm over the last dim in fp32 (FLA's l2norm uses eps inside the rsqrt)."""
-    x32 = x.float()
+    x32 = f32(x)
     return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
@@ -40,7 +45,7 @@ def situ_glu(
     gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0
 ) -> torch.Tensor:
     """K3's SiTU-GLU in fp32: [beta tanh(g/beta) sigmoid(g)] * [linear_beta tanh(u/linear_beta)]; |h| <= 100."""
-    g32, u32 = gate.float(), up.float()
+    g32, u32 = f32(gate), f32(up)
     h = beta * torch.tanh(g32 / beta) * torch.sigmoid(g32) * (linear_beta * torch.tanh(u32 / linear_beta))
     return h.to(gate.dtype)
 

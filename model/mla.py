@@ -21,7 +21,7 @@ from torch import nn
 
 from model.cache import MLAState
 from model.config import HybridConfig
-from model.layers import RMSNorm, SeqLayout
+from model.layers import RMSNorm, SeqLayout, f32
 
 
 class GatedMLA(nn.Module):
@@ -130,7 +130,7 @@ class GatedMLA(nn.Module):
             scores_HTS = torch.einsum("thr,sr->hts", q_lat_BTHR[b, start:end], c_kv[b, start:kv_end])
             scores_HTS = scores_HTS + torch.einsum("thp,sp->hts", q_pe[b, start:end], k_pe[b, start:kv_end])
             mask_TS = _causal_mask(end - start, past, c_kv.device)
-            scores_HTS = (scores_HTS.float() * self.scale).masked_fill(~mask_TS, float("-inf"))
+            scores_HTS = (f32(scores_HTS) * self.scale).masked_fill(~mask_TS, float("-inf"))
             p_HTS = scores_HTS.softmax(-1).to(c_kv.dtype)
             lat_THR = torch.einsum("hts,sr->thr", p_HTS, c_kv[b, start:kv_end])
             outs.append((b, start, end, torch.einsum("thr,hvr->thv", lat_THR, w_uv_HVR)))

@@ -31,7 +31,7 @@ from model.attnres import AttnResMix
 from model.cache import HybridCache
 from model.config import HybridConfig
 from model.kda import KimiDeltaAttention
-from model.layers import RMSNorm, SeqLayout, ShortConvolution, seq_layout
+from model.layers import RMSNorm, SeqLayout, ShortConvolution, f32, seq_layout
 from model.mla import GatedMLA
 from model.moe import DenseMLP, MoEGate, SparseMoE
 
@@ -284,7 +284,7 @@ class HybridForCausalLM(HybridPreTrainedModel):
         if cu_seqlens is not None:  # the last token of a sequence does not predict the next sequence
             ends = cu_seqlens[1:-1].long() - 1
             targets[0, ends[ends < targets.shape[1]]] = -100
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        return F.cross_entropy(f32(logits[:, :-1].flatten(0, 1)), targets.flatten(), ignore_index=-100)
 
     @torch.no_grad()
     def generate(
@@ -311,7 +311,7 @@ class HybridForCausalLM(HybridPreTrainedModel):
             torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device),
         )
         for _ in range(max_new_tokens):
-            logits_BV = out.logits[:, -1].float()
+            logits_BV = f32(out.logits[:, -1])
             if do_sample:
                 probs = (logits_BV / temperature).softmax(-1)
                 nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
@@ -335,7 +335,7 @@ def token_logprobs(logits_BTV: torch.Tensor, target_ids_BT: torch.Tensor, chunk:
         )
     out = []
     for s in range(0, logits_BTV.shape[1], chunk):
-        lg = logits_BTV[:, s : s + chunk].float()
+        lg = f32(logits_BTV[:, s : s + chunk])
         tgt = target_ids_BT[:, s : s + chunk].long()
         out.append(lg.gather(-1, tgt[..., None])[..., 0] - lg.logsumexp(-1))
     return torch.cat(out, dim=1)

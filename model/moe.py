@@ -27,7 +27,7 @@ from torch import nn
 
 from model.balancing import RoutingStats
 from model.config import HybridConfig
-from model.layers import GLUMLP, RMSNorm
+from model.layers import GLUMLP, RMSNorm, f32
 
 
 @dataclass
@@ -58,8 +58,8 @@ class MoEGate(nn.Module):
         return stats
 
     def forward(self, x_TD: torch.Tensor, replay_TK: torch.Tensor | None = None) -> RouterOutput:
-        scores_TE = torch.sigmoid(F.linear(x_TD.float(), self.weight.float()))
-        biased_TE = scores_TE.detach() + self.e_score_correction_bias.float()
+        scores_TE = torch.sigmoid(F.linear(f32(x_TD), f32(self.weight)))
+        biased_TE = scores_TE.detach() + self.e_score_correction_bias.to(scores_TE.dtype)
         collect = self.training and self.balancing_mode != "frozen"
         top_vals, top_idx = biased_TE.topk(self.top_k + 1 if collect else self.top_k, dim=-1)
         experts_TK = top_idx[:, : self.top_k]
@@ -128,7 +128,7 @@ class SparseMoE(nn.Module):
         return y_TD.view(B, T, D), route.experts_TK
 
     def _routed(self, z_TZ: torch.Tensor, route: RouterOutput) -> torch.Tensor:
-        out_TZ = torch.zeros_like(z_TZ, dtype=torch.float32)
+        out_TZ = torch.zeros_like(f32(z_TZ))
         flat_experts = route.experts_TK.reshape(-1)
         order = flat_experts.argsort(stable=True)
         counts = torch.bincount(flat_experts, minlength=len(self.experts)).tolist()
@@ -139,7 +139,7 @@ class SparseMoE(nn.Module):
             if n == 0:
                 continue
             tok = token_of_slot[start : start + n]
-            h = self.experts[e](z_TZ[tok]).float() * weight_of_slot[start : start + n, None]
+            h = f32(self.experts[e](z_TZ[tok])) * weight_of_slot[start : start + n, None]
             out_TZ = out_TZ.index_add(0, tok, h)
             start += n
         return out_TZ.to(z_TZ.dtype)

@@ -1,0 +1,23 @@
+"""Which projections LoRA adapters go on (PEFT ``target_modules``).
+
+Attention (MLA), KDA and expert projections are all plain ``nn.Linear`` modules, so PEFT's LoRA
+wraps them directly; the router (``MoEGate``), the short convolutions, the norms and the decay
+parameters (A_log, dt_bias) stay frozen-base (they are not Linear layers). PEFT matches a target
+name against the end of each module path, so "up_proj" does not catch "routed_expert_up_proj".
+"""
+
+from __future__ import annotations
+
+ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "g_proj", "o_proj")
+KDA = ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj", "o_proj")
+EXPERTS = ("gate_proj", "up_proj", "down_proj")
+LATENT = ("routed_expert_down_proj", "routed_expert_up_proj")
+
+
+def lora_target_modules(attention: bool = True, kda: bool = True, experts: bool = True) -> list[str]:
+    """Module-name suffixes for ``peft.LoraConfig(target_modules=...)``."""
+    names: list[str] = []
+    for on, group in ((attention, ATTENTION), (kda, KDA), (experts, EXPERTS + LATENT)):
+        if on:
+            names += [n for n in group if n not in names]
+    return names

@@ -1,0 +1,79 @@
+"""MoE: router math, replay, SiTU-GLU, expert loop against a per-token reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_cases import tiny_config
+
+from model.layers import situ_glu
+from model.moe import MoEGate, SparseMoE
+
+
+def test_router_selects_with_bias_but_weighs_with_unbiased_scores():
+    config = tiny_config(num_experts=8, num_experts_per_token=2, routed_scaling_factor=2.5)
+    gate = MoEGate(config).eval()
+    x = torch.randn(10, 64)
+    with torch.no_grad():
+        gate.e_score_correction_bias[3] = 10.0  # forces expert 3 into every token's top-2
+    route = gate(x)
+    scores = torch.sigmoid(x @ gate.weight.detach().T)
+    assert bool((route.experts_TK == 3).any(-1).all())
+    chosen = scores.gather(-1, route.experts_TK)
+    torch.testing.assert_close(route.weights_TK, 2.5 * chosen / chosen.sum(-1, keepdim=True))
+    assert route.weights_TK.dtype == torch.float32
+
+
+def test_no_renormalize_keeps_raw_scores():
+    gate = MoEGate(tiny_config(moe_renormalize=False)).eval()
+    x = torch.randn(5, 64)
+    route = gate(x)
+    scores = torch.sigmoid(x @ gate.weight.detach().T)
+    torch.testing.assert_close(route.weights_TK, scores.gather(-1, route.experts_TK))
+    torch.testing.assert_close(route.experts_TK, scores.topk(2, -1).indices)
+
+
+def test_replay_uses_given_experts_and_router_still_learns():
+    moe = SparseMoE(tiny_config()).train()
+    x = torch.randn(1, 6, 64)
+    given = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7], [7, 0], [1, 6]])
+    y, used = moe(x, replay_TK=given)
+    assert torch.equal(used, given)
+    y.sum().backward()
+    assert moe.gate.weight.grad is not None and float(moe.gate.weight.grad.abs().sum()) > 0
+    assert moe.experts[5].down_proj.weight.grad is not None  # replayed expert 5 ran
+    with pytest.raises(ValueError, match="top_k"):
+        moe(x, replay_TK=given[:, :1])
+    with pytest.raises(ValueError, match="expert ids"):
+        moe(x, replay_TK=given + 8)
+
+
+def reference_moe(moe: SparseMoE, x_TD: torch.Tensor) -> torch.Tensor:
+    """Token by token, expert by expert, straight from the formulas."""
+    route = moe.gate(x_TD)
+    rows = []
+    for t in range(x_TD.shape[0]):
+        z = moe.routed_expert_down_proj(x_TD[t]) if moe.latent else x_TD[t]
+        u = sum(route.weights_TK[t, j] * moe.experts[int(e)](z) for j, e in enumerate(route.experts_TK[t]))
+        y = moe.routed_expert_up_proj(moe.routed_expert_norm(u)) if moe.latent else u
+        rows.append(y + moe.shared_experts(x_TD[t]))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("latent, act", [(None, "situ"), (32, "situ"), (32, "silu")])
+def test_moe_matches_per_token_reference(latent, act):
+    moe = SparseMoE(tiny_config(routed_expert_hidden_size=latent, hidden_act=act)).double().eval()
+    x = torch.randn(2, 5, 64, dtype=torch.float64)
+    y, _ = moe(x)
+    torch.testing.assert_close(y.view(10, 64), reference_moe(moe, x.view(10, 64)), rtol=1e-10, atol=1e-12)
+
+
+def test_situ_glu_formula_and_bound():
+    g, u = torch.randn(1000) * 30, torch.randn(1000) * 300
+    h = situ_glu(g, u)
+    torch.testing.assert_close(h, 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25))
+    assert float(h.abs().max()) <= 100.0
+    small_g, small_u = torch.randn(10) * 1e-3, torch.randn(10) * 1e-3
+    swiglu = torch.nn.functional.silu(small_g) * small_u  # SiTU == SwiGLU to first order near 0
+    torch.testing.assert_close(situ_glu(small_g, small_u), swiglu, rtol=1e-2, atol=1e-9)
+    assert situ_glu(g.bfloat16(), u.bfloat16()).dtype == torch.bfloat16
