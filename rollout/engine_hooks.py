@@ -1,0 +1,103 @@
+"""Functions that run inside vLLM's model-runner process (sent with ``collective_rpc``).
+
+They are module-level so they pickle by reference when the engine core is another process
+(``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` is then needed for callables).
+
+``install_step_recorder`` wraps the model runner so that after every real forward it knows, per
+request, how many tokens were computed and which experts each token was routed to. Tokens of a
+step are laid out request by request in the runner's ``input_batch.req_ids`` order, with
+``scheduler_output.num_scheduled_tokens[req_id]`` tokens each; that is how the flat
+``last_routed_experts_TLK`` of our model is split per request. The recorder is the ground truth
+for "prefill tokens actually computed" in the reuse benchmark, for every caching mode alike.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class RequestRecord:
+    """What the engine computed for one (internal) request id since the last fetch."""
+
+    num_computed_tokens: int = 0
+    positions: list[np.ndarray] = field(default_factory=list)  # [n] absolute positions per step
+    routed: list[np.ndarray] = field(default_factory=list)  # [n, L, K] int16 per step
+
+
+class StepRecorder:
+    def __init__(self) -> None:
+        self.records: dict[str, RequestRecord] = defaultdict(RequestRecord)
+        self.scheduler_output = None
+
+    def record(self, runner, positions: torch.Tensor | None, routed_TLK: torch.Tensor | None) -> None:
+        sched = self.scheduler_output
+        if sched is None:  # a dummy / profiling forward
+            return
+        offset = 0
+        req_ids = runner.input_batch.req_ids
+        pos_np = positions.cpu().numpy() if positions is not None else None
+        routed_np = routed_TLK.to(torch.int16).cpu().numpy() if routed_TLK is not None else None
+        for req_id in req_ids:
+            n = int(sched.num_scheduled_tokens.get(req_id, 0))
+            if n == 0:
+                continue
+            rec = self.records[req_id]
+            rec.num_computed_tokens += n
+            if pos_np is not None:
+                rec.positions.append(pos_np[offset : offset + n].copy())
+                if routed_np is not None:
+                    rec.routed.append(routed_np[offset : offset + n])
+            offset += n
+
+    def pop(self, req_id: str) -> RequestRecord:
+        return self.records.pop(req_id, RequestRecord())
+
+
+def install_step_recorder(worker) -> bool:
+    runner = worker.model_runner
+    if getattr(runner, "_lh_recorder", None) is not None:
+        return True
+    recorder = StepRecorder()
+    runner._lh_recorder = recorder
+    orig_execute, orig_forward = runner.execute_model, runner._model_forward
+
+    def execute_model(scheduler_output, *args, **kwargs):
+        recorder.scheduler_output = scheduler_output
+        try:
+            return orig_execute(scheduler_output, *args, **kwargs)
+        finally:
+            recorder.scheduler_output = None
+
+    def _model_forward(*args, **kwargs):
+        out = orig_forward(*args, **kwargs)
+        model = runner.get_model()
+        recorder.record(runner, kwargs.get("positions"), getattr(model, "last_routed_experts_TLK", None))
+        return out
+
+    runner.execute_model = execute_model
+    runner._model_forward = _model_forward
+    return True
+
+
+def pop_request_records(worker, req_ids: list[str]) -> dict[str, RequestRecord]:
+    recorder: StepRecorder = worker.model_runner._lh_recorder
+    return {r: recorder.pop(r) for r in req_ids}
+
+
+def load_weights_inplace(worker, path: str) -> int:
+    """Copy the tensors of a safetensors file into the running model; returns how many were copied."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    loaded = worker.model_runner.get_model().load_weights(tensors.items())
+    return len(loaded & set(tensors))
+
+
+def load_state_dict_inplace(worker, state_dict: dict[str, torch.Tensor]) -> int:
+    loaded = worker.model_runner.get_model().load_weights(state_dict.items())
+    return len(loaded & set(state_dict))

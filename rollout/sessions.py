@@ -1,0 +1,91 @@
+"""Engine-level plumbing for requests that stay alive between turns (vLLM streaming-input sessions).
+
+vLLM 0.32's ``AsyncLLM.generate`` accepts a stream of inputs for one request: the request is
+``resumable``, so when a turn stops the scheduler parks it (``WAITING_FOR_STREAMING_REQ``) with its
+KV blocks and its recurrent-state slot intact, and the next input chunk is appended and prefilled
+alone. ``SessionEngine`` drives the same mechanism on the synchronous in-process ``LLMEngine``
+(what ``AsyncLLM._add_streaming_input_request`` does, without an event loop), so a rollout worker
+can be a plain class and a Ray actor alike.
+
+Facts of the mechanism this code relies on (vllm/v1/core/sched/scheduler.py
+``_update_request_as_session``): the token sampled last in a turn has not been fed through the
+model and is dropped when the next chunk arrives, so the next chunk starts with it; outputs of a
+resumable request are never ``finished``, a turn ends when its ``finish_reason`` is set.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+
+
+class SessionEngine:
+    """add_request / add_chunk / close on a ``vllm.LLMEngine``; ``step`` returns RequestOutputs."""
+
+    def __init__(self, llm_engine) -> None:
+        self.engine = llm_engine
+        self._tasks = llm_engine.get_supported_tasks()
+
+    def _prompt(self, token_ids: list[int], cache_salt: str | None) -> TokensPrompt:
+        prompt = TokensPrompt(prompt_token_ids=list(token_ids))  # vLLM extends prompt lists in place
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
+        return prompt
+
+    def add_request(
+        self, external_id: str, token_ids: list[int], params: SamplingParams, resumable: bool, cache_salt=None
+    ) -> str:
+        """Start a request; returns vLLM's internal request id."""
+        if not resumable:
+            return self.engine.add_request(external_id, self._prompt(token_ids, cache_salt), params)
+        proc = self.engine.input_processor
+        req = proc.process_inputs(
+            external_id,
+            self._prompt(token_ids, cache_salt),
+            params,
+            supported_tasks=self._tasks,
+            resumable=True,
+        )
+        proc.assign_request_id(req)
+        self._submit(req)
+        return req.request_id
+
+    def add_chunk(
+        self,
+        external_id: str,
+        internal_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        cache_salt=None,
+    ) -> None:
+        """Append the next input chunk to a parked resumable request."""
+        proc = self.engine.input_processor
+        req = proc.process_inputs(
+            internal_id,
+            self._prompt(token_ids, cache_salt),
+            params,
+            supported_tasks=self._tasks,
+            resumable=True,
+        )
+        req.external_req_id = external_id
+        self._submit(req)
+
+    def _submit(self, req) -> None:
+        # In-process engines share objects with the output processor: both extend the session's
+        # prompt list on resume, so each side gets its own list (a separate engine process gets a
+        # copy by serialisation anyway).
+        self.engine.output_processor.add_request(req, None, None, 0)
+        core_req = msgspec.structs.replace(req, prompt_token_ids=list(req.prompt_token_ids))
+        self.engine.engine_core.add_request(core_req)
+
+    def close(self, internal_ids: list[str]) -> None:
+        """End requests (parked sessions included); frees their KV blocks and state slots."""
+        if internal_ids:
+            self.engine.abort_request(list(internal_ids), internal=True)
+
+    def step(self):
+        return self.engine.step()
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished_requests()

@@ -1,0 +1,148 @@
+"""Our KDA and gated-MLA layers inside vLLM's paged state, computing with the learner's own modules.
+
+* ``KDAStateLayer`` is a vLLM ``MambaBase`` recurrent-state layer. It reuses vLLM's gated-delta-net
+  attention metadata (``mamba_type`` GDN_ATTN: decodes first, then prefills, per-request state slots,
+  ``has_initial_state``) but computes with ``model.kda.KimiDeltaAttention`` itself (its projections,
+  gate, short convs and the ``kernels.kda`` chunked / recurrent kernels), so rollout and learner
+  run the same code. Per slot it keeps four states: the q, k and v conv states [C, K-1] (the layout
+  of ``model.layers.ShortConvolution``) and the fp32 recurrent state [H, K, V].
+* ``MLAPagedAttention`` runs ``model.mla.GatedMLA``'s projections and vLLM's paged attention in the
+  expanded per-head form: K = [k_nope_h ; k_pe] and V = v_h per head, zero-padded to a CPU paged
+  attention head size. Zero padding changes no dot product and the padded V columns are dropped, so
+  this is the same function as the learner's expanded SDPA. Deviation from the latent-cache form:
+  the cache holds H * 2 * head_size values per token instead of kv_lora_rank + rope; vLLM's CPU MLA
+  backend cannot share a block size with recurrent layers and is only ~1e-2 accurate (see
+  /work/shared/reference/vllm-cpu.md), so on CPU this is the form that works exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.config import get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from model.cache import KDAState
+from model.layers import seq_layout
+
+
+def kda_state_shapes(config) -> tuple[tuple[int, ...], ...]:
+    lac = config.linear_attn_config
+    H, D, K = int(lac["num_heads"]), int(lac["head_dim"]), int(lac["short_conv_kernel_size"])
+    conv = (H * D, K - 1)
+    return (conv, conv, conv, (H, D, D))
+
+
+def kda_state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    return (model_dtype, model_dtype, model_dtype, torch.float32)
+
+
+def kda_state_copy_funcs():
+    """Align-mode prefix caching copies whole per-slot states; all four are copied verbatim."""
+    return (get_temporal_copy_spec,) * 4
+
+
+class KDAStateLayer(nn.Module, MambaBase):
+    """vLLM-facing wrapper: state slots in vLLM's pages, math in the learner's KDA module."""
+
+    def __init__(self, kda: nn.Module, config, prefix: str) -> None:
+        super().__init__()
+        self._kda = [kda]  # a plain reference: the parameters stay registered under the HF module tree
+        self.config = config
+        self.prefix = prefix
+        vllm_config = get_current_vllm_config()
+        self.model_dtype = vllm_config.model_config.dtype
+        ctx = vllm_config.compilation_config.static_forward_context
+        if prefix in ctx:
+            raise ValueError(f"duplicate layer name {prefix}")
+        ctx[prefix] = self
+        self.kv_cache = (torch.tensor([]),)
+
+    # --- MambaBase contract ---------------------------------------------------------------------------
+    def get_state_shape(self):
+        return kda_state_shapes(self.config)
+
+    def get_state_dtype(self):
+        return kda_state_dtypes(self.model_dtype)
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.GDN_ATTN
+
+    # --- forward --------------------------------------------------------------------------------------
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        meta = get_forward_context().attn_metadata
+        meta = meta.get(self.prefix) if isinstance(meta, dict) else None
+        y_TD = torch.zeros_like(x_TD)
+        if meta is None or meta.num_actual_tokens == 0:
+            return y_TD  # profiling / dummy run: the output is not used
+        slots = meta.non_spec_state_indices_tensor.long()
+        nd, ndt = meta.num_decodes, meta.num_decode_tokens
+        if nd > 0:
+            y_TD[:ndt] = self._run(x_TD[:ndt, None, :], slots[:nd], None, None)[:, 0]
+        if meta.num_prefills > 0:
+            npf, npt = meta.num_prefills, meta.num_prefill_tokens
+            cu = (meta.non_spec_query_start_loc[nd : nd + npf + 1] - ndt).long()
+            has_init = meta.prefill_has_initial_state[:npf]
+            y_TD[ndt : ndt + npt] = self._run(
+                x_TD[None, ndt : ndt + npt], slots[nd : nd + npf], cu, has_init
+            )[0]
+        return y_TD
+
+    def _run(self, x_BTD, slots_N, cu_seqlens, has_init_N) -> torch.Tensor:
+        """One call of the learner's KDA over N sequences whose states live in ``slots_N``."""
+        conv_q, conv_k, conv_v, rec = self.kv_cache
+        state = KDAState(rec[slots_N], conv_q[slots_N], conv_k[slots_N], conv_v[slots_N])
+        if has_init_N is not None and not bool(has_init_N.all()):
+            keep = has_init_N.to(torch.bool)
+            for t in (state.recurrent_NHKV, state.conv_q_NCW, state.conv_k_NCW, state.conv_v_NCW):
+                t[~keep] = 0  # a fresh sequence starts from zero state, not from a recycled slot
+        B, T, _ = x_BTD.shape
+        layout = seq_layout(B, T, cu_seqlens, x_BTD.device)
+        y_BTD, new = self._kda[0](x_BTD, layout, cu_seqlens=cu_seqlens, state=state, return_state=True)
+        rec[slots_N] = new.recurrent_NHKV.to(rec.dtype)
+        conv_q[slots_N] = new.conv_q_NCW.to(conv_q.dtype)
+        conv_k[slots_N] = new.conv_k_NCW.to(conv_k.dtype)
+        conv_v[slots_N] = new.conv_v_NCW.to(conv_v.dtype)
+        return y_BTD
+
+
+class MLAPagedAttention(nn.Module):
+    """Gated MLA with its K/V expanded per head into vLLM's paged KV cache."""
+
+    def __init__(self, mla: nn.Module, head_size: int, cache_config, prefix: str) -> None:
+        super().__init__()
+        self._mla = [mla]
+        self.num_heads, self.head_size = mla.num_heads, head_size
+        self.qk_dim = mla.nope + mla.rope
+        self.attn = Attention(
+            num_heads=mla.num_heads,
+            head_size=head_size,
+            scale=mla.scale,
+            num_kv_heads=mla.num_heads,
+            cache_config=cache_config,
+            prefix=f"{prefix}.attn",
+        )
+
+    def _pad(self, t_THX: torch.Tensor) -> torch.Tensor:
+        return F.pad(t_THX, (0, self.head_size - t_THX.shape[-1]))
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        mla = self._mla[0]
+        x_1TD = x_TD[None]
+        q_nope, q_pe = mla._queries(x_1TD)
+        c_kv, k_pe = mla._latents(x_1TD)
+        k_nope, v = mla._expand_kv(c_kv)
+        T, H = x_TD.shape[0], self.num_heads
+        q_THQ = torch.cat([q_nope, q_pe], dim=-1)[0]
+        k_THQ = torch.cat([k_nope, k_pe[:, :, None, :].expand(1, T, H, mla.rope)], dim=-1)[0]
+        out = self.attn(
+            self._pad(q_THQ).reshape(T, -1), self._pad(k_THQ).reshape(T, -1), self._pad(v[0]).reshape(T, -1)
+        )
+        attn_THV = out.view(T, H, self.head_size)[..., : mla.v_dim]
+        return mla._output(x_1TD, attn_THV[None])[0]

@@ -1,0 +1,122 @@
+"""Our hybrid causal LM as a vLLM model (registered by ``rollout.vllm_plugin``).
+
+The module tree *is* the learner's (``model.modeling.HybridModel`` + ``lm_head``), so checkpoint
+names map 1:1 and every token-wise part (embeddings, norms, Block AttnRes, MoE router with its
+frozen bias, experts, LM head) runs the learner's code. Only the sequence mixers are swapped for
+vLLM-aware wrappers (``rollout.vllm_layers``): KDA keeps its state in vLLM's recurrent-state pages,
+gated MLA attends over vLLM's paged KV cache in the expanded per-head form.
+
+Deviations from a stock vLLM model, on purpose:
+* plain ``torch.nn`` layers instead of vLLM's parallel linears: single-rank only (tensor parallel
+  = 1), but no CPU weight repacking, so in-place weight updates are plain ``copy_`` and an updated
+  engine equals a fresh one on the same weights;
+* MoE experts chosen per token are recorded after each forward (``last_routed_experts_TLK``) for
+  routing replay; ``rollout.engine_hooks`` maps them to requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+
+from model.config import HybridConfig
+from model.modeling import HybridModel
+from rollout.vllm_layers import (
+    KDAStateLayer,
+    MLAPagedAttention,
+    kda_state_copy_funcs,
+    kda_state_dtypes,
+    kda_state_shapes,
+)
+from rollout.vllm_plugin import padded_head_size
+
+
+class _PagedHybridModel(HybridModel):
+    """The learner's decoder stack with the sequence mixers routed through vLLM's caches."""
+
+    paged_mixers: list[nn.Module]
+
+    def _attn(self, layer, x_BTD: torch.Tensor, step) -> torch.Tensor:
+        if x_BTD.shape[0] != 1:
+            raise ValueError(f"vLLM passes flattened tokens; got a batch of {x_BTD.shape[0]} rows")
+        return self.paged_mixers[layer.layer_idx](layer.input_layernorm(x_BTD[0]))[None]
+
+
+class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config: HybridConfig = vllm_config.model_config.hf_config
+        if vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise ValueError("the longhorizon vLLM model runs with tensor_parallel_size = 1 only")
+        self.config = config
+        self.model = _PagedHybridModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        head_size = padded_head_size(config)
+        mixers = []
+        for i, layer in enumerate(self.model.layers):
+            name = f"{prefix + '.' if prefix else ''}model.layers.{i}.self_attn"
+            if layer.is_kda:
+                mixers.append(KDAStateLayer(layer.self_attn, config, prefix=name))
+            else:
+                mixers.append(
+                    MLAPagedAttention(layer.self_attn, head_size, vllm_config.cache_config, prefix=name)
+                )
+        self.paged_mixers = nn.ModuleList(mixers)
+        self.model.paged_mixers = list(mixers)  # plain list: registered once, under paged_mixers
+        self.last_routed_experts_TLK: torch.Tensor | None = None
+
+    # --- vLLM model interface -------------------------------------------------------------------------
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        if inputs_embeds is not None:
+            h_1TD, _, choices = self.model(inputs_embeds=inputs_embeds[None])
+        else:
+            h_1TD, _, choices = self.model(input_ids[None])
+        self.last_routed_experts_TLK = torch.stack(choices, dim=1) if choices else None
+        return h_1TD[0]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors in place (also used for weight updates from the learner)."""
+        targets = dict(self.named_parameters())
+        targets.update(dict(self.named_buffers()))
+        loaded = set()
+        for name, tensor in weights:
+            if name not in targets:
+                if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                    continue
+                raise ValueError(f"checkpoint tensor {name!r} has no counterpart in the vLLM model")
+            dst = targets[name]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(dst.shape)}"
+                )
+            with torch.no_grad():
+                dst.copy_(tensor.to(dtype=dst.dtype, device=dst.device))
+            loaded.add(name)
+        # paged-attention bookkeeping tensors (kv scales) are not checkpoint weights
+        loaded.update(n for n in targets if n.startswith("paged_mixers."))
+        return loaded
+
+    # --- recurrent-state sizing (called on the class before the model exists) --------------------------
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        return kda_state_shapes(vllm_config.model_config.hf_config)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
+        return kda_state_dtypes(vllm_config.model_config.dtype)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        return kda_state_copy_funcs()

@@ -1,0 +1,457 @@
+"""``RolloutWorker``: one vLLM engine serving turns of many episodes, token ids in and out.
+
+A plain class (``ray.remote`` is applied where it is launched). Each call to ``generate`` takes one
+turn per episode ("session"): the token ids appended since that episode's previous turn, and
+returns the sampled ids, their sampling logprobs, the experts each sampled token was routed to,
+the policy version and what the engine really computed. Token ids are never re-derived from text.
+
+Whole-turn state reuse (``reuse="session"``): an episode's request stays alive in the engine
+between turns (vLLM streaming-input sessions, ``rollout.sessions``), so its KV blocks *and* its KDA
+recurrent/conv states stay resident and the next turn prefills only the new tokens plus the one
+token sampled last (which the engine had not fed yet). Resident sessions are bounded by
+``max_resident_sessions`` (derived from the KV budget); the least recently used idle session is
+closed when a new one needs room, and a closed, evicted or stale session falls back to one request
+over its full history (prefix-cache hits if enabled, recompute otherwise) -- the outputs do not
+depend on which path ran. ``reuse="prefix_cache"`` is stock vLLM (full history every turn, block
+prefix caching with align-mode recurrent checkpoints) and ``reuse="none"`` recomputes everything.
+
+Weight updates copy tensors into the running model in place (our vLLM model uses plain torch
+layers, so there is no CPU repacking to redo), bump the policy version, close every resident
+session and reset the prefix cache; requests also carry ``cache_salt = "v<version>"`` so no prefix
+computed by an older version can be matched, unless ``allow_stale_cache`` is set.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REUSE_MODES = ("session", "prefix_cache", "none")
+
+
+@dataclass
+class WorkerConfig:
+    model_path: str
+    reuse: str = "session"
+    dtype: str = "float32"
+    max_model_len: int = 4096
+    max_num_seqs: int = 16
+    kv_cache_memory_bytes: int = 128 << 20
+    block_size: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_resident_sessions: int | None = None  # None: what the KV budget holds at max_model_len / 2 each
+    allow_stale_cache: bool = False
+    seed: int = 0
+    num_threads: int | None = 1
+    enforce_eager: bool = True
+    logprobs_mode: str = "processed_logprobs"  # logprobs of the distribution actually sampled from
+    policy_version: int = 0
+    stall_steps: int = 200  # engine steps without progress before idle sessions are force-closed
+
+    def __post_init__(self) -> None:
+        if self.reuse not in REUSE_MODES:
+            raise ValueError(f"reuse must be one of {REUSE_MODES}, got {self.reuse!r}")
+        if not Path(self.model_path, "config.json").is_file():
+            raise FileNotFoundError(f"model_path {self.model_path!r} has no config.json")
+
+
+@dataclass
+class TurnRequest:
+    session_id: str
+    token_ids: list[int]  # [P] ids appended since this session's previous turn (all of the prompt at first)
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class TurnOutput:
+    session_id: str
+    token_ids: list[int]  # [A] sampled ids (a stop token, if hit, is the last one)
+    logprobs: list[float]  # [A] sampling logprobs of token_ids
+    routed_experts: np.ndarray | None  # [A, num_moe_layers, top_k] int16; -1 where not computed this turn
+    prev_token_routed_experts: np.ndarray | None  # [L, K] of the previous turn's last sampled token
+    finish_reason: str  # "stop", "length" or "context" (no room left in max_model_len)
+    stop_token_id: int | None
+    policy_version: int
+    num_new_tokens: int  # prompt ids the caller appended (P)
+    num_computed_prompt_tokens: int  # prompt ids the engine actually prefilled for this turn
+    reused_session: bool  # True when the episode's resident state was continued
+    context_len: int  # tokens of the episode after this turn
+
+
+@dataclass
+class _Session:
+    history: list[int] = field(default_factory=list)  # every token of the episode so far
+    internal_id: str | None = None  # set while the engine holds the request (resident)
+    external_id: str = ""  # the id vLLM reports outputs under (fixed for a resident request's life)
+    version: int = -1  # policy version that computed the resident state
+    incarnation: int = 0
+    last_used: float = 0.0
+
+
+@dataclass
+class _Pending:
+    request: TurnRequest
+    session: _Session
+    internal_id: str
+    resumable: bool
+    reused: bool
+    prompt_len: int  # tokens before the first sampled one (= its position)
+    prev_pos: int  # position of the previous turn's last sampled token (-1 on the first turn)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: Any = None
+
+
+class RolloutWorker:
+    """One vLLM engine; see the module docstring. Not thread-safe: one call at a time."""
+
+    def __init__(self, config: WorkerConfig | dict[str, Any]) -> None:
+        self.config = config if isinstance(config, WorkerConfig) else WorkerConfig(**config)
+        self.version = self.config.policy_version
+        self.sessions: OrderedDict[str, _Session] = OrderedDict()  # LRU order: oldest first
+        self.llm = self._start_engine()
+        from rollout.engine_hooks import install_step_recorder
+        from rollout.sessions import SessionEngine
+
+        self.engine = SessionEngine(self.llm.llm_engine)
+        self.llm.collective_rpc(install_step_recorder)
+        self.max_resident = self._resident_budget()
+        self.stats = {
+            "turns": 0,
+            "reused_turns": 0,
+            "evictions": 0,
+            "new_tokens": 0,
+            "computed_prompt_tokens": 0,
+        }
+
+    # --- engine ---------------------------------------------------------------------------------------
+    def _start_engine(self):
+        c = self.config
+        if c.num_threads:
+            import torch
+
+            torch.set_num_threads(c.num_threads)
+            os.environ.setdefault("OMP_NUM_THREADS", str(c.num_threads))
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # hooks are callables (MP engines)
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = dict(
+            model=c.model_path,
+            dtype=c.dtype,
+            enforce_eager=c.enforce_eager,
+            max_model_len=c.max_model_len,
+            max_num_seqs=c.max_num_seqs,
+            kv_cache_memory_bytes=c.kv_cache_memory_bytes,
+            enable_prefix_caching=c.reuse == "prefix_cache",
+            seed=c.seed,
+            logprobs_mode=c.logprobs_mode,
+        )
+        if c.block_size:
+            kwargs["block_size"] = c.block_size
+        if c.max_num_batched_tokens:
+            kwargs["max_num_batched_tokens"] = c.max_num_batched_tokens
+        return LLM(**kwargs)
+
+    def _resident_budget(self) -> int:
+        if self.config.reuse != "session":
+            return 0
+        if self.config.max_resident_sessions is not None:
+            return max(0, min(self.config.max_resident_sessions, self.config.max_num_seqs - 1))
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        capacity_tokens = (cache.num_gpu_blocks or 0) * cache.block_size
+        per_session = max(self.config.max_model_len // 2, cache.block_size)
+        # one max_num_seqs slot stays free so that fallback requests always get scheduled
+        return max(0, min(capacity_tokens // per_session, self.config.max_num_seqs - 1))
+
+    # --- public API -----------------------------------------------------------------------------------
+    def generate(self, requests: list[TurnRequest | dict[str, Any]]) -> list[TurnOutput]:
+        """Run one turn for each request (distinct sessions) to completion; outputs in request order."""
+        reqs = [r if isinstance(r, TurnRequest) else TurnRequest(**r) for r in requests]
+        ids = [r.session_id for r in reqs]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"one turn per session per call; duplicated session ids in {ids}")
+        outputs: dict[str, TurnOutput] = {}
+        pending: list[_Pending] = []
+        for r in reqs:
+            started = self._start_turn(r, protected=set(ids))
+            if isinstance(started, TurnOutput):
+                outputs[r.session_id] = started
+            else:
+                pending.append(started)
+        self._run(pending)
+        for p in pending:
+            outputs[p.request.session_id] = self._finish_turn(p)
+        return [outputs[i] for i in ids]
+
+    def end_sessions(self, session_ids: list[str]) -> None:
+        """Forget episodes (closing their resident requests)."""
+        close = []
+        for sid in session_ids:
+            s = self.sessions.pop(sid, None)
+            if s is not None and s.internal_id is not None:
+                close.append(s.internal_id)
+        self.engine.close(close)
+
+    def update_weights(self, weights: str | os.PathLike | dict[str, Any], version: int) -> dict[str, Any]:
+        """Load new weights in place (safetensors file/dir or a state dict) and tag them ``version``."""
+        from rollout.engine_hooks import load_state_dict_inplace, load_weights_inplace
+
+        t0 = time.perf_counter()
+        if isinstance(weights, dict):
+            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
+                counts = self.llm.collective_rpc(load_state_dict_inplace, args=(weights,))
+            else:  # tensors cannot ride in collective_rpc across processes: go through a file
+                counts = self._load_via_file(weights)
+        else:
+            counts = self.llm.collective_rpc(load_weights_inplace, args=(str(_safetensors_file(weights)),))
+        if not self.config.allow_stale_cache:
+            self._close_resident(keep=set())
+            self.llm.reset_prefix_cache()
+        self.version = int(version)
+        return {"version": self.version, "tensors": int(counts[0]), "seconds": time.perf_counter() - t0}
+
+    def load(self) -> dict[str, Any]:
+        resident = sum(s.internal_id is not None for s in self.sessions.values())
+        return {
+            "sessions": len(self.sessions),
+            "resident": resident,
+            "max_resident": self.max_resident,
+            "version": self.version,
+            **self.stats,
+        }
+
+    def get_version(self) -> int:
+        return self.version
+
+    def shutdown(self) -> None:
+        self.end_sessions(list(self.sessions))
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            engine_core = getattr(llm.llm_engine, "engine_core", None)
+            if engine_core is not None and hasattr(engine_core, "shutdown"):
+                engine_core.shutdown()
+            del llm
+        import gc
+
+        gc.collect()
+
+    # --- turns ----------------------------------------------------------------------------------------
+    def _start_turn(self, r: TurnRequest, protected: set[str]) -> _Pending | TurnOutput:
+        if not r.token_ids:
+            raise ValueError(f"session {r.session_id!r}: a turn needs at least one new token id")
+        if r.max_tokens < 1:
+            raise ValueError(f"session {r.session_id!r}: max_tokens must be >= 1, got {r.max_tokens}")
+        s = self.sessions.get(r.session_id) or _Session()
+        self.sessions[r.session_id] = s
+        self.sessions.move_to_end(r.session_id)
+        s.last_used = time.monotonic()
+        prev_len = len(s.history)
+        full = [*s.history, *r.token_ids]
+        room = self.config.max_model_len - len(full)
+        if room < 1:
+            return self._empty_output(r, s, full, "context")
+        params = self._params(r, min(r.max_tokens, room))
+        salt = None if self.config.allow_stale_cache else f"v{self.version}"
+        can_continue = s.internal_id is not None and (
+            s.version == self.version or self.config.allow_stale_cache
+        )
+        if s.internal_id is not None and not can_continue:
+            self._close(s)
+        if can_continue:
+            # the previous turn's last sampled token was never fed through the model: it leads the chunk
+            self.engine.add_chunk(s.external_id, s.internal_id, [s.history[-1], *r.token_ids], params, salt)
+            pend = _Pending(r, s, s.internal_id, True, True, len(full), prev_len - 1)
+        else:
+            s.incarnation += 1
+            s.external_id = f"{r.session_id}#{s.incarnation}"
+            resumable = self.config.reuse == "session" and self._make_room(protected)
+            internal = self.engine.add_request(s.external_id, full, params, resumable, salt)
+            s.internal_id = internal if resumable else None
+            s.version = self.version
+            pend = _Pending(r, s, internal, resumable, False, len(full), prev_len - 1)
+        s.history = full
+        self.stats["new_tokens"] += len(r.token_ids)
+        return pend
+
+    def _params(self, r: TurnRequest, max_tokens: int):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=1,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_tokens=max_tokens,
+            stop_token_ids=list(r.stop_token_ids),
+            logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    def _run(self, pending: list[_Pending]) -> None:
+        by_ext = {p.session.external_id: p for p in pending}
+        open_turns = len(pending)
+        idle_steps = 0
+        while open_turns:
+            progressed = False
+            for out in self.engine.step():
+                p = by_ext.get(out.request_id)
+                if p is None or p.finish_reason is not None:
+                    continue
+                c = out.outputs[0]
+                progressed = progressed or bool(c.token_ids)
+                p.tokens.extend(c.token_ids)
+                p.logprobs.extend(_sampled_logprobs(c))
+                if c.finish_reason is not None:
+                    p.finish_reason, p.stop_reason = c.finish_reason, c.stop_reason
+                    open_turns -= 1
+            idle_steps = 0 if progressed else idle_steps + 1
+            if idle_steps >= self.config.stall_steps:
+                # parked sessions hold blocks; if the engine cannot schedule, release the idle ones
+                if not self._close_resident(keep={p.request.session_id for p in pending}):
+                    raise RuntimeError(f"vLLM engine made no progress for {idle_steps} steps")
+                idle_steps = 0
+
+    def _finish_turn(self, p: _Pending) -> TurnOutput:
+        from rollout.engine_hooks import pop_request_records
+
+        s, r = p.session, p.request
+        rec = self.llm.collective_rpc(pop_request_records, args=([p.internal_id],))[0][p.internal_id]
+        routed, prev_routed = _routed_rows(rec, p.prompt_len, len(p.tokens), p.prev_pos)
+        s.history.extend(p.tokens)
+        if not p.resumable:
+            s.internal_id = None
+        computed = max(0, rec.num_computed_tokens - max(0, len(p.tokens) - 1))
+        self.stats["turns"] += 1
+        self.stats["reused_turns"] += int(p.reused)
+        self.stats["computed_prompt_tokens"] += computed
+        stop_id = p.stop_reason if isinstance(p.stop_reason, int) else None
+        if stop_id is None and p.finish_reason == "stop" and p.tokens:
+            stop_id = p.tokens[-1]  # EOS stops report no stop_reason
+        return TurnOutput(
+            session_id=r.session_id,
+            token_ids=list(p.tokens),
+            logprobs=list(p.logprobs),
+            routed_experts=routed,
+            prev_token_routed_experts=prev_routed,
+            finish_reason=p.finish_reason or "length",
+            stop_token_id=stop_id,
+            policy_version=self.version,
+            num_new_tokens=len(r.token_ids),
+            num_computed_prompt_tokens=computed,
+            reused_session=p.reused,
+            context_len=len(s.history),
+        )
+
+    def _empty_output(self, r: TurnRequest, s: _Session, full: list[int], reason: str) -> TurnOutput:
+        s.history = full
+        return TurnOutput(
+            r.session_id,
+            [],
+            [],
+            None,
+            None,
+            reason,
+            None,
+            self.version,
+            len(r.token_ids),
+            0,
+            False,
+            len(full),
+        )
+
+    # --- residency ------------------------------------------------------------------------------------
+    def _resident(self) -> list[str]:
+        return [sid for sid, s in self.sessions.items() if s.internal_id is not None]
+
+    def _make_room(self, protected: set[str]) -> bool:
+        """True when one more session may stay resident (closing LRU idle sessions if needed)."""
+        if self.max_resident <= 0:
+            return False
+        resident = self._resident()
+        for sid in resident:  # oldest first
+            if len(resident) < self.max_resident:
+                break
+            if sid not in protected:
+                self._close(self.sessions[sid])
+                self.stats["evictions"] += 1
+                resident.remove(sid)
+        return len(resident) < self.max_resident
+
+    def _close(self, s: _Session) -> None:
+        if s.internal_id is not None:
+            self.engine.close([s.internal_id])
+            s.internal_id = None
+
+    def _close_resident(self, keep: set[str]) -> bool:
+        closed = False
+        for sid in self._resident():
+            if sid not in keep:
+                self._close(self.sessions[sid])
+                closed = True
+        return closed
+
+    def _load_via_file(self, state_dict: dict[str, Any]) -> list[int]:
+        from safetensors.torch import save_file
+
+        from rollout.engine_hooks import load_weights_inplace
+
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "weights.safetensors")
+            save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, path)
+            return self.llm.collective_rpc(load_weights_inplace, args=(path,))
+
+    def config_dict(self) -> dict[str, Any]:
+        return asdict(self.config)
+
+
+def _sampled_logprobs(completion) -> list[float]:
+    if completion.logprobs is None:
+        return [float("nan")] * len(completion.token_ids)
+    return [float(lp[t].logprob) for lp, t in zip(completion.logprobs, completion.token_ids)]
+
+
+def _routed_rows(
+    rec, prompt_len: int, num_sampled: int, prev_pos: int
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Experts of the sampled tokens (positions prompt_len, ...), -1 where the engine did not compute
+    the token in this turn (the last sampled one is fed only with the next turn), and of the previous
+    turn's last sampled token (position prev_pos), which this turn computed."""
+    if not rec.routed:
+        return None, None
+    pos = np.concatenate(rec.positions)
+    rows = np.concatenate(rec.routed)
+    table = {int(p): i for i, p in enumerate(pos)}  # a recomputed position keeps its last value
+    L, K = rows.shape[1:]
+    out = np.full((num_sampled, L, K), -1, dtype=np.int16)
+    for j in range(num_sampled):
+        i = table.get(prompt_len + j)
+        if i is not None:
+            out[j] = rows[i]
+    i = table.get(prev_pos)
+    return out, (rows[i].copy() if i is not None and prev_pos >= 0 else None)
+
+
+def _safetensors_file(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        if len(files) != 1:
+            raise ValueError(f"{p} must hold exactly one .safetensors file, found {[f.name for f in files]}")
+        return files[0]
+    if not p.is_file():
+        raise FileNotFoundError(f"no weights at {p}")
+    return p
