@@ -29,6 +29,8 @@ from kernels.kda.triton.common import (
     load_row,
     load_rows,
     load_tile,
+    rcumsum,
+    rsum,
     store_tile,
 )
 from kernels.kda.triton.fwd import _configs
@@ -46,7 +48,7 @@ def _dav_kernel(
     r = tl.arange(0, BT)
     causal = r[:, None] >= r[None, :]
     A = tl.where(causal, load_tile(Aqk + i_h * BT, t0, eos, H * BT, 0, BT, BT, BT), 0.0).to(DT)
-    dA = tl.zeros([BT, BT], dtype=tl.float32)
+    dA = tl.full([BT, BT], 0.0, tl.float32)
     for v0 in range(0, V, BV):
         do_t = load_tile(do + i_h * V, t0, eos, H * V, v0, BT, V, BV).to(DT)
         vn = load_tile(Vn + i_h * V, t0, eos, H * V, v0, BT, V, BV).to(DT)
@@ -73,10 +75,10 @@ def _state_bwd_kernel(
     rk, rv = tl.arange(0, BK), v0 + tl.arange(0, BV)
     kv_mask = (rk[:, None] < K) & (rv[None, :] < V)
     kv_off = rk[:, None] * V + rv[None, :]
-    dh = tl.zeros([BK, BV], dtype=tl.float32)
+    dh = tl.full([BK, BV], 0.0, tl.float32)
     if HAS_DHT:
         dh += tl.load(dht + i_nh * K * V + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-    n_chunks = tl.cdiv(eos - bos, BT)
+    n_chunks = (eos - bos + BT - 1) // BT
     for cc in range(0, n_chunks):
         c = n_chunks - 1 - cc
         t0 = bos + c * BT
@@ -125,12 +127,12 @@ def _main_bwd_kernel(
     r = tl.arange(0, BT)
     X = tl.where(r[:, None] >= r[None, :], load_tile(Ainv + i_h * BT, t0, eos, H * BT, 0, BT, BT, BT), 0.0)
     Xt = tl.trans(X.to(DT))
-    dqg = tl.zeros([BT, BK], dtype=tl.float32)
-    dkd = tl.zeros([BT, BK], dtype=tl.float32)
-    dW = tl.zeros([BT, BK], dtype=tl.float32)
-    dX = tl.zeros([BT, BT], dtype=tl.float32)
-    dg_last = tl.zeros([BK], dtype=tl.float32)
-    db = tl.zeros([BT], dtype=tl.float32)
+    dqg = tl.full([BT, BK], 0.0, tl.float32)
+    dkd = tl.full([BT, BK], 0.0, tl.float32)
+    dW = tl.full([BT, BK], 0.0, tl.float32)
+    dX = tl.full([BT, BT], 0.0, tl.float32)
+    dg_last = tl.full([BK], 0.0, tl.float32)
+    db = tl.full([BT], 0.0, tl.float32)
     for v0 in range(0, V, BV):
         h = _kv_tile(Hc, i_c, i_h, H, K, V, v0, BK, BV).to(DT)
         dh = _kv_tile(dHc, i_c, i_h, H, K, V, v0, BK, BV).to(DT)
@@ -141,11 +143,11 @@ def _main_bwd_kernel(
         dqg += tl.dot(do_t, tl.trans(h))
         dkd += tl.dot(vn, tl.trans(dh))
         dW -= tl.dot(dvn, tl.trans(h))
-        dg_last += tl.sum(h.to(tl.float32) * dh.to(tl.float32), 1)
+        dg_last += rsum(h.to(tl.float32) * dh.to(tl.float32), 1)
         dX += tl.dot(dvn, tl.trans((b[:, None] * v_t).to(DT)))
         dY = tl.dot(Xt, dvn)
         store_tile(dv + i_h * V, b[:, None] * dY, t0, eos, stv, v0, BT, V, BV)
-        db += tl.sum(v_t * dY, 1)
+        db += rsum(v_t * dY, 1)
     dX += tl.dot(dW.to(DT), tl.trans(Xk.to(DT)))
     dXk = tl.dot(Xt, dW.to(DT))
     dq_t = scale * dqg * eG
@@ -153,8 +155,8 @@ def _main_bwd_kernel(
     store_tile(dq + i_h * K, dq_t, t0, eos, stk, 0, BT, K, BK)
     store_tile(dk + i_h * K, dk_t, t0, eos, stk, 0, BT, K, BK)
     store_tile(dG + i_h * K, q_t * dq_t - k_t * kdf * dkd + Xk * dXk, t0, eos, stk, 0, BT, K, BK)
-    store_tile(dbeta + i_h, (db + tl.sum(k_t * eG * dXk, 1))[:, None], t0, eos, H, 0, BT, 1, 1)
-    dg_last = dg_last * tl.exp2(g_last) + tl.sum(k_t * kdf * dkd, 0)
+    store_tile(dbeta + i_h, (db + rsum(k_t * eG * dXk, 1))[:, None], t0, eos, H, 0, BT, 1, 1)
+    dg_last = dg_last * tl.exp2(g_last) + rsum(k_t * kdf * dkd, 0)
     rk = tl.arange(0, BK)
     tl.store(dGl + (i_c.to(tl.int64) * H + i_h) * K + rk, dg_last, mask=rk < K)
     # dL = -X^T dX X^T, kept on its strictly lower part (fp32 operands: X can be large).
@@ -231,8 +233,8 @@ def _intra_bwd_block(
     b_i = load_rows(beta, ti, eos, H, BC)
     # rows of sub-tile row I, off-diagonal columns referred to the tile's first row
     ref_o = load_row(G, tl.minimum(ti, eos - 1), stk, K, BK)
-    dq_o = tl.zeros([BC, BK], dtype=tl.float32)
-    P_o = tl.zeros([BC, BK], dtype=tl.float32)
+    dq_o = tl.full([BC, BK], 0.0, tl.float32)
+    P_o = tl.full([BC, BK], 0.0, tl.float32)
     for j in tl.static_range(I):
         a, p = _row_side(
             k, G, dAqk + j * BC, dAkk + j * BC, ti, t0 + j * BC, ref_o, eos, H, K, BK, BT, BC, DT
@@ -247,7 +249,7 @@ def _intra_bwd_block(
     P = P_o * f_o + p * f_m
     # columns of sub-tile column I, later rows referred to the tile's last row
     ref_c = load_row(G, tl.minimum(ti + BC - 1, eos - 1), stk, K, BK)
-    dkc_o = tl.zeros([BC, BK], dtype=tl.float32)
+    dkc_o = tl.full([BC, BK], 0.0, tl.float32)
     for j in tl.static_range(I + 1, BT // BC):
         dkc_o += _col_side(
             q, k, G, beta, dAqk + I * BC, dAkk + I * BC, t0 + j * BC, ref_c, eos, H, K, BK, BT, BC, DT
@@ -259,10 +261,10 @@ def _intra_bwd_block(
     dG_i = q_i * dq_i + k_i * (dk_row - dkc) + load_tile(dG_p, ti, eos, stk, 0, BC, K, BK)
     store_tile(dq, dq_i + load_tile(dq_p, ti, eos, stk, 0, BC, K, BK), ti, eos, stk, 0, BC, K, BK)
     store_tile(dk, dk_row + dkc + load_tile(dk_p, ti, eos, stk, 0, BC, K, BK), ti, eos, stk, 0, BC, K, BK)
-    db = tl.sum(k_i * P, 1) + load_rows(db_p, ti, eos, H, BC)
+    db = rsum(k_i * P, 1) + load_rows(db_p, ti, eos, H, BC)
     store_tile(dbeta, db[:, None], ti, eos, H, 0, BC, 1, 1)
-    store_tile(dg, tl.cumsum(dG_i, 0, reverse=True) + carry[None, :], ti, eos, stk, 0, BC, K, BK)
-    return carry + tl.sum(dG_i, 0)
+    store_tile(dg, rcumsum(dG_i, 0, True) + carry[None, :], ti, eos, stk, 0, BC, K, BK)
+    return carry + rsum(dG_i, 0)
 
 
 @triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["K"])

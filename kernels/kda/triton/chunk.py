@@ -26,7 +26,7 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-        B, T, H, K = q.shape
+        B, T, H = q.shape[:3]
         plan = plan_chunks(B, T, cu_seqlens, q.device)
         h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
         flat = [_flat(x) for x in (q, k, v, g, beta)]

@@ -24,7 +24,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def debug_enabled() -> bool:
-    return os.environ.get("LONGHORIZON_KDA_DEBUG", "0") == "1"
+    """Debug mode checks the gate contract (a device sync); LONGHORIZON_KDA_CHECK is the CPU path's switch."""
+    return any(
+        os.environ.get(name, "0") not in ("", "0")
+        for name in ("LONGHORIZON_KDA_DEBUG", "LONGHORIZON_KDA_CHECK")
+    )
 
 
 @dataclass
@@ -103,6 +107,23 @@ def load_row(ptr, t, stride_t, D, BD: tl.constexpr):
 def decay_factor(G, ref, t0, eos, NR: tl.constexpr, SIGN: tl.constexpr):
     """exp2(SIGN * (G - ref)) on valid rows and 0 on rows past eos (whose G is a masked 0 and
     would otherwise overflow against a very negative reference)."""
-    rows = t0 + tl.arange(0, NR)
-    e = tl.exp2(SIGN * (G - ref[None, :]))
-    return tl.where(rows[:, None] < eos, e, 0.0)
+    valid = (t0 + tl.arange(0, NR))[:, None] < eos
+    return tl.where(valid, tl.exp2(tl.where(valid, SIGN * (G - ref[None, :]), 0.0)), 0.0)
+
+
+# Reductions through tl.reduce / tl.associative_scan rather than tl.sum / tl.cumsum / tl.zeros / tl.cdiv:
+# those are @jit functions of triton.language.standard, interpretable only if TRITON_INTERPRET was set
+# before triton itself was imported. The combine function is the standard library's own, so the compiled
+# code is tl.sum's and the interpreter still recognises it and calls numpy instead of a Python loop.
+# With these the kernels run in the interpreter whenever *this* package is imported with it set.
+_sum_combine = tl.standard._sum_combine
+
+
+@triton.jit
+def rsum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _sum_combine)
+
+
+@triton.jit
+def rcumsum(x, axis: tl.constexpr, reverse: tl.constexpr):
+    return tl.associative_scan(x, axis, _sum_combine, reverse)

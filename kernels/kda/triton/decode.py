@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.kda.naive import _check_inputs
-from kernels.kda.triton.common import block_size, debug_enabled
+from kernels.kda.triton.common import block_size, debug_enabled, rsum
 
 
 @triton.jit
@@ -34,7 +34,7 @@ def _decode_kernel(
     live_v = (slot + 0 * rv) >= 0  # a vector: the interpreter rejects scalar masks
     kv_off = (tl.maximum(slot, 0) * H + i_h) * K * V + rk[:, None] * V + rv[None, :]
     kv_mask = mk[:, None] & (mv & live_v)[None, :]
-    h = tl.zeros([BK, BV], dtype=tl.float32)
+    h = tl.full([BK, BV], 0.0, tl.float32)
     if HAS_H0:
         h += tl.load(h_in + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
     for t in range(bos, eos):
@@ -45,9 +45,9 @@ def _decode_kernel(
         v_t = tl.load(v + (t * H + i_h) * V + rv, mask=mv, other=0.0).to(tl.float32)
         b_t = tl.load(beta + t * H + i_h).to(tl.float32)
         h = h * tl.exp(g_t)[:, None]
-        resid = v_t - tl.sum(k_t[:, None] * h, 0)
+        resid = v_t - rsum(k_t[:, None] * h, 0)
         h += (b_t * k_t)[:, None] * resid[None, :]
-        o_t = tl.where(live_v, tl.sum(q_t[:, None] * h, 0), 0.0)
+        o_t = tl.where(live_v, rsum(q_t[:, None] * h, 0), 0.0)
         tl.store(o + (t * H + i_h) * V + rv, o_t.to(o.dtype.element_ty), mask=mv)
     if STORE_HT:
         tl.store(h_out + kv_off, h, mask=kv_mask)
@@ -81,7 +81,9 @@ def fused_recurrent_kda_triton(
         if tuple(initial_state.shape[1:]) != (H, K, V):
             raise ValueError(f"state pool must be [P, {H}, {K}, {V}], got {tuple(initial_state.shape)}")
         if state_indices.shape != (N,):
-            raise ValueError(f"state_indices must have one entry per sequence ({N}), got {tuple(state_indices.shape)}")
+            raise ValueError(
+                f"state_indices must have one entry per sequence ({N}), got {tuple(state_indices.shape)}"
+            )
     if debug_enabled() and g.numel() and float(g.min()) < -5.0:
         raise ValueError(f"log-decay g must be >= -5 (bounded gate), got min {float(g.min()):.3f}")
     scale = K**-0.5 if scale is None else float(scale)

@@ -38,6 +38,8 @@ from kernels.kda.triton.common import (
     load_row,
     load_rows,
     load_tile,
+    rcumsum,
+    rsum,
     store_tile,
 )
 
@@ -53,7 +55,7 @@ def _cumsum_kernel(g, G, cu_seqlens, chunk_indices, H, K, BK: tl.constexpr, BT: 
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
     g_BK = load_tile(g + i_h * K, t0, eos, H * K, 0, BT, K, BK)
-    store_tile(G + i_h * K, tl.cumsum(g_BK, axis=0) * 1.4426950408889634, t0, eos, H * K, 0, BT, K, BK)
+    store_tile(G + i_h * K, rcumsum(g_BK, 0, False) * 1.4426950408889634, t0, eos, H * K, 0, BT, K, BK)
 
 
 @triton.jit
@@ -90,8 +92,8 @@ def _inv_unit_lower(L, BC: tl.constexpr):
     r = tl.arange(0, BC)
     X = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     for i in tl.static_range(1, BC):
-        l_i = tl.sum(tl.where(r[:, None] == i, L, 0.0), 0)
-        upd = tl.sum(l_i[:, None] * X, 0)
+        l_i = rsum(tl.where(r[:, None] == i, L, 0.0), 0)
+        upd = rsum(l_i[:, None] * X, 0)
         X = tl.where(r[:, None] == i, X - upd[None, :], X)
     return X
 
@@ -210,10 +212,10 @@ def _state_kernel(
     rk, rv = tl.arange(0, BK), v0 + tl.arange(0, BV)
     kv_mask = (rk[:, None] < K) & (rv[None, :] < V)
     kv_off = rk[:, None] * V + rv[None, :]
-    h = tl.zeros([BK, BV], dtype=tl.float32)
+    h = tl.full([BK, BV], 0.0, tl.float32)
     if HAS_H0:
         h += tl.load(h0 + i_nh * K * V + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-    for c in range(0, tl.cdiv(eos - bos, BT)):
+    for c in range(0, (eos - bos + BT - 1) // BT):
         t0 = bos + c * BT
         tl.store(Hc + ((c0 + c) * H + i_h) * K * V + kv_off, h.to(DT), mask=kv_mask)
         w = load_tile(W, t0, eos, H * K, 0, BT, K, BK).to(DT)

@@ -1,0 +1,233 @@
+"""Triton KDA kernels under TRITON_INTERPRET=1 against the float64 reference (kernels/kda/naive.py).
+
+The interpreter is chosen when a @triton.jit function is decorated, so this module imports the kernel
+modules with TRITON_INTERPRET=1 set (re-importing them if another test loaded them for a GPU) and puts
+the variable back afterwards. Triton's interpreter multiplies the raw bit patterns of bfloat16 tl.dot
+operands (triton-lang/triton#11584, closed without a fix; the installed 3.9 and every released version
+have it): a module fixture converts them to fp32 first, which is what the tensor cores compute.
+Every fresh allocation inside the kernels' host code is poisoned with NaN while they run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+from kernels.kda.naive import naive_recurrent_kda
+
+_MODULES = ["common", "fwd", "bwd", "chunk", "decode"]
+
+
+def _import_interpreted():
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        for name in _MODULES:
+            sys.modules.pop(f"kernels.kda.triton.{name}", None)
+        return {name: importlib.import_module(f"kernels.kda.triton.{name}") for name in _MODULES}
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+triton = pytest.importorskip("triton")
+MODS = _import_interpreted()
+chunk_kda_triton = MODS["chunk"].chunk_kda_triton
+fused_recurrent_kda_triton = MODS["decode"].fused_recurrent_kda_triton
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    """Interpreter on for this module, with bf16 tl.dot operands converted before np.matmul."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    original = ti.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def to_fp32(x):
+            if x.dtype.scalar != tl.bfloat16:
+                return x
+            data = ti._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+            return ti.TensorHandle(data, tl.float32)
+
+        return original(self, to_fp32(a), to_fp32(b), d, input_precision, max_num_imprecise_acc)
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRITON_INTERPRET", "1")
+    mp.setattr(ti.InterpreterBuilder, "create_dot", create_dot)
+    yield
+    mp.undo()
+
+
+@pytest.fixture(autouse=True)
+def nan_poison(monkeypatch):
+    """torch.empty / empty_like in the kernels' modules return NaN-filled floating tensors."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    class PoisonedTorch:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*args, **kwargs):
+            return poison(empty(*args, **kwargs))
+
+        @staticmethod
+        def empty_like(*args, **kwargs):
+            return poison(empty_like(*args, **kwargs))
+
+    for name in ("fwd", "bwd", "chunk", "decode"):
+        monkeypatch.setattr(MODS[name], "torch", PoisonedTorch())
+
+
+def _inputs(T, H=1, K=16, V=32, B=1, N=None, dtype=torch.float32, gate="random", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=gen)
+    q = torch.nn.functional.normalize(rand(B, T, H, K), dim=-1)
+    k = torch.nn.functional.normalize(rand(B, T, H, K), dim=-1)
+    v = rand(B, T, H, V)
+    if gate == "saturated":  # every channel at the bound: the worst case for the 16-token tiles
+        g = torch.full((B, T, H, K), -5.0)
+    else:
+        g = -5.0 * torch.sigmoid(2 * rand(B, T, H, K))
+    beta = torch.sigmoid(rand(B, T, H))
+    h0 = rand(N if N is not None else B, H, K, V)
+    return [x.to(dtype) for x in (q, k, v)] + [g, beta.to(dtype), h0]
+
+
+def _run_both(ins, cu_seqlens=None, seed=1):
+    """Forward + backward of the Triton path and the float64 reference on the same inputs and grads."""
+    ref_in = [x.detach().double().requires_grad_() for x in ins]
+    tri_in = [x.detach().clone().requires_grad_() for x in ins]
+    o_ref, h_ref = naive_recurrent_kda(
+        *ref_in[:5], initial_state=ref_in[5], output_final_state=True, cu_seqlens=cu_seqlens
+    )
+    o, h = chunk_kda_triton(
+        *tri_in[:5], initial_state=tri_in[5], output_final_state=True, cu_seqlens=cu_seqlens
+    )
+    gen = torch.Generator().manual_seed(seed)
+    do, dht = (
+        torch.randn(o_ref.shape, generator=gen).double(),
+        torch.randn(h_ref.shape, generator=gen).double(),
+    )
+    ((o_ref * do).sum() + (h_ref * dht).sum()).backward()
+    ((o.double() * do).sum() + (h.double() * dht).sum()).backward()
+    got = {"o": o, "ht": h} | {n: x.grad for n, x in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), tri_in)}
+    want = {"o": o_ref, "ht": h_ref} | {
+        n: x.grad for n, x in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), ref_in)
+    }
+    return got, want
+
+
+def _assert_close(got, want, tol):
+    for name, ref in want.items():
+        out = got[name]
+        assert out is not None and out.shape == ref.shape, name
+        assert torch.isfinite(out).all(), f"{name}: non-finite values (NaN-poisoned memory read?)"
+        err = (out.double() - ref).abs().max().item()
+        bound = tol.get(name, tol["default"]) * max(1.0, ref.abs().max().item())
+        assert err <= bound, f"{name}: max abs err {err:.3e} > {bound:.3e}"
+
+
+FP32_TOL = {"default": 2e-5}
+
+
+@pytest.mark.parametrize("T", [1, 15, 17, 63, 65, 100])
+def test_fp32_forward_backward_matches_reference(T):
+    got, want = _run_both(_inputs(T))
+    _assert_close(got, want, FP32_TOL)
+
+
+def test_saturated_gate_two_heads():
+    got, want = _run_both(_inputs(80, H=2, K=32, V=16, gate="saturated"))
+    _assert_close(got, want, FP32_TOL)
+
+
+def test_varlen_with_states_and_empty_sequence():
+    cu = torch.tensor([0, 15, 15, 80, 97])
+    got, want = _run_both(_inputs(97, N=4), cu_seqlens=cu)
+    _assert_close(got, want, FP32_TOL)
+
+
+def test_batched_equals_reference():
+    got, want = _run_both(_inputs(20, B=2))
+    _assert_close(got, want, FP32_TOL)
+
+
+def test_bf16_per_tensor_tolerances():
+    ins = _inputs(65, H=2, K=32, V=32, dtype=torch.bfloat16)
+    got, want = _run_both(ins)
+    # bf16 operands carry 8 bits of mantissa; dg sums per-position terms through a reverse cumsum.
+    tol = {"default": 2e-2, "o": 1e-2, "ht": 1e-2, "dg": 3e-2}
+    _assert_close(got, want, tol)
+
+
+def test_without_state_and_grads_only_on_output():
+    q, k, v, g, beta, _ = (x.requires_grad_() for x in _inputs(33))
+    o, h = chunk_kda_triton(q, k, v, g, beta)
+    assert h is None
+    o.sum().backward()
+    qr, kr, vr, gr, br = (x.detach().double().requires_grad_() for x in (q, k, v, g, beta))
+    o_ref, _ = naive_recurrent_kda(qr, kr, vr, gr, br)
+    o_ref.sum().backward()
+    assert (o.double() - o_ref).abs().max() < 2e-5
+    for a, b in ((q, qr), (k, kr), (v, vr), (g, gr), (beta, br)):
+        assert (a.grad.double() - b.grad).abs().max() < 1e-4
+
+
+def test_debug_mode_checks_the_gate_contract(monkeypatch):
+    q, k, v, g, beta, _ = _inputs(5)
+    g[0, 2, 0, 3] = -5.5
+    monkeypatch.setenv("LONGHORIZON_KDA_DEBUG", "1")
+    with pytest.raises(ValueError, match="g >= -5"):
+        chunk_kda_triton(q, k, v, g, beta)
+
+
+def test_bad_shapes_are_named():
+    q, k, v, g, beta, _ = _inputs(5)
+    with pytest.raises(ValueError, match="beta"):
+        chunk_kda_triton(q, k, v, g, beta[..., None])
+    with pytest.raises(ValueError, match="dtype"):
+        chunk_kda_triton(q, k, v.double(), g, beta)
+
+
+def test_decode_matches_reference_and_updates_pool_in_place():
+    cu = torch.tensor([0, 1, 3, 3, 5, 6])
+    q, k, v, g, beta, _ = _inputs(6, H=2)
+    pool = torch.randn(7, 2, 16, 32)
+    before = pool.clone()
+    idx = torch.tensor([5, 0, 2, 3, -1])  # an empty sequence, and a padded last entry (slot -1)
+    o, out = fused_recurrent_kda_triton(
+        q, k, v, g, beta, initial_state=pool, cu_seqlens=cu, state_indices=idx
+    )
+    assert out is pool
+    live = idx[:4]
+    o_ref, h_ref = naive_recurrent_kda(
+        *(x[:, :5] for x in (q, k, v, g, beta)),
+        initial_state=before[live],
+        output_final_state=True,
+        cu_seqlens=cu[:5],
+    )
+    assert (o[:, :5] - o_ref).abs().max() < 1e-5
+    assert torch.equal(o[:, 5], torch.zeros_like(o[:, 5]))
+    assert (pool[live] - h_ref).abs().max() < 1e-5
+    untouched = [1, 4, 6]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_decode_without_pool_matches_reference():
+    q, k, v, g, beta, h0 = _inputs(4, B=2, H=2)
+    o, h = fused_recurrent_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o_ref, h_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert (o - o_ref).abs().max() < 1e-5 and (h - h_ref).abs().max() < 1e-5
