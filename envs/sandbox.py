@@ -11,7 +11,9 @@ Layers, each reported in ``Sandbox.protection`` (and so in the Python env's step
   host files readable only by root (``/etc/shadow``, 0600 temp files) stay unreadable, and the
   process-count limit applies to this uid alone.
 * rlimits: CPU seconds, address space (RLIMIT_AS), file size, process count, open files, no core.
-* A wall-clock timeout; then the whole process group (and the PID namespace) is killed.
+* A wall-clock timeout; then every process of the sandbox uid, the process group and the PID
+  namespace are killed. The boot process is a child subreaper: whatever the code leaves running
+  (daemons, fork bombs) is killed and reaped before the call returns, namespaces or not.
 * A minimal environment (no host variables), ``python -I`` (no user site, no PYTHON* vars), code
   passed on stdin and written into the private directory, output captured to capped files.
 
@@ -141,10 +143,12 @@ uid = cfg["uid"]
 if uid is not None:
     os.chown(work, uid, uid)
     os.chown(os.path.join(work, "main.py"), uid, uid)
+os.chmod(work, 0o700)
 env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8",
        "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
 # This process is the PID namespace's init, which the kernel shields from signals it has no
 # handler for (SIGXCPU, even SIGKILL from inside): the code runs in a child, init only waits.
+libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans of the code come back to us, not to host init
 pid = os.fork()
 if pid == 0:
     for name, (soft, hard) in cfg["rlimits"].items():
@@ -163,6 +167,20 @@ while True:
     except ChildProcessError:
         os._exit(1)
     if done == pid:
+        break
+# Reap what the code left behind (a subreaper inherits orphans): kill that uid's processes from a
+# helper that becomes the uid (so kill(-1) reaches nothing else), then wait for every child.
+if uid is not None and os.fork() == 0:
+    try:
+        os.setgid(uid)
+        os.setuid(uid)
+        os.kill(-1, 9)
+    finally:
+        os._exit(0)
+while True:
+    try:
+        os.waitpid(-1, 0)
+    except ChildProcessError:
         break
 os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
 """
@@ -212,6 +230,7 @@ class Sandbox:
     def run_python(self, code: str) -> SandboxResult:
         start = time.monotonic()
         host_dir = tempfile.mkdtemp(prefix="lh-sbx-")
+        os.chmod(host_dir, 0o711)  # the sandbox uid must reach work/ (no namespaces); nothing is listable
         uid = _next_uid() if self.drop_uid else None
         try:
             workdir = os.path.join(host_dir, "work")
@@ -258,6 +277,10 @@ class Sandbox:
                 proc.communicate(code, timeout=self.limits.wall_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
+                if cfg["uid"] is not None:  # kill the code first; the boot process then reaps and exits
+                    _kill_uid(cfg["uid"])
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=2)
             finally:
                 _kill_group(proc)
         return self._result(proc.returncode, timed_out, out_path, err_path)

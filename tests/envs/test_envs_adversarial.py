@@ -215,3 +215,29 @@ def test_sandboxed_code_attacks(host_fixtures):
     leaked = {p for p in set(os.listdir("/tmp")) - before if "escape" in p or "pwned" in p}
     assert not leaked and not (Path(__file__).parent / "escape.txt").exists()
     assert not Path("/root/escape.txt").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the uid drop needs root")
+def test_sandbox_without_namespaces_still_enforces_limits(host_fixtures):
+    """The fallback when unshare is unavailable: rlimits, the throw-away uid, a private work dir."""
+    from envs.sandbox import Sandbox, SandboxLimits
+
+    secret_path, _ = host_fixtures
+    sandbox = Sandbox(SandboxLimits(**FAST_SANDBOX), use_namespaces=False)
+    assert sandbox.protection["namespaces"] == [] and "not isolated" in sandbox.protection["network"]
+    cases = [
+        ("while True:\n    pass", "CPU time limit|wall-clock timeout"),
+        ("x = bytearray(10 * 1024**3)", "MemoryError"),
+        (f"print(open({secret_path!r}).read())", "Permission denied"),
+        ("print(open('/etc/shadow').read())", "Permission denied"),
+        (
+            "import subprocess\nsubprocess.Popen(['sleep', '300'], start_new_session=True)\nraise SystemExit(5)",
+            "",
+        ),
+    ]
+    for code, fragment in cases:
+        result = sandbox.run_python(code)
+        text = f"{result.reason} {result.stderr}"
+        assert not result.ok and any(w in text for w in fragment.split("|")), (code, text)
+        assert SECRET_VALUE not in result.stdout + result.stderr
+        assert _sandbox_processes() == [], f"left processes behind: {code!r}"
