@@ -103,6 +103,16 @@ def dense_chunk_scores(a_CK: torch.Tensor, k_CK: torch.Tensor, G_CK: torch.Tenso
     return a_op @ k_op.transpose(-1, -2)
 
 
+def _tile_map(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lower tile pairs (i > j) and, for each of the n*n tiles of a chunk, its source in
+    cat([diagonal tiles (n), lower pairs (p), zero tile (1)])."""
+    ii, jj = torch.tril_indices(n, n, offset=-1)
+    src = torch.full((n, n), n + len(ii), dtype=torch.long)
+    src[torch.arange(n), torch.arange(n)] = torch.arange(n)
+    src[ii, jj] = n + torch.arange(len(ii))
+    return ii, jj, src.flatten()
+
+
 def intra_chunk_scores(
     rows: tuple[torch.Tensor, ...], k_CK: torch.Tensor, G_CK: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
@@ -113,34 +123,31 @@ def intra_chunk_scores(
     own (fp32) dtype; the scaled operands are cast to k's dtype before each matmul, as a
     kernel feeding bf16 tensor cores does (chunk_kda passes fp32 on CPU).
     """
-    op = k_CK.dtype
-    C, n = G_CK.shape[-2], G_CK.shape[-2] // SUB
-    G_nsK = G_CK.unflatten(-2, (n, SUB))
-    k_nsK = k_CK.unflatten(-2, (n, SUB))
-    # Diagonal sub-tiles: shift both factors to the midpoint, each spans at most SUB/2 tokens.
+    op, C = k_CK.dtype, G_CK.shape[-2]
+    n = C // SUB
+    G_nsK, k_nsK = G_CK.unflatten(-2, (n, SUB)), k_CK.unflatten(-2, (n, SUB))
+    # Diagonal tiles: both factors shifted to the tile midpoint, each spans <= SUB/2 tokens.
     G_mid = G_nsK[..., SUB // 2 : SUB // 2 + 1, :]
     k_diag = (k_nsK * (G_mid - G_nsK).exp()).to(op)
-    # Off-diagonal pairs: reference at the row sub-tile's first token, so for row r >= ref and
-    # column j < ref both exponents are <= 0. Columns at or after ref are masked before exp.
-    G_ref = G_nsK[..., :1, :]
-    before_ref = (
-        torch.arange(C, device=G_CK.device)[None, :] < (torch.arange(n, device=G_CK.device) * SUB)[:, None]
-    )
-    col_exp = (G_ref - G_CK.unsqueeze(-3)).masked_fill(~before_ref[:, :, None], float("-inf"))
-    k_off = (k_CK.unsqueeze(-3) * col_exp.exp()).to(op)  # [..., n, C, K]
-    idx = torch.arange(C, device=G_CK.device)
-    same_tile = (idx[:, None] // SUB) == (idx[None, :] // SUB)
-    causal = idx[:, None] >= idx[None, :]
+    # Off-diagonal pair (i > j): exp(G_r - G_c) = exp(G_r - G_first_i) exp(G_first_i - G_last_j)
+    # exp(G_last_j - G_c), three non-positive exponents, so safe with any gate.
+    G_first, G_last = G_nsK[..., :1, :], G_nsK[..., -1:, :]
+    ii, jj, src = (t.to(G_CK.device) for t in _tile_map(n))
+    k_pair = (k_nsK * (G_last - G_nsK).exp())[..., jj, :, :].to(op)
+    bridge_p1K = (G_first[..., ii, :, :] - G_last[..., jj, :, :]).exp()
+    causal = torch.ones(SUB, SUB, dtype=torch.bool, device=G_CK.device).tril()
     out = []
     for a_CK in rows:
         a_nsK = a_CK.unflatten(-2, (n, SUB))
         diag_nss = (a_nsK * (G_nsK - G_mid).exp()).to(op) @ k_diag.transpose(-1, -2)
-        off_nsC = (a_nsK * (G_nsK - G_ref).exp()).to(op) @ k_off.transpose(-1, -2)
-        diag_CC = (
-            diag_nss.unsqueeze(-2).expand(*diag_nss.shape[:-1], n, SUB).reshape(*diag_nss.shape[:-3], C, C)
+        diag_nss = torch.where(
+            causal, diag_nss, torch.zeros((), dtype=diag_nss.dtype, device=diag_nss.device)
         )
-        A_CC = torch.where(same_tile, diag_CC, off_nsC.flatten(-3, -2))
-        out.append(torch.where(causal, A_CC, torch.zeros((), dtype=A_CC.dtype, device=A_CC.device)))
+        a_pair = ((a_nsK * (G_nsK - G_first).exp())[..., ii, :, :] * bridge_p1K).to(op)
+        off_pss = a_pair @ k_pair.transpose(-1, -2)
+        tiles = torch.cat([diag_nss, off_pss, torch.zeros_like(diag_nss[..., :1, :, :])], dim=-3)
+        A_nnss = tiles.index_select(-3, src).unflatten(-3, (n, n))
+        out.append(A_nnss.transpose(-3, -2).reshape(*A_nnss.shape[:-4], C, C))
     return tuple(out)
 
 
@@ -165,30 +172,35 @@ def state_pass(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sequential part: walk chunk positions, all sequences and heads at once.
 
-    Sequences are sorted by chunk count, so at step s the active ones are a prefix.
+    Sequences are sorted by chunk count, so at step s the active ones are a prefix. Inputs are
+    gathered once into step order and split (not indexed per step: the backward of a per-step
+    index or slice materialises a full-size zero gradient each time, quadratic in chunks).
     Returns the state entering each chunk [Nc, H, K, V], V~ per chunk, and the final states.
     """
     order_N = torch.argsort(layout.num_chunks_N, descending=True, stable=True)
-    nch_sorted = layout.num_chunks_N[order_N]
-    start_sorted = layout.chunk_start_N[order_N]
+    nch_sorted, start_sorted = layout.num_chunks_N[order_N], layout.chunk_start_N[order_N]
+    steps = int(nch_sorted[0]) if len(nch_sorted) else 0
+    active = [int((nch_sorted > s).sum()) for s in range(steps)]
+    step_chunks = torch.cat(
+        [start_sorted[:a] + s for s, a in enumerate(active)] or [torch.zeros(0, dtype=torch.long)]
+    )
+    step_chunks = step_chunks.to(W_NcHCK.device)
+    Ws, Us, kdecs, decays = (x[step_chunks].split(active) for x in (W_NcHCK, U_NcHCV, kdec_NcHCK, decay_NcHK))
+    N = state_NHKV.shape[0]
     S_NHKV = state_NHKV[order_N.to(state_NHKV.device)]
-    h_steps, vt_steps, idx_steps = [], [], []
-    for s in range(int(nch_sorted[0]) if len(nch_sorted) else 0):
-        a = int((nch_sorted > s).sum())
-        idx = (start_sorted[:a] + s).to(W_NcHCK.device)
-        h_aHKV = S_NHKV[:a]
-        vt_aHCV = U_NcHCV[idx] - W_NcHCK[idx] @ h_aHKV
-        S_new = decay_NcHK[idx][..., None] * h_aHKV + kdec_NcHCK[idx].transpose(-1, -2) @ vt_aHCV
-        S_NHKV = torch.cat([S_new, S_NHKV[a:]])
+    h_steps, vt_steps = [], []
+    for s, a in enumerate(active):
+        h_aHKV, rest = S_NHKV.split([a, N - a])
+        vt_aHCV = Us[s] - Ws[s] @ h_aHKV
+        S_new = decays[s][..., None] * h_aHKV + kdecs[s].transpose(-1, -2) @ vt_aHCV
+        S_NHKV = torch.cat([S_new, rest])
         h_steps.append(h_aHKV)
         vt_steps.append(vt_aHCV)
-        idx_steps.append(idx)
-    inv_order = torch.argsort(order_N).to(S_NHKV.device)
-    final_NHKV = S_NHKV[inv_order]
-    if not idx_steps:
-        empty = W_NcHCK.new_zeros((0, *W_NcHCK.shape[1:2], W_NcHCK.shape[-1], U_NcHCV.shape[-1]))
+    final_NHKV = S_NHKV[torch.argsort(order_N).to(S_NHKV.device)]
+    if not steps:
+        empty = W_NcHCK.new_zeros((0, W_NcHCK.shape[1], W_NcHCK.shape[-1], U_NcHCV.shape[-1]))
         return empty, U_NcHCV[:0], final_NHKV
-    chunk_order = torch.argsort(torch.cat(idx_steps))
+    chunk_order = torch.argsort(step_chunks)
     return torch.cat(h_steps)[chunk_order], torch.cat(vt_steps)[chunk_order], final_NHKV
 
 
