@@ -60,7 +60,7 @@ def _dav_kernel(
 @triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [4], [2, 3]), key=["K", "V"])
 @triton.jit
 def _state_bwd_kernel(
-    q, k, G, W, do, dVi, dht, dHc, dVn, dh0, scale, cu_seqlens, chunk_offsets, H, K, V,
+    Qg, Kd, G, W, do, dVi, dht, dHc, dVn, dh0, scale, cu_seqlens, chunk_offsets, H, K, V,
     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -69,7 +69,7 @@ def _state_bwd_kernel(
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
     c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
     DT = W.dtype.element_ty
-    q, k, G, W = q + i_h * K, k + i_h * K, G + i_h * K, W + i_h * K
+    Qg, Kd, G, W = Qg + i_h * K, Kd + i_h * K, G + i_h * K, W + i_h * K
     do, dVi, dVn = do + i_h * V, dVi + i_h * V, dVn + i_h * V
     v0 = i_v * BV
     rk, rv = tl.arange(0, BK), v0 + tl.arange(0, BV)
@@ -84,11 +84,10 @@ def _state_bwd_kernel(
         t0 = bos + c * BT
         tl.store(dHc + ((c0 + c) * H + i_h) * K * V + kv_off, dh.to(DT), mask=kv_mask)
         g_last = load_row(G, tl.minimum(t0 + BT, eos) - 1, H * K, K, BK)
-        G_t = load_tile(G, t0, eos, H * K, 0, BT, K, BK)
-        kd = load_tile(k, t0, eos, H * K, 0, BT, K, BK) * decay_factor(G_t, g_last, t0, eos, BT, -1.0)
-        dvn = load_tile(dVi, t0, eos, H * V, v0, BT, V, BV) + tl.dot(kd.to(DT), dh.to(DT))
+        kd = load_tile(Kd, t0, eos, H * K, 0, BT, K, BK).to(DT)
+        dvn = load_tile(dVi, t0, eos, H * V, v0, BT, V, BV) + tl.dot(kd, dh.to(DT))
         store_tile(dVn, dvn, t0, eos, H * V, v0, BT, V, BV)
-        qg = load_tile(q, t0, eos, H * K, 0, BT, K, BK) * tl.exp2(G_t)
+        qg = load_tile(Qg, t0, eos, H * K, 0, BT, K, BK)
         do_t = load_tile(do, t0, eos, H * V, v0, BT, V, BV).to(DT)
         w = load_tile(W, t0, eos, H * K, 0, BT, K, BK).to(DT)
         dh = dh * tl.exp2(g_last)[:, None] + scale * tl.dot(tl.trans(qg.to(DT)), do_t)
@@ -106,7 +105,7 @@ def _kv_tile(ptr, i_c, i_h, H, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
     )
 
 
-@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [4, 8], [2]), key=["K", "V"])
+@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [8, 4], [2]), key=["K", "V"])
 @triton.jit
 def _main_bwd_kernel(
     q, k, v, G, beta, Ainv, Hc, dHc, Vn, dVn, do, dq, dk, dG, dv, dbeta, dAkk, dGl, scale,
@@ -116,14 +115,7 @@ def _main_bwd_kernel(
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
     DT = Vn.dtype.element_ty
     stk, stv = H * K, H * V
-    G_t = load_tile(G + i_h * K, t0, eos, stk, 0, BT, K, BK)
-    q_t = load_tile(q + i_h * K, t0, eos, stk, 0, BT, K, BK)
-    k_t = load_tile(k + i_h * K, t0, eos, stk, 0, BT, K, BK)
     b = load_rows(beta + i_h, t0, eos, H, BT)
-    g_last = load_row(G + i_h * K, tl.minimum(t0 + BT, eos) - 1, stk, K, BK)
-    eG = tl.exp2(G_t)
-    kdf = decay_factor(G_t, g_last, t0, eos, BT, -1.0)
-    Xk = b[:, None] * k_t * eG
     r = tl.arange(0, BT)
     X = tl.where(r[:, None] >= r[None, :], load_tile(Ainv + i_h * BT, t0, eos, H * BT, 0, BT, BT, BT), 0.0)
     Xt = tl.trans(X.to(DT))
@@ -148,20 +140,31 @@ def _main_bwd_kernel(
         dY = tl.dot(Xt, dvn)
         store_tile(dv + i_h * V, b[:, None] * dY, t0, eos, stv, v0, BT, V, BV)
         db += rsum(v_t * dY, 1)
-    dX += tl.dot(dW.to(DT), tl.trans(Xk.to(DT)))
-    dXk = tl.dot(Xt, dW.to(DT))
+    # The [BT, BK] tiles are loaded only now and consumed one by one, to keep register pressure down.
+    G_t = load_tile(G + i_h * K, t0, eos, stk, 0, BT, K, BK)
+    eG = tl.exp2(G_t)
     dq_t = scale * dqg * eG
-    dk_t = dkd * kdf + b[:, None] * eG * dXk
     store_tile(dq + i_h * K, dq_t, t0, eos, stk, 0, BT, K, BK)
-    store_tile(dk + i_h * K, dk_t, t0, eos, stk, 0, BT, K, BK)
-    store_tile(dG + i_h * K, q_t * dq_t - k_t * kdf * dkd + Xk * dXk, t0, eos, stk, 0, BT, K, BK)
-    store_tile(dbeta + i_h, (db + rsum(k_t * eG * dXk, 1))[:, None], t0, eos, H, 0, BT, 1, 1)
-    dg_last = dg_last * tl.exp2(g_last) + rsum(k_t * kdf * dkd, 0)
+    dG_t = load_tile(q + i_h * K, t0, eos, stk, 0, BT, K, BK) * dq_t
+    g_last = load_row(G + i_h * K, tl.minimum(t0 + BT, eos) - 1, stk, K, BK)
+    kdf = decay_factor(G_t, g_last, t0, eos, BT, -1.0)
+    k_t = load_tile(k + i_h * K, t0, eos, stk, 0, BT, K, BK)
+    dkd = dkd * kdf
+    kdk = k_t * dkd
+    dG_t -= kdk
+    dg_last = dg_last * tl.exp2(g_last) + rsum(kdk, 0)
+    keG = k_t * eG
+    dX += tl.dot(dW.to(DT), tl.trans((b[:, None] * keG).to(DT)))
+    dXk = tl.dot(Xt, dW.to(DT))
+    store_tile(dk + i_h * K, dkd + b[:, None] * eG * dXk, t0, eos, stk, 0, BT, K, BK)
+    keG_dXk = keG * dXk
+    store_tile(dG + i_h * K, dG_t + b[:, None] * keG_dXk, t0, eos, stk, 0, BT, K, BK)
+    store_tile(dbeta + i_h, (db + rsum(keG_dXk, 1))[:, None], t0, eos, H, 0, BT, 1, 1)
     rk = tl.arange(0, BK)
     tl.store(dGl + (i_c.to(tl.int64) * H + i_h) * K + rk, dg_last, mask=rk < K)
-    # dL = -X^T dX X^T, kept on its strictly lower part (fp32 operands: X can be large).
+    # dL = -X^T dX X^T on its strictly lower part; fp32 operands (X can be large), split-tf32 on GPUs.
     Xf = tl.trans(X)
-    dL = -tl.dot(Xf, tl.dot(dX, Xf))
+    dL = -tl.dot(Xf, tl.dot(dX, Xf, input_precision="tf32x3"), input_precision="tf32x3")
     store_tile(dAkk + i_h * BT, tl.where(r[:, None] > r[None, :], dL, 0.0), t0, eos, H * BT, 0, BT, BT, BT)
 
 
@@ -405,7 +408,7 @@ def kda_bwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, saved: dict, do
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=f32) if h0 is not None else None
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * H)
     _state_bwd_kernel[grid](
-        q, k, saved["G"], saved["W"], do, dVi, dht if dht is not None else dVi, dHc, dVn,
+        saved["Qg"], saved["Kd"], saved["G"], saved["W"], do, dVi, dht if dht is not None else dVi, dHc, dVn,
         dh0 if dh0 is not None else dVi, scale, cu, plan.chunk_offsets_N1, H, K, V,
         BK=BK, BT=BT, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
     )  # fmt: skip

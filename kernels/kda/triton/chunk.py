@@ -16,7 +16,7 @@ from kernels.kda.triton.bwd import kda_bwd
 from kernels.kda.triton.common import G_MIN, debug_enabled, plan_chunks
 from kernels.kda.triton.fwd import kda_fwd
 
-_SAVED = ("G", "Aqk", "Ainv", "W", "Hc", "Vn")
+_SAVED = ("G", "Aqk", "Ainv", "W", "Hc", "Vn", "Qg", "Kd")
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:

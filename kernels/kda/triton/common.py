@@ -43,10 +43,16 @@ class ChunkPlan:
 
 
 def plan_chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkPlan:
+    """Chunk layout; without cu_seqlens it is built without a device->host sync."""
+    i32 = dict(device=device, dtype=torch.int32)
     if cu_seqlens is None:
-        cu = torch.arange(0, (B + 1) * T, T, device=device, dtype=torch.int32)[: B + 1]
-    else:
-        cu = cu_seqlens.to(device=device, dtype=torch.int32)
+        per_seq = (T + BT - 1) // BT
+        total = B * per_seq
+        chunk = torch.arange(total, **i32)
+        indices = torch.stack([chunk // max(per_seq, 1), chunk % max(per_seq, 1)], 1).contiguous()
+        cu = torch.arange(0, B + 1, **i32) * T
+        return ChunkPlan(cu, indices, torch.arange(0, B + 1, **i32) * per_seq, B, total)
+    cu = cu_seqlens.to(**i32)
     lens = (cu[1:] - cu[:-1]).long()
     n_chunks = (lens + BT - 1) // BT
     offsets = torch.zeros(len(lens) + 1, device=device, dtype=torch.long)

@@ -120,10 +120,19 @@ def _wy_in(
     return (b * k_j * tl.exp2(G_j)).to(DT), (b * v_j).to(DT)
 
 
+@triton.jit
+def _decayed_qk(q, k, G, Qg, Kd, ti, eos, g_last, H, K, BK: tl.constexpr, BC: tl.constexpr):
+    """q e^G and k e^(G_C - G) of sub-tile i, stored in the dot dtype for the state and output passes."""
+    G_i = load_tile(G, ti, eos, H * K, 0, BC, K, BK)
+    store_tile(Qg, load_tile(q, ti, eos, H * K, 0, BC, K, BK) * tl.exp2(G_i), ti, eos, H * K, 0, BC, K, BK)
+    kd = load_tile(k, ti, eos, H * K, 0, BC, K, BK) * decay_factor(G_i, g_last, ti, eos, BC, -1.0)
+    store_tile(Kd, kd, ti, eos, H * K, 0, BC, K, BK)
+
+
 @triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["K", "V", "STORE_X"])
 @triton.jit
 def _intra_kernel(
-    q, k, v, G, beta, Aqk, Ainv, W, U, cu_seqlens, chunk_indices, H, K, V,
+    q, k, v, G, beta, Aqk, Ainv, W, U, Qg, Kd, cu_seqlens, chunk_indices, H, K, V,
     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STORE_X: tl.constexpr,
 ):  # fmt: skip
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -131,6 +140,7 @@ def _intra_kernel(
     DT = W.dtype.element_ty
     q, k, G, v, beta = q + i_h * K, k + i_h * K, G + i_h * K, v + i_h * V, beta + i_h
     Aqk, Ainv, W, U = Aqk + i_h * BT, Ainv + i_h * BT, W + i_h * K, U + i_h * V
+    Qg, Kd = Qg + i_h * K, Kd + i_h * K
     t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
     A00, L00 = _pair(q, k, G, beta, t0, t0, eos, H, K, BK, BC, True, DT)
     A10, L10 = _pair(q, k, G, beta, t1, t0, eos, H, K, BK, BC, False, DT)
@@ -192,12 +202,17 @@ def _intra_kernel(
     u3 = tl.dot(X30, yv0) + tl.dot(X31, yv1) + tl.dot(X32, yv2) + tl.dot(X33, yv3)
     store_tile(W, w3, t3, eos, H * K, 0, BC, K, BK)
     store_tile(U, u3, t3, eos, H * V, 0, BC, V, BV)
+    g_last = load_row(G, tl.minimum(t0 + BT, eos) - 1, H * K, K, BK)
+    _decayed_qk(q, k, G, Qg, Kd, t0, eos, g_last, H, K, BK, BC)
+    _decayed_qk(q, k, G, Qg, Kd, t1, eos, g_last, H, K, BK, BC)
+    _decayed_qk(q, k, G, Qg, Kd, t2, eos, g_last, H, K, BK, BC)
+    _decayed_qk(q, k, G, Qg, Kd, t3, eos, g_last, H, K, BK, BC)
 
 
 @triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [4], [2, 3]), key=["K", "V"])
 @triton.jit
 def _state_kernel(
-    k, G, W, U, h0, Hc, Vn, ht, cu_seqlens, chunk_offsets, H, K, V,
+    Kd, G, W, U, h0, Hc, Vn, ht, cu_seqlens, chunk_offsets, H, K, V,
     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
 ):  # fmt: skip
     """Sequential pass over one sequence's chunks for one head and BV value columns."""
@@ -207,7 +222,7 @@ def _state_kernel(
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
     c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
     DT = W.dtype.element_ty
-    k, G, W, U, Vn = k + i_h * K, G + i_h * K, W + i_h * K, U + i_h * V, Vn + i_h * V
+    Kd, G, W, U, Vn = Kd + i_h * K, G + i_h * K, W + i_h * K, U + i_h * V, Vn + i_h * V
     v0 = i_v * BV
     rk, rv = tl.arange(0, BK), v0 + tl.arange(0, BV)
     kv_mask = (rk[:, None] < K) & (rv[None, :] < V)
@@ -222,10 +237,8 @@ def _state_kernel(
         vn = load_tile(U, t0, eos, H * V, v0, BT, V, BV) - tl.dot(w, h.to(DT))
         store_tile(Vn, vn, t0, eos, H * V, v0, BT, V, BV)
         g_last = load_row(G, tl.minimum(t0 + BT, eos) - 1, H * K, K, BK)
-        kd = load_tile(k, t0, eos, H * K, 0, BT, K, BK) * decay_factor(
-            load_tile(G, t0, eos, H * K, 0, BT, K, BK), g_last, t0, eos, BT, -1.0
-        )
-        h = h * tl.exp2(g_last)[:, None] + tl.dot(tl.trans(kd.to(DT)), vn.to(DT))
+        kd = load_tile(Kd, t0, eos, H * K, 0, BT, K, BK).to(DT)
+        h = h * tl.exp2(g_last)[:, None] + tl.dot(tl.trans(kd), vn.to(DT))
     if STORE_HT:
         tl.store(ht + i_nh * K * V + kv_off, h, mask=kv_mask)
 
@@ -233,16 +246,14 @@ def _state_kernel(
 @triton.autotune(configs=_configs([{"BV": 64}, {"BV": 128}], [4, 8], [2]), key=["K", "V"])
 @triton.jit
 def _output_kernel(
-    q, G, Hc, Aqk, Vn, o, scale, cu_seqlens, chunk_indices, H, K, V,
+    Qg, Hc, Aqk, Vn, o, scale, cu_seqlens, chunk_indices, H, K, V,
     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
 ):  # fmt: skip
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
     DT = Vn.dtype.element_ty
     v0 = i_v * BV
-    qg = load_tile(q + i_h * K, t0, eos, H * K, 0, BT, K, BK) * tl.exp2(
-        load_tile(G + i_h * K, t0, eos, H * K, 0, BT, K, BK)
-    )
+    qg = load_tile(Qg + i_h * K, t0, eos, H * K, 0, BT, K, BK)
     rk, rv = tl.arange(0, BK), v0 + tl.arange(0, BV)
     kv_mask = (rk[:, None] < K) & (rv[None, :] < V)
     h = tl.load(
@@ -268,6 +279,7 @@ def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool,
     Aqk = torch.empty(T, H, BT, device=dev, dtype=dt)
     Ainv = torch.empty(T, H, BT, device=dev, dtype=torch.float32) if store_x else G.new_empty(1)
     W, U = torch.empty(T, H, K, device=dev, dtype=dt), torch.empty(T, H, V, device=dev, dtype=dt)
+    Qg, Kd = torch.empty(T, H, K, device=dev, dtype=dt), torch.empty(T, H, K, device=dev, dtype=dt)
     Hc = torch.empty(NC, H, K, V, device=dev, dtype=dt)
     Vn = torch.empty(T, H, V, device=dev, dtype=dt)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if store_ht else G.new_empty(1)
@@ -276,17 +288,37 @@ def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool,
     if NC > 0:
         _cumsum_kernel[(NC, H)](g, G, cu, ci, H, K, BK=BK, BT=BT)
         _intra_kernel[(NC, H)](
-            q, k, v, G, beta, Aqk, Ainv, W, U, cu, ci, H, K, V, BK=BK, BV=BV, BT=BT, BC=BC, STORE_X=store_x
+            q,
+            k,
+            v,
+            G,
+            beta,
+            Aqk,
+            Ainv,
+            W,
+            U,
+            Qg,
+            Kd,
+            cu,
+            ci,
+            H,
+            K,
+            V,
+            BK=BK,
+            BV=BV,
+            BT=BT,
+            BC=BC,
+            STORE_X=store_x,
         )
     h0_arg = h0 if h0 is not None else G.new_empty(1)
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * H)
     _state_kernel[grid](
-        k, G, W, U, h0_arg, Hc, Vn, ht, cu, plan.chunk_offsets_N1, H, K, V,
+        Kd, G, W, U, h0_arg, Hc, Vn, ht, cu, plan.chunk_offsets_N1, H, K, V,
         BK=BK, BT=BT, HAS_H0=h0 is not None, STORE_HT=store_ht,
     )  # fmt: skip
     if NC > 0:
         grid_o = lambda meta: (triton.cdiv(V, meta["BV"]), NC, H)
-        _output_kernel[grid_o](q, G, Hc, Aqk, Vn, o, scale, cu, ci, H, K, V, BK=BK, BT=BT)
+        _output_kernel[grid_o](Qg, Hc, Aqk, Vn, o, scale, cu, ci, H, K, V, BK=BK, BT=BT)
     return {
         "o": o,
         "ht": ht if store_ht else None,
@@ -296,6 +328,8 @@ def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool,
         "W": W,
         "Hc": Hc,
         "Vn": Vn,
+        "Qg": Qg,
+        "Kd": Kd,
     }
 
 
