@@ -10,9 +10,10 @@ Ways to name an env (``envs.make`` accepts all of them):
 * a class or factory callable.
 
 Gymnasium 1.x has no plugin discovery of its own (the ``gymnasium.envs`` entry-point group of
-0.2x was removed), so ``gymnasium.make("longhorizon/Calculator-v0")`` needs ``import envs`` first;
-without it, gymnasium's own ``"module:id"`` form does the import:
-``gymnasium.make("envs:longhorizon/Calculator-v0")``.
+0.2x was removed). ``scripts/setup.sh`` installs a start-up hook (``longhorizon_gym_hook``) that
+imports ``envs`` right after gymnasium, so ``gymnasium.make("longhorizon/Calculator-v0")`` works
+as is; in an environment without the hook, ``import envs`` first, or use gymnasium's own
+``"module:id"`` form: ``gymnasium.make("envs:longhorizon/Calculator-v0")``.
 """
 
 from __future__ import annotations

@@ -14,4 +14,7 @@ if [ "$extra" = cpu ]; then
     # importing them breaks `import vllm` on a CPU machine. Text models need none of them.
     .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+# Gymnasium 1.x has no plugin discovery: register our envs whenever gymnasium is imported
+site_dir="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+echo "import longhorizon_gym_hook" > "$site_dir/longhorizon_gymnasium.pth"
 .venv/bin/python -c "import torch, ray, gymnasium, omegaconf, peft; print('[setup] ok: torch', torch.__version__, 'ray', ray.__version__)"

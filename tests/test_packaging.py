@@ -47,3 +47,15 @@ def test_vllm_imports_on_this_machine():
         [sys.executable, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_gymnasium_make_finds_builtin_envs_without_importing_envs():
+    """setup.sh installs a .pth start-up hook: gymnasium 1.x has no plugin discovery of its own."""
+    code = (
+        "import sys, gymnasium\n"
+        "env = gymnasium.make('longhorizon/Calculator-v0')\n"
+        "print(type(env.unwrapped).__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "CalculatorEnv"
