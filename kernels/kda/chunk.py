@@ -136,14 +136,15 @@ def intra_chunk_scores(
     k_pair = (k_nsK * (G_last - G_nsK).exp())[..., jj, :, :].to(op)
     bridge_p1K = (G_first[..., ii, :, :] - G_last[..., jj, :, :]).exp()
     causal = torch.ones(SUB, SUB, dtype=torch.bool, device=G_CK.device).tril()
+    row_mid, row_first = (G_nsK - G_mid).exp(), (G_nsK - G_first).exp()  # shared by all rows
     out = []
     for a_CK in rows:
         a_nsK = a_CK.unflatten(-2, (n, SUB))
-        diag_nss = (a_nsK * (G_nsK - G_mid).exp()).to(op) @ k_diag.transpose(-1, -2)
+        diag_nss = (a_nsK * row_mid).to(op) @ k_diag.transpose(-1, -2)
         diag_nss = torch.where(
             causal, diag_nss, torch.zeros((), dtype=diag_nss.dtype, device=diag_nss.device)
         )
-        a_pair = ((a_nsK * (G_nsK - G_first).exp())[..., ii, :, :] * bridge_p1K).to(op)
+        a_pair = ((a_nsK * row_first)[..., ii, :, :] * bridge_p1K).to(op)
         off_pss = a_pair @ k_pair.transpose(-1, -2)
         tiles = torch.cat([diag_nss, off_pss, torch.zeros_like(diag_nss[..., :1, :, :])], dim=-3)
         A_nnss = tiles.index_select(-3, src).unflatten(-3, (n, n))
@@ -257,7 +258,7 @@ def chunk_kda(
     layout = chunk_layout(cu_seqlens, B * T)
 
     def chunks(x: torch.Tensor) -> torch.Tensor:
-        return to_chunks(x.reshape(B * T, H, -1).to(dt), layout)
+        return to_chunks(x.reshape(B * T, H, x.shape[3] if x.dim() == 4 else 1).to(dt), layout)
 
     q_c, k_c, v_c, g_c = chunks(q) * scale, chunks(k), chunks(v), chunks(g)
     beta_c = chunks(beta).squeeze(-1)

@@ -48,7 +48,7 @@ def fused_recurrent_kda(
     L = int((cu[1:] - cu[:-1]).max()) if N else 0
 
     def steps(x: torch.Tensor) -> torch.Tensor:
-        return _padded_steps(x.reshape(B * T, H, -1).to(dt), cu, L)
+        return _padded_steps(x.reshape(B * T, H, x.shape[3] if x.dim() == 4 else 1).to(dt), cu, L)
 
     q_L, k_L, v_L, g_L = steps(q) * scale, steps(k), steps(v), steps(g)
     beta_L = steps(beta)  # [L, N, H, 1]

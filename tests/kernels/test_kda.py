@@ -6,7 +6,7 @@ import pytest
 import torch
 from kda_cases import H, K, V, compare, make_inputs, run_with_grads
 
-from kernels.kda import chunk_kda, naive_recurrent_kda
+from kernels.kda import chunk_kda, fused_recurrent_kda, naive_recurrent_kda
 from kernels.testing import assert_close
 
 
@@ -82,3 +82,14 @@ def test_bad_shapes_raise():
         chunk_kda(**inputs, initial_state=torch.zeros(2, H, K, V))
     with pytest.raises(ValueError, match="cu_seqlens"):
         chunk_kda(**inputs, cu_seqlens=torch.tensor([0, 4]))
+
+
+@pytest.mark.parametrize("fn", [chunk_kda, fused_recurrent_kda])
+def test_empty_sequences_pass_the_state_through(fn):
+    """T = 0 (all sequences empty): empty output, final state == initial state (or zeros)."""
+    x = make_inputs(1, 0, torch.float32)
+    h0 = torch.randn(2, H, K, V)
+    o, ht = fn(**x, initial_state=h0, output_final_state=True, cu_seqlens=torch.tensor([0, 0, 0]))
+    assert o.shape == (1, 0, H, V) and torch.equal(ht, h0)
+    o, ht = fn(**make_inputs(2, 0, torch.float32), output_final_state=True)
+    assert o.shape == (2, 0, H, V) and torch.equal(ht, torch.zeros(2, H, K, V))
