@@ -1,0 +1,56 @@
+"""Shared fixtures: a tiny random-init hybrid checkpoint (KDA x3 + MLA, MoE, AttnRes) in fp32."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 shared cores: OpenMP spinning costs 1000x on tiny ops
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+TINY = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    num_hidden_layers=4,
+    linear_attn_config={"head_dim": 32, "num_heads": 2},
+    num_attention_heads=2,
+    kv_lora_rank=32,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    num_experts=4,
+    num_experts_per_token=2,
+    moe_intermediate_size=64,
+    intermediate_size=128,
+    attn_res_block_size=2,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def build_checkpoint(path, seed: int = 0, scale_router: float = 20.0):
+    """Save a tiny model + the project tokenizer; returns the learner model (eval mode)."""
+    from model.config import HybridConfig
+    from model.modeling import HybridForCausalLM
+    from rollout.tokenizer import load_tokenizer
+
+    torch.manual_seed(seed)
+    model = HybridForCausalLM(HybridConfig(**TINY)).eval()
+    with torch.no_grad():  # spread router scores so top-k choices are not near-ties
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):
+                p.mul_(scale_router)
+    model.save_pretrained(str(path))
+    load_tokenizer().save_pretrained(str(path))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_hybrid")
+    model = build_checkpoint(path)
+    return path, model

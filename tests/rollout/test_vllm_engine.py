@@ -1,0 +1,156 @@
+"""Our model in a real vLLM engine (CPU, fp32): parity with the learner, whole-turn state reuse,
+routed experts, residency bounds. One engine for the whole module."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rollout.worker import RolloutWorker, TurnRequest
+
+pytestmark = pytest.mark.vllm
+
+# Rollout and learner run the same fp32 modules; what differs is how tokens are grouped (the
+# learner's one chunked pass over the whole sequence vs vLLM's prefill + token-by-token recurrent
+# decode, paged attention vs SDPA), i.e. fp32 rounding order only: observed < 1e-5, bound 1e-4.
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_ckpt):
+    path, _ = tiny_ckpt
+    w = RolloutWorker(
+        dict(
+            model_path=str(path),
+            reuse="session",
+            max_model_len=768,
+            max_num_seqs=8,
+            kv_cache_memory_bytes=32 << 20,
+        )
+    )
+    yield w
+    w.shutdown()
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 1000, (n,), generator=g).tolist()
+
+
+def learner_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log p(ids[t] | ids[<t]) for t >= 1 from the learner."""
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        return model(x[:, :-1], target_ids=x[:, 1:]).token_logprobs[0]
+
+
+def test_greedy_decode_equals_model_generate(worker, tiny_ckpt):
+    _, model = tiny_ckpt
+    prompts = {"g0": _prompt(0, 40), "g1": _prompt(1, 75)}
+    outs = worker.generate([TurnRequest(s, p, max_tokens=12, temperature=0.0) for s, p in prompts.items()])
+    for o in outs:
+        ref = model.generate(torch.tensor([prompts[o.session_id]]), max_new_tokens=12)[0, -12:].tolist()
+        assert o.token_ids == ref
+        assert o.finish_reason == "length" and o.policy_version == 0
+    worker.end_sessions(list(prompts))
+
+
+def test_sampled_logprobs_equal_learner_logprobs(worker, tiny_ckpt):
+    _, model = tiny_ckpt
+    prompt = _prompt(2, 60)
+    o = worker.generate([TurnRequest("lp", prompt, max_tokens=24, temperature=1.0)])[0]
+    assert len(o.token_ids) == len(o.logprobs) == 24
+    ref = learner_logprobs(model, prompt + o.token_ids)[len(prompt) - 1 :]
+    diff = (torch.tensor(o.logprobs) - ref).abs().max().item()
+    assert diff < LOGPROB_TOL, diff
+    worker.end_sessions(["lp"])
+
+
+def _episode(worker, sid: str, turns: list[list[int]], fresh_each_turn: bool):
+    outs = []
+    for chunk in turns:
+        if fresh_each_turn:
+            worker.end_sessions([sid])
+            history = [t for prev, o in zip(turns, outs) for t in (*prev, *o.token_ids)]
+            chunk = history + chunk  # a new session over the full history: recompute
+        outs.append(worker.generate([TurnRequest(sid, chunk, max_tokens=10, temperature=0.0)])[0])
+    worker.end_sessions([sid])
+    return outs
+
+
+def test_whole_turn_reuse_prefills_only_new_tokens_and_matches_recompute(worker, tiny_ckpt):
+    _, model = tiny_ckpt
+    turns = [_prompt(3, 90), _prompt(4, 17), _prompt(5, 33), _prompt(6, 8)]
+    reused = _episode(worker, "r", turns, fresh_each_turn=False)
+    recomputed = _episode(worker, "f", turns, fresh_each_turn=True)
+    block = worker.llm.llm_engine.vllm_config.cache_config.block_size
+    for t, (a, b) in enumerate(zip(reused, recomputed)):
+        assert a.token_ids == b.token_ids, t
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=LOGPROB_TOL)
+        if t >= 1:
+            assert a.reused_session and not b.reused_session
+            # new tokens + the previous turn's last sampled token (never fed before): <= new + one block
+            assert a.num_computed_prompt_tokens == a.num_new_tokens + 1 <= a.num_new_tokens + block
+            assert b.num_computed_prompt_tokens == b.context_len - len(b.token_ids)
+    history = [t for chunk, o in zip(turns, reused) for t in (*chunk, *o.token_ids)]
+    assert reused[-1].context_len == len(history)
+    ref = learner_logprobs(model, history)
+    pos = len(history) - len(reused[-1].token_ids)
+    np.testing.assert_allclose(reused[-1].logprobs, ref[pos - 1 :].numpy(), atol=LOGPROB_TOL)
+
+
+def test_routed_experts_match_the_learners_router(worker, tiny_ckpt):
+    _, model = tiny_ckpt
+    first, second = _prompt(7, 30), _prompt(8, 9)
+    o1 = worker.generate([TurnRequest("e", first, max_tokens=6, temperature=1.0)])[0]
+    o2 = worker.generate([TurnRequest("e", second, max_tokens=6, temperature=1.0)])[0]
+    worker.end_sessions(["e"])
+    ids = first + o1.token_ids + second + o2.token_ids
+    with torch.no_grad():
+        ref = model(torch.tensor([ids]), output_router_choices=True).router_choices.numpy()  # [T, L, K]
+    L, K = ref.shape[1:]
+    assert o1.routed_experts.shape == (6, L, K)
+    p1 = len(first)
+    np.testing.assert_array_equal(np.sort(o1.routed_experts[:-1], -1), np.sort(ref[p1 : p1 + 5], -1))
+    assert (o1.routed_experts[-1] == -1).all()  # the last sampled token is fed only with the next turn
+    np.testing.assert_array_equal(np.sort(o2.prev_token_routed_experts, -1), np.sort(ref[p1 + 5], -1))
+
+
+def test_resident_sessions_are_bounded_and_evicted_sessions_fall_back(worker, tiny_ckpt):
+    _, model = tiny_ckpt
+    saved, worker.max_resident = worker.max_resident, 2
+    try:
+        chunks = {s: [_prompt(10 + i, 20), _prompt(20 + i, 5)] for i, s in enumerate("abc")}
+        first = worker.generate(
+            [TurnRequest(f"b{s}", c[0], max_tokens=4, temperature=0.0) for s, c in chunks.items()]
+        )
+        assert worker.load()["resident"] == 2  # the third session ran as a plain request
+        second = {}
+        for s in "cab":  # each turn alone: room is made by closing the least recently used idle session
+            second[s] = worker.generate([TurnRequest(f"b{s}", chunks[s][1], max_tokens=4, temperature=0.0)])[
+                0
+            ]
+            assert worker.load()["resident"] <= 2
+        assert worker.stats["evictions"] >= 2
+        assert not second["c"].reused_session and not second["a"].reused_session
+        for (s, c), o1 in zip(chunks.items(), first):
+            ids = c[0] + o1.token_ids + c[1]
+            assert (
+                second[s].token_ids == model.generate(torch.tensor([ids]), max_new_tokens=4)[0, -4:].tolist()
+            )
+    finally:
+        worker.end_sessions([f"b{s}" for s in "abc"])
+        worker.max_resident = saved
+
+
+def test_context_budget_and_bad_requests(worker):
+    out = worker.generate([TurnRequest("ctx", _prompt(30, 700), max_tokens=200, temperature=0.0)])[0]
+    assert len(out.token_ids) <= 768 - 700 and out.context_len <= 768
+    full = worker.generate([TurnRequest("ctx", _prompt(31, 100), max_tokens=5)])[0]
+    assert full.finish_reason == "context" and full.token_ids == []
+    worker.end_sessions(["ctx"])
+    with pytest.raises(ValueError, match="duplicated"):
+        worker.generate([TurnRequest("d", [5]), TurnRequest("d", [6])])
+    with pytest.raises(ValueError, match="at least one"):
+        worker.generate([TurnRequest("z", [])])
