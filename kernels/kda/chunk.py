@@ -62,6 +62,7 @@ class ChunkLayout:
 
 
 def chunk_layout(cu_seqlens_N1: torch.Tensor, T: int) -> ChunkLayout:
+    """Pad every sequence of the packed [T] token axis to whole chunks, chunks in sequence order."""
     cu = cu_seqlens_N1.to(device="cpu", dtype=torch.long)
     lens_N = cu[1:] - cu[:-1]
     N = lens_N.numel()
