@@ -36,7 +36,7 @@ from kernels.kda.triton.common import (
 from kernels.kda.triton.fwd import _configs
 
 
-@triton.autotune(configs=_configs([{"BV": 64}, {"BV": 128}], [4, 8], [2]), key=["V"])
+@triton.autotune(configs=_configs([{"BV": 64}, {"BV": 128}], [4, 8], [2]), key=["H", "V"])
 @triton.jit
 def _dav_kernel(
     Aqk, Vn, do, dAqk, dVi, scale, cu_seqlens, chunk_indices, H, V, BV: tl.constexpr, BT: tl.constexpr
@@ -57,7 +57,7 @@ def _dav_kernel(
     store_tile(dAqk + i_h * BT, tl.where(causal, dA * scale, 0.0), t0, eos, H * BT, 0, BT, BT, BT)
 
 
-@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [4], [2, 3]), key=["K", "V"])
+@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [4], [2, 3]), key=["H", "K", "V"])
 @triton.jit
 def _state_bwd_kernel(
     Qg, Kd, G, W, do, dVi, dht, dHc, dVn, dh0, scale, cu_seqlens, chunk_offsets, H, K, V,
@@ -105,7 +105,7 @@ def _kv_tile(ptr, i_c, i_h, H, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
     )
 
 
-@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [8, 4], [2]), key=["K", "V"])
+@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [8, 4], [2]), key=["H", "K", "V"])
 @triton.jit
 def _main_bwd_kernel(
     q, k, v, G, beta, Ainv, Hc, dHc, Vn, dVn, do, dq, dk, dG, dv, dbeta, dAkk, dGl, scale,
@@ -270,7 +270,7 @@ def _intra_bwd_block(
     return carry + rsum(dG_i, 0)
 
 
-@triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["K"])
+@triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["H", "K"])
 @triton.jit
 def _intra_bwd_kernel(
     q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dGl, dq, dk, dg, dbeta, cu_seqlens, chunk_indices,

@@ -129,7 +129,7 @@ def _decayed_qk(q, k, G, Qg, Kd, ti, eos, g_last, H, K, BK: tl.constexpr, BC: tl
     store_tile(Kd, kd, ti, eos, H * K, 0, BC, K, BK)
 
 
-@triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["K", "V", "STORE_X"])
+@triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["H", "K", "V", "STORE_X"])
 @triton.jit
 def _intra_kernel(
     q, k, v, G, beta, Aqk, Ainv, W, U, Qg, Kd, cu_seqlens, chunk_indices, H, K, V,
@@ -209,7 +209,7 @@ def _intra_kernel(
     _decayed_qk(q, k, G, Qg, Kd, t3, eos, g_last, H, K, BK, BC)
 
 
-@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [4], [2, 3]), key=["K", "V"])
+@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [4], [2, 3]), key=["H", "K", "V"])
 @triton.jit
 def _state_kernel(
     Kd, G, W, U, h0, Hc, Vn, ht, cu_seqlens, chunk_offsets, H, K, V,
@@ -243,7 +243,7 @@ def _state_kernel(
         tl.store(ht + i_nh * K * V + kv_off, h, mask=kv_mask)
 
 
-@triton.autotune(configs=_configs([{"BV": 64}, {"BV": 128}], [4, 8], [2]), key=["K", "V"])
+@triton.autotune(configs=_configs([{"BV": 64}, {"BV": 128}], [4, 8], [2]), key=["H", "K", "V"])
 @triton.jit
 def _output_kernel(
     Qg, Hc, Aqk, Vn, o, scale, cu_seqlens, chunk_indices, H, K, V,
