@@ -45,7 +45,8 @@ def _routes(ep: Episode, length: int) -> np.ndarray | None:
         pos += len(t.prompt_token_ids)
         if t.routed_experts is not None:
             n = min(len(t.token_ids), t.routed_experts.shape[0])
-            out[pos : pos + n] = t.routed_experts[:n].astype(np.int64)
+            r = t.routed_experts[:n].astype(np.int64)
+            out[pos : pos + n] = np.where(r >= np.iinfo(np.uint16).max, -1, r)  # uint16 records: 65535 = none
         pos += len(t.token_ids)
     return out
 
@@ -139,3 +140,25 @@ def minibatches(
     return [
         pack([rows[i] for i in sorted(c)], loss_agg, norm_tokens).split(micro_batch_tokens) for c in chunks
     ]
+
+
+def train_minibatches(groups: list[EpisodeGroup], algo, micro_batch_tokens: int, seed: int, values_fn=None):
+    """Advantages (value-head values through ``values_fn`` when the algorithm uses them) -> minibatches.
+
+    ``values_fn(batch) -> list[list[float]]`` gives the value at each turn boundary per sequence.
+    """
+    from rl.advantages import compute_advantages
+
+    values = None
+    if algo.baseline == "value" or algo.credit == "gae":
+        flat = [ep for g in groups for ep in g.episodes]
+        zero_rows = [episode_row(ep, [0.0] * len(ep.turns)) for ep in flat]
+        per_seq = iter(values_fn(pack([r for r in zero_rows if r.input_ids], "token_mean", 1)))
+        by_ep = [next(per_seq) if r.input_ids else [] for r in zero_rows]
+        it = iter(by_ep)
+        values = [[next(it) for _ in g.episodes] for g in groups]
+    adv, targets = compute_advantages(groups, algo, values)
+    rows = rows_from_groups(groups, adv, targets)
+    if not rows:
+        raise ValueError("no episode with tokens to train on")
+    return minibatches(rows, algo.num_minibatches, algo.loss_agg, algo.norm_tokens, micro_batch_tokens, seed)

@@ -66,16 +66,16 @@ class ModelConfig:
 
 @dataclass
 class EnvConfig:
-    mix: dict[str, float] = field(default_factory=lambda: {"calculator": 1.0})
+    mix: dict[str, float] = field(default_factory=lambda: {"Calculator": 1.0})
     """Training data mix: env registry id -> sampling weight (a curriculum stage may override it)."""
     kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Constructor kwargs per env id."""
-    eval_env: str = "calculator"
+    eval_env: str = "Calculator"
     """Env id of the held-out evaluation."""
     num_eval_tasks: int = 64
     """Held-out tasks per evaluation (greedy, one episode per task)."""
-    eval_seed: int = 1_000_000
-    """Held-out task seeds are eval_seed + i; training seeds count up from ``seed`` and never reach it."""
+    eval_offset: int = 0
+    """Held-out tasks are the test split's task_index eval_offset + i (train and test splits are disjoint)."""
     seed: int = 0
 
 
@@ -177,6 +177,10 @@ class LearnerConfig:
     balancer: str = "frozen"
     """MoE balancing bias during RL: frozen, or update (recomputed each step and shipped with weights)."""
     num_cpus: float = 1.0
+    """Ray CPUs reserved for the learner actor."""
+    torch_threads: int | None = 1
+    """torch intra-op threads of the learner process (None: torch's default). On a few shared cores
+    one thread is fastest for tiny models: OpenMP spinning on small ops costs more than it gains."""
     seed: int = 0
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -188,7 +192,7 @@ class LearnerConfig:
 class SFTConfig:
     enabled: bool = False
     """In rl.train: run the warm start first when model.init_from is unset."""
-    env_mix: dict[str, float] = field(default_factory=lambda: {"calculator": 1.0})
+    env_mix: dict[str, float] = field(default_factory=lambda: {"Calculator": 1.0})
     num_episodes: int = 256
     """Scripted-expert episodes to train on."""
     epochs: int = 2

@@ -93,6 +93,8 @@ class Learner:
         from model import ExpertBalancer
 
         self.cfg, self.algo = cfg, algo
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(cfg.seed)
         self.device = _device(cfg.device)
         self.policy = build_model(model_cfg).to(self.device)

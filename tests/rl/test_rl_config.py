@@ -63,7 +63,7 @@ def test_group_default_lands_under_model_arch(tmp_path, monkeypatch):
         (["learner.device=cpu", "learner.dtype=bfloat16"], "bfloat16"),
         (["rollout.max_tokens_per_turn=4096", "rollout.max_context_tokens=1024"], "max_tokens_per_turn"),
         (["algorithm.clip_low=1.5"], "clip_low"),
-        (["env.mix={calculator: -1.0}"], "env.mix"),
+        (["env.mix={Calculator: -1.0}"], "env.mix"),
         (
             ["algorithm.name=rloo", "algorithm.dynamic_sampling=true", "algorithm.baseline=batch_mean"],
             "dynamic_sampling",

@@ -1,0 +1,242 @@
+"""The driver's side of rollouts: worker actors, task sampling, collection with recovery, evaluation.
+
+Failure handling (nothing is dropped silently; every case is counted in the step's metrics):
+
+- A rollout worker that dies mid-step turns its episodes into ERROR episodes with
+  ``info["error_where"] == "worker.generate"`` (rollout/manager.py). The driver then replaces every
+  dead worker with a fresh actor on the current weights and re-runs the affected groups, up to
+  ``rollout.max_episode_retries`` times; after that the step fails with the worker's error.
+- An episode whose env or tool crashed (``env.*``) stays an ERROR episode: it is counted
+  (``rollout/env_errors``) and kept out of the loss (an env fault says nothing about the policy).
+  When every episode of a step failed in the env, the run stops with the env's message.
+- DAPO dynamic sampling drops zero-variance groups (counted in ``rollout/dropped_groups``) and
+  collects more, up to ``algorithm.max_resample_rounds`` extra rounds.
+
+Training tasks are a pure function of (seed, step, slot), so the data position after a resume is
+exactly the step counter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from envs.types import EpisodeGroup, EpisodeStatus
+from rl.advantages import keep_group
+from rl.config import AlgorithmConfig, EnvConfig, RolloutConfig, StageConfig
+
+WORKER_FAILURE = "worker.generate"
+
+
+@dataclass
+class Collected:
+    groups: list[EpisodeGroup]  # the groups to train on (env-error episodes removed)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def stage_env_kwargs(env: EnvConfig, name: str, stage: StageConfig) -> dict[str, Any]:
+    kwargs = dict(env.kwargs.get(name, {}))
+    if name == "NeedleHaystack" and "context_chars" not in kwargs:
+        kwargs["context_chars"] = max(200, 2 * (stage.max_context_tokens or 1024) // 3)
+    return kwargs
+
+
+def train_tasks(env: EnvConfig, stage: StageConfig, seed: int, step: int, round_: int = 0) -> list:
+    """The step's training tasks: env drawn by the stage's mix, task index drawn from the train split."""
+    from rollout.manager import TaskSpec
+
+    rng = np.random.default_rng([seed, step, round_])
+    names = list(stage.mix)
+    p = np.array([stage.mix[n] for n in names], dtype=np.float64)
+    out = []
+    for _ in range(stage.tasks_per_step):
+        name = names[int(rng.choice(len(names), p=p / p.sum()))]
+        opts = {"split": "train", "task_index": int(rng.integers(0, 2**31 - 1))}
+        out.append(TaskSpec(env=name, options=opts, env_kwargs=stage_env_kwargs(env, name, stage)))
+    return out
+
+
+def eval_tasks(env: EnvConfig, stage: StageConfig) -> list:
+    from rollout.manager import TaskSpec
+
+    kwargs = stage_env_kwargs(env, env.eval_env, stage)
+    return [
+        TaskSpec(
+            env=env.eval_env, options={"split": "test", "task_index": env.eval_offset + i}, env_kwargs=kwargs
+        )
+        for i in range(env.num_eval_tasks)
+    ]
+
+
+class WorkerPool:
+    """Rollout worker actors; replaces dead ones with fresh actors on the newest weights."""
+
+    def __init__(self, cfg: RolloutConfig, model_path: str, version: int) -> None:
+        self.cfg, self.model_path, self.version = cfg, model_path, version
+        self.workers = [self._start(i) for i in range(cfg.num_workers)]
+        self.restarts = 0
+
+    def _start(self, i: int):
+        import ray
+
+        from rollout.worker import RolloutWorker, WorkerConfig
+
+        wc = WorkerConfig(model_path=self.model_path, policy_version=self.version, seed=self.cfg.seed + i,
+                          max_model_len=self.cfg.max_context_tokens + self.cfg.max_tokens_per_turn, **self.cfg.engine)  # fmt: skip
+        actor = ray.remote(num_cpus=self.cfg.worker_num_cpus, max_restarts=0)(RolloutWorker)
+        return actor.remote(wc)
+
+    def update_weights(self, path: str, version: int) -> None:
+        import ray
+
+        ray.get([w.update_weights.remote(path, version) for w in self.workers])
+        self.model_path, self.version = path, version
+
+    def replace_dead(self) -> list[int]:
+        """Ping every worker; start a fresh one in place of each that does not answer."""
+        import ray
+
+        dead = []
+        for i, w in enumerate(self.workers):
+            try:
+                ray.get(w.get_version.remote(), timeout=60)
+            except (ray.exceptions.RayError, TimeoutError):
+                dead.append(i)
+        for i in dead:
+            self.workers[i] = self._start(i)
+            self.restarts += 1
+        return dead
+
+    def shutdown(self) -> None:
+        import ray
+
+        for w in self.workers:
+            with contextlib.suppress(Exception):
+                ray.get(w.shutdown.remote(), timeout=30)
+            ray.kill(w)
+
+
+def make_manager(pool: WorkerPool, cfg: RolloutConfig, stage: StageConfig, temperature: float, rubric=None):
+    from rollout.episode import EpisodeBudget, SamplingConfig
+    from rollout.manager import RolloutManager
+
+    budget = EpisodeBudget(max_turns=cfg.max_turns, max_tokens_per_turn=stage.max_tokens_per_turn,
+                           max_episode_tokens=stage.max_context_tokens, max_wall_s=cfg.episode_timeout_s)  # fmt: skip
+    return RolloutManager(
+        pool.workers, budget, SamplingConfig(temperature=temperature, top_p=cfg.top_p), rubric=rubric
+    )
+
+
+def _worker_failed(group: EpisodeGroup) -> bool:
+    return any(e.info.get("error_where") == WORKER_FAILURE for e in group.episodes)
+
+
+def collect_with_recovery(pool: WorkerPool, cfg: RolloutConfig, stage: StageConfig, tasks, seed: int,
+                          rubric=None) -> tuple[list[EpisodeGroup], int]:  # fmt: skip
+    """Collect groups; re-run groups hit by a dead worker on fresh workers. Returns (groups, retries)."""
+    groups = make_manager(pool, cfg, stage, cfg.temperature, rubric).collect(tasks, stage.group_size, seed)
+    retries = 0
+    while any(_worker_failed(g) for g in groups):
+        bad = [i for i, g in enumerate(groups) if _worker_failed(g)]
+        if retries >= cfg.max_episode_retries:
+            msg = next(
+                e.status_detail
+                for e in groups[bad[0]].episodes
+                if e.info.get("error_where") == WORKER_FAILURE
+            )
+            raise RuntimeError(
+                f"rollout worker failed {retries + 1} times in one step ({len(bad)} groups): {msg}"
+            )
+        retries += 1
+        pool.replace_dead()
+        redo = make_manager(pool, cfg, stage, cfg.temperature, rubric).collect(
+            [tasks[i] for i in bad], stage.group_size, seed + 7919 * retries
+        )
+        for i, g in zip(bad, redo):
+            groups[i] = g
+    return groups, retries
+
+
+def drop_env_errors(groups: list[EpisodeGroup], min_size: int) -> tuple[list[EpisodeGroup], int, str]:
+    """Groups without their env-error episodes (groups left smaller than ``min_size`` are dropped)."""
+    out, errors, first = [], 0, ""
+    for g in groups:
+        ok = [e for e in g.episodes if e.status != EpisodeStatus.ERROR]
+        bad = [e for e in g.episodes if e.status == EpisodeStatus.ERROR]
+        errors += len(bad)
+        first = first or (bad[0].status_detail if bad else "")
+        if len(ok) >= min_size:
+            out.append(EpisodeGroup(g.task_id, ok))
+    return out, errors, first
+
+
+def collect_step(pool: WorkerPool, env: EnvConfig, rcfg: RolloutConfig, algo: AlgorithmConfig, stage: StageConfig,
+                 seed: int, step: int, rubric=None) -> Collected:  # fmt: skip
+    """One step's training groups (see the module docstring for failures and dynamic sampling)."""
+    t0 = time.time()
+    min_size = 2 if algo.baseline in ("group_mean", "leave_one_out") or algo.std_norm == "group" else 1
+    kept: list[EpisodeGroup] = []
+    all_groups: list[EpisodeGroup] = []
+    errors, retries, dropped, first_error = 0, 0, 0, ""
+    for round_ in range(1 + (algo.max_resample_rounds if algo.dynamic_sampling else 0)):
+        tasks = train_tasks(env, stage, seed, step, round_)
+        groups, r = collect_with_recovery(
+            pool, rcfg, stage, tasks, seed * 1_000_003 + step * 101 + round_, rubric
+        )
+        retries += r
+        all_groups += groups
+        usable, e, msg = drop_env_errors(groups, min_size)
+        errors, first_error = errors + e, first_error or msg
+        if algo.dynamic_sampling:
+            dropped += sum(not keep_group(g) for g in usable)
+            usable = [g for g in usable if keep_group(g)]
+        kept += usable
+        if len(kept) >= stage.tasks_per_step:
+            break
+    total = sum(len(g.episodes) for g in all_groups)
+    if errors == total:
+        raise RuntimeError(
+            f"every episode of step {step} failed in the env ({total} episodes): {first_error}"
+        )
+    kept = kept[: stage.tasks_per_step]
+    return Collected(kept, {**episode_metrics(all_groups), "rollout/env_errors": float(errors),
+                            "rollout/worker_retries": float(retries), "rollout/dropped_groups": float(dropped),
+                            "rollout/train_groups": float(len(kept)), "perf/rollout_s": time.time() - t0})  # fmt: skip
+
+
+def episode_metrics(groups: list[EpisodeGroup], prefix: str = "reward") -> dict[str, float]:
+    eps = [e for g in groups for e in g.episodes]
+    if not eps:
+        return {}
+    n = len(eps)
+    return {
+        f"{prefix}/mean": sum(e.reward for e in eps) / n,
+        f"{prefix}/success_rate": sum(bool(e.info.get("solved", False)) for e in eps) / n,
+        f"{prefix}/turns": sum(len(e.turns) for e in eps) / n,
+        f"{prefix}/sampled_tokens": sum(e.num_sampled_tokens for e in eps) / n,
+        f"{prefix}/truncated": sum(e.status == EpisodeStatus.TRUNCATED for e in eps) / n,
+        f"{prefix}/errors": sum(e.status == EpisodeStatus.ERROR for e in eps) / n,
+    }
+
+
+def evaluate(pool: WorkerPool, env: EnvConfig, rcfg: RolloutConfig, stage: StageConfig, rubric=None) -> dict:
+    """Held-out success: greedy decoding, one episode per test-split task."""
+    manager = make_manager(pool, rcfg, stage, 0.0, rubric)
+    groups = manager.collect(eval_tasks(env, stage), 1, seed=0)
+    return episode_metrics(groups, prefix="eval")
+
+
+def prepare_model_dir(path: str) -> str:
+    """Add the project tokenizer to an exported checkpoint so an engine can start from it."""
+    from rollout.tokenizer import TOKENIZER_DIR
+
+    for f in Path(TOKENIZER_DIR).iterdir():
+        if f.is_file():
+            shutil.copy(f, Path(path) / f.name)
+    return path

@@ -1,0 +1,209 @@
+"""Entry point: ``python -m rl.train --config configs/exp/<name>.yaml [key=value ...]``.
+
+    config ─► warm start (SFT on expert trajectories, optional) ─► Learner actor ─► weights ─► rollout workers
+                                                                                        │
+    ┌───────────────────────────────────────────────────────────────────────────────────┘
+    └─► per step: train on the collected groups ─► weight sync (version v+1) ─► eval (when due)
+                  ─► collect the next step's groups with v+1 ─► checkpoint (+ those groups) ─► log
+
+Under ``ray job submit`` (RAY_ADDRESS set) it joins that cluster; run directly it starts a local
+one. Curriculum stages switch context length, data mix and batch shape; needle-in-a-haystack
+validation runs between stages. Outputs in ``run.dir``: config.yaml, metrics.jsonl, tb/, PNG plots,
+checkpoints/, summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+from rl import checkpoint
+from rl.batching import train_minibatches
+from rl.config import ConfigError, TrainConfig, load_config, stages, to_yaml
+from rl.metrics import MetricsLogger, summary_text, truncate_metrics, write_plots
+from rl.rollouts import WorkerPool, collect_step, evaluate, prepare_model_dir
+from rl.sft import call
+
+
+def parse(argv: list[str] | None) -> TrainConfig:
+    p = argparse.ArgumentParser(prog="python -m rl.train", description="Agentic RL post-training.")
+    p.add_argument("--config", required=True, help="experiment YAML (configs/exp/...)")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    check_envs(cfg)
+    return cfg
+
+
+def check_envs(cfg: TrainConfig) -> None:
+    """Every env the run names must resolve now, not in an actor twenty minutes in."""
+    from envs.registry import resolve_env
+
+    names = {
+        *cfg.env.mix,
+        cfg.env.eval_env,
+        *cfg.sft.env_mix,
+        *(n for s in cfg.curriculum.stages for n in s.mix or {}),
+    }
+    for name in sorted(names):
+        try:
+            resolve_env(name)
+        except (ValueError, ImportError, AttributeError) as e:
+            raise ConfigError(f"env {name!r}: {e}") from None
+
+
+def connect_ray(cfg) -> None:
+    import ray
+
+    if cfg.address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=cfg.address, runtime_env=cfg.runtime_env or None)  # joins ray job submit's cluster
+    else:
+        ray.init(num_cpus=cfg.num_cpus, object_store_memory=cfg.object_store_memory, include_dashboard=False,
+                 runtime_env=cfg.runtime_env or None)  # fmt: skip
+
+
+def start_learner(cfg: TrainConfig, model_cfg, learner_cfg):
+    import ray
+
+    from rl.learner import Learner
+
+    return ray.remote(num_cpus=learner_cfg.num_cpus)(Learner).remote(model_cfg, learner_cfg, cfg.algorithm)
+
+
+def warm_start(cfg: TrainConfig, run_dir: Path) -> str | None:
+    """SFT on scripted-expert episodes in a learner actor; returns the checkpoint RL starts from."""
+    import ray
+
+    from rl.sft import expert_episodes, run_sft, sft_learner_config
+
+    if cfg.model.init_from or not cfg.sft.enabled:
+        return cfg.model.init_from
+    out = Path(cfg.sft.output_dir or run_dir / "sft")
+    if not (out / "config.json").is_file():
+        learner = start_learner(cfg, cfg.model, sft_learner_config(cfg))
+        metrics = run_sft(
+            learner, expert_episodes(cfg.sft, cfg.env.kwargs), cfg.sft, cfg.learner.micro_batch_tokens
+        )
+        call(learner, "save_pretrained", str(out))
+        ray.kill(learner)
+        (run_dir / "sft_metrics.json").write_text(json.dumps(metrics, indent=1))
+        print(f"warm start done: {metrics}", flush=True)
+    return str(out)
+
+
+def niah_check(cfg: TrainConfig, learner, stage) -> dict:
+    from rl.niah import niah_episodes, niah_metrics
+    from rollout.renderer import ChatRenderer
+
+    lengths = cfg.curriculum.niah.lengths or [stage.max_context_tokens]
+    eps = {n: niah_episodes(n, cfg.curriculum.niah.num_samples, ChatRenderer()) for n in lengths}
+    return niah_metrics(learner, eps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse(argv)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    import ray
+
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    plan = stages(cfg)
+    total = sum(s.steps for s in plan)
+    stage_of = [s for s in plan for _ in range(s.steps)]  # stage_of[step - 1]
+    connect_ray(cfg.ray)
+    resume = checkpoint.latest(run_dir) if cfg.run.resume else None
+    state = (
+        checkpoint.load(resume) if resume else checkpoint.RunState(init_path=warm_start(cfg, run_dir) or "")
+    )
+    model_cfg = dataclasses.replace(cfg.model, init_from=state.init_path or None)
+    learner = start_learner(cfg, model_cfg, cfg.learner)
+    if resume:
+        call(learner, "load", str(resume / "learner.pt"))
+        truncate_metrics(run_dir / "metrics.jsonl", state.step)
+        print(f"resumed from {resume} (step {state.step})", flush=True)
+    update = call(learner, "export_weights", str(run_dir / "weights"))
+    pool = WorkerPool(cfg.rollout, prepare_model_dir(update.path), update.version)
+    log = MetricsLogger(str(run_dir), total, cfg.run.tensorboard, cfg.run.progress_bar, start_step=state.step)
+    steps_run = 0
+    try:
+        if not state.eval_before:
+            state.eval_before = evaluate(pool, cfg.env, cfg.rollout, plan[0])
+            log.log(0, state.eval_before)
+        for step in range(state.step + 1, total + 1):
+            stage = stage_of[step - 1]
+            if step > 1 and stage is not stage_of[step - 2] and cfg.curriculum.niah.enabled:
+                log.log(step - 1, niah_check(cfg, learner, stage))  # validation between stages
+            if state.in_flight is not None:
+                groups, metrics = state.in_flight, dict(state.in_flight_metrics)
+            else:
+                c = collect_step(pool, cfg.env, cfg.rollout, cfg.algorithm, stage, cfg.seed, step)
+                groups, metrics = c.groups, c.metrics
+            if groups:
+                batches = train_minibatches(groups, cfg.algorithm, cfg.learner.micro_batch_tokens, seed=step,
+                                            values_fn=lambda b: call(learner, "turn_values", b))  # fmt: skip
+                metrics.update(call(learner, "train_step", batches))
+                update = call(learner, "export_weights", str(run_dir / "weights"))
+                pool.update_weights(update.path, update.version)
+            if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < total:
+                metrics.update(evaluate(pool, cfg.env, cfg.rollout, stage))
+            nxt = (
+                collect_step(pool, cfg.env, cfg.rollout, cfg.algorithm, stage_of[step], cfg.seed, step + 1)
+                if step < total
+                else None
+            )
+            state = dataclasses.replace(state, step=step, in_flight=nxt.groups if nxt else None,
+                                        in_flight_metrics=nxt.metrics if nxt else {})  # fmt: skip
+            steps_run += 1
+            stop = cfg.run.stop_after_steps is not None and steps_run >= cfg.run.stop_after_steps
+            if step == total or stop or (cfg.run.save_every and step % cfg.run.save_every == 0):
+                checkpoint.save(run_dir, state, lambda p: call(learner, "save", p), cfg.run.keep_checkpoints)
+            metrics["learner/workers_restarted"] = float(pool.restarts)
+            log.log(step, metrics)
+            log.advance(metrics)
+            if stop and step < total:
+                print(
+                    f"\nstopping after {steps_run} steps (run.stop_after_steps); resume with the same command"
+                )
+                return 0
+        final = evaluate(pool, cfg.env, cfg.rollout, plan[-1])
+        log.log(total, final)
+        if cfg.curriculum.niah.enabled:
+            log.log(total, niah_check(cfg, learner, plan[-1]))
+        summary = finish(cfg, run_dir, state.eval_before, final)
+        print(summary_text(summary), flush=True)
+        return 0
+    finally:
+        log.close()
+        pool.shutdown()
+        ray.kill(learner)
+
+
+def finish(cfg: TrainConfig, run_dir: Path, before: dict, after: dict) -> dict:
+    b, a = before.get("eval/success_rate", 0.0), after.get("eval/success_rate", 0.0)
+    summary = {
+        "run_dir": str(run_dir),
+        "algorithm": cfg.algorithm.name,
+        "eval_env": cfg.env.eval_env,
+        "eval_tasks": cfg.env.num_eval_tasks,
+        "held_out_success_before": b,
+        "held_out_success_after": a,
+        "held_out_success_gain_points": 100.0 * (a - b),
+        "eval_reward_before": before.get("eval/mean", 0.0),
+        "eval_reward_after": after.get("eval/mean", 0.0),
+    }
+    if cfg.run.plots:
+        summary["plots"] = ", ".join(Path(p).name for p in write_plots(run_dir))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(main())

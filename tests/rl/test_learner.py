@@ -1,0 +1,193 @@
+"""Learner invariants on a tiny hybrid model: packing, routing replay, updates, mismatch, resume, LoRA."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from rl_factories import episode, turn
+
+from envs.types import EpisodeGroup
+from rl.advantages import compute_advantages
+from rl.batching import minibatches, pack, rows_from_groups
+from rl.config import load_config
+from rl.learner import Learner
+
+ARCH = (
+    "model.arch={vocab_size: 128, hidden_size: 32, num_hidden_layers: 4, num_attention_heads: 2, kv_lora_rank: 16,"
+    " qk_nope_head_dim: 8, qk_rope_head_dim: 8, v_head_dim: 8, num_experts: 4, num_experts_per_token: 2,"
+    " moe_intermediate_size: 32, intermediate_size: 64, first_k_dense_replace: 1, routed_expert_hidden_size: 16,"
+    " linear_attn_config: {head_dim: 8, num_heads: 2}}"
+)
+
+
+def make_cfg(*overrides):
+    return load_config(None, [ARCH, "learner.lr=1e-2", "rollout.group_size=4", *overrides])
+
+
+def make_group(seed=0, n=4, rewards=None):
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda k: torch.randint(1, 128, (k,), generator=g).tolist()
+    rewards = rewards or [float(i % 2) for i in range(n)]
+    eps = [
+        episode([turn(rand(6), rand(4)), turn(rand(3), rand(5))], r, eid=f"e{i}")
+        for i, r in enumerate(rewards)
+    ]
+    return EpisodeGroup("t", eps)
+
+
+def batches_for(learner, cfg, group, fill_rollout=True):
+    adv, _ = compute_advantages([group], cfg.algorithm)
+    rows = rows_from_groups([group], adv)
+    if fill_rollout:  # rollout logprobs = what this policy gives (a perfectly matched engine)
+        b = pack(rows, "token_mean", 1)
+        lp = learner.logprobs(b)
+        for i, r in enumerate(rows):
+            r.rollout_logprobs = [x if m else 0.0 for x, m in zip(lp[b.seq_ids_T == i].tolist(), r.loss_mask)]
+    a = cfg.algorithm
+    return minibatches(rows, a.num_minibatches, a.loss_agg, a.norm_tokens, cfg.learner.micro_batch_tokens)
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return make_cfg()
+
+
+def test_packed_equals_separate(cfg):
+    learner = Learner(cfg.model, cfg.learner, cfg.algorithm)
+    group = make_group()
+    rows = rows_from_groups([group], [[[0.0, 0.0]] * 4])
+    packed = learner.logprobs(pack(rows, "token_mean", 1))
+    alone = torch.cat([learner.logprobs(pack([r], "token_mean", 1)) for r in rows])
+    assert torch.allclose(packed, alone, atol=1e-5)
+
+
+def test_step0_mismatch_is_logged_and_tiny_when_engine_matches(cfg):
+    learner = Learner(cfg.model, cfg.learner, cfg.algorithm)
+    m = learner.train_step(batches_for(learner, cfg, make_group()))
+    assert m["mismatch/tokens"] == 36
+    assert m["mismatch/logprob_abs_mean"] < 1e-3 and m["mismatch/kl"] < 1e-6
+
+
+def test_positive_advantage_raises_its_logprob(cfg):
+    c = make_cfg("algorithm.tis_cap=null", "learner.grad_clip=100")
+    learner = Learner(c.model, c.learner, c.algorithm)
+    group = make_group(rewards=[1.0, 0.0, 0.0, 0.0])
+    mbs = batches_for(learner, c, group)
+    before = learner.logprobs(mbs[0][0])
+    learner.train_step(mbs)
+    after = learner.logprobs(mbs[0][0])
+    b = mbs[0][0]
+    delta = [float((after - before)[(b.seq_ids_T == i) & b.loss_mask_T].sum()) for i in range(4)]
+    assert delta[0] > 0 and all(d < delta[0] for d in delta[1:])
+
+
+def test_micro_batches_accumulate_to_the_full_batch_gradient():
+    results = []
+    for tokens in (4096, 20):
+        c = make_cfg(f"learner.micro_batch_tokens={tokens}", "learner.grad_clip=1e9")
+        learner = Learner(c.model, c.learner, c.algorithm)
+        # plain SGD: the update is the accumulated gradient itself (Adam's first step is ~sign(g))
+        params = [p for g in learner.optimizer.param_groups for p in g["params"]]
+        learner.optimizer = torch.optim.SGD(params, lr=c.learner.lr)
+        start = torch.cat([p.detach().flatten() for p in params])
+        mbs = batches_for(learner, c, make_group())
+        assert len(mbs[0]) == (1 if tokens == 4096 else 4)
+        learner.train_step(mbs)
+        results.append(torch.cat([p.detach().flatten() for p in params]) - start)
+    assert results[0].abs().max() > 1e-6
+    assert torch.allclose(results[0], results[1], atol=1e-7)
+
+
+def test_routing_replay_changes_exactly_the_replayed_routes(cfg):
+    learner = Learner(cfg.model, cfg.learner, cfg.algorithm)
+    group = make_group()
+    rows = rows_from_groups([group], [[[0.0, 0.0]] * 4])
+    b = pack(rows, "token_mean", 1)
+    ids, cu = b.input_ids_T[None], b.cu_seqlens_N1
+    free = learner.policy(ids, cu_seqlens=cu, output_router_choices=True).router_choices
+    base = learner.logprobs(b)
+    # replaying the engine's own choices (some left at -1 = route freely) changes nothing
+    own = free.clone()
+    own[::3] = -1
+    assert torch.allclose(learner.logprobs(dataclasses.replace(b, routed_experts_TLK=own)), base, atol=1e-6)
+    # a different expert at one token changes that token's successors only, never earlier tokens
+    t = 12
+    other = free.clone()
+    other[t, 0, 0] = next(e for e in range(4) if e not in free[t, 0].tolist())
+    changed = learner.logprobs(dataclasses.replace(b, routed_experts_TLK=other))
+    seq_end = int(b.cu_seqlens_N1[1])
+    assert torch.equal(changed[: t + 1], base[: t + 1])  # logprob of token t depends on tokens < t
+    assert not torch.allclose(changed[t + 1 : seq_end], base[t + 1 : seq_end])
+    assert torch.equal(changed[seq_end:], base[seq_end:])  # other sequences untouched
+    # the router still learns under replay: its weights get a gradient
+    learner.policy.zero_grad()
+    out = learner.forward(dataclasses.replace(b, routed_experts_TLK=other))
+    out.logprobs_T.sum().backward()
+    gate = learner.policy.model.layers[1].block_sparse_moe.gate.weight
+    assert gate.grad is not None and gate.grad.abs().sum() > 0
+
+
+def test_balancer_frozen_by_default_and_updated_when_asked():
+    for mode, should_change in (("frozen", False), ("update", True)):
+        c = make_cfg(f"learner.balancer={mode}")
+        learner = Learner(c.model, c.learner, c.algorithm)
+        gate = learner.policy.model.layers[1].block_sparse_moe.gate
+        before = gate.e_score_correction_bias.clone()
+        learner.train_step(batches_for(learner, c, make_group()))
+        assert (not torch.equal(before, gate.e_score_correction_bias)) == should_change
+        assert "model.layers.1.block_sparse_moe.gate.e_score_correction_bias" in learner.policy.state_dict()
+
+
+def test_exact_resume_from_state(tmp_path, cfg):
+    a = Learner(cfg.model, cfg.learner, cfg.algorithm)
+    a.train_step(batches_for(a, cfg, make_group(0)))
+    a.save(str(tmp_path / "learner.pt"))
+    m_a = a.train_step(batches_for(a, cfg, make_group(1)))
+    b = Learner(cfg.model, cfg.learner, cfg.algorithm)
+    b.load(str(tmp_path / "learner.pt"))
+    m_b = b.train_step(batches_for(b, cfg, make_group(1)))
+    assert m_a == m_b
+
+
+def test_export_weights_and_reload(tmp_path, cfg):
+    learner = Learner(cfg.model, cfg.learner, cfg.algorithm)
+    learner.train_step(batches_for(learner, cfg, make_group()))
+    upd = learner.export_weights(str(tmp_path))
+    assert upd.version == 1 and not upd.adapter_only
+    c2 = dataclasses.replace(cfg.model, init_from=upd.path)
+    other = Learner(c2, cfg.learner, cfg.algorithm)
+    b = pack(rows_from_groups([make_group()], [[[0.0, 0.0]] * 4]), "token_mean", 1)
+    assert torch.allclose(other.logprobs(b), learner.logprobs(b))
+
+
+def test_lora_trains_adapters_only_and_exports_them(tmp_path):
+    c = make_cfg("learner.lora.enabled=true", "learner.lora.r=4")
+    learner = Learner(c.model, c.learner, c.algorithm)
+    trainable = [n for n, p in learner.policy.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    frozen_before = {n: p.clone() for n, p in learner.policy.named_parameters() if not p.requires_grad}
+    learner.train_step(batches_for(learner, c, make_group()))
+    assert all(
+        torch.equal(p, frozen_before[n]) for n, p in learner.policy.named_parameters() if not p.requires_grad
+    )
+    upd = learner.export_weights(str(tmp_path))
+    assert upd.adapter_only
+    files = {p.name for p in (tmp_path / f"v{upd.version:06d}").iterdir()}
+    assert "adapter_model.safetensors" in files and "model.safetensors" not in files
+
+
+def test_ppo_value_head_and_several_minibatches():
+    c = make_cfg(
+        "algorithm.name=ppo", "algorithm.credit=gae", "algorithm.num_minibatches=2", "algorithm.ppo_epochs=2"
+    )
+    learner = Learner(c.model, c.learner, c.algorithm)
+    group = make_group()
+    b = pack(rows_from_groups([group], [[[0.0, 0.0]] * 4]), "token_mean", 1)
+    values = learner.turn_values(b)
+    assert [len(v) for v in values] == [2, 2, 2, 2]
+    adv, targets = compute_advantages([group], c.algorithm, values=[values])
+    rows = rows_from_groups([group], adv, targets)
+    mbs = minibatches(rows, 2, c.algorithm.loss_agg, 1, 4096)
+    m = learner.train_step(mbs)
+    assert np.isfinite(m["value_loss"]) and m["learner/version"] == 1.0
