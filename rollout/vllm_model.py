@@ -87,23 +87,28 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         return self.lm_head(hidden_states).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors in place (also used for weight updates from the learner)."""
+        """Copy checkpoint tensors in place (also used for weight updates from the learner).
+
+        Every name and shape is checked before anything is copied, so a bad update leaves the
+        running weights untouched."""
         targets = dict(self.named_parameters())
         targets.update(dict(self.named_buffers()))
-        loaded = set()
+        items = []
         for name, tensor in weights:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings and name not in targets:
+                continue
             if name not in targets:
-                if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                    continue
                 raise ValueError(f"checkpoint tensor {name!r} has no counterpart in the vLLM model")
-            dst = targets[name]
-            if tuple(dst.shape) != tuple(tensor.shape):
+            if tuple(targets[name].shape) != tuple(tensor.shape):
                 raise ValueError(
-                    f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(dst.shape)}"
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(targets[name].shape)}"
                 )
-            with torch.no_grad():
+            items.append((name, tensor))
+        with torch.no_grad():
+            for name, tensor in items:
+                dst = targets[name]
                 dst.copy_(tensor.to(dtype=dst.dtype, device=dst.device))
-            loaded.add(name)
+        loaded = {name for name, _ in items}
         # paged-attention bookkeeping tensors (kv scales) are not checkpoint weights
         loaded.update(n for n in targets if n.startswith("paged_mixers."))
         return loaded
