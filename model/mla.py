@@ -113,8 +113,13 @@ class GatedMLA(nn.Module):
             # with a cache the input is padded (start = 0), so keys run over past + new tokens
             k_HSQ = k_BSHQ[b, start : end + past].transpose(0, 1)
             v_HSV = v[b, start : end + past].transpose(0, 1)
-            mask_TS = _causal_mask(end - start, past, q_BTHQ.device)
-            o_HTV = F.scaled_dot_product_attention(q_HTQ, k_HSQ, v_HSV, attn_mask=mask_TS, scale=self.scale)
+            if past == 0:  # plain causal: lets SDPA pick its fused kernel
+                o_HTV = F.scaled_dot_product_attention(q_HTQ, k_HSQ, v_HSV, is_causal=True, scale=self.scale)
+            else:
+                mask_TS = _causal_mask(end - start, past, q_BTHQ.device)
+                o_HTV = F.scaled_dot_product_attention(
+                    q_HTQ, k_HSQ, v_HSV, attn_mask=mask_TS, scale=self.scale
+                )
             outs.append((b, start, end, o_HTV.transpose(0, 1)))
         return _scatter_rows(outs, (*q_nope.shape[:3], self.v_dim), q_nope)
 

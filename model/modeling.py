@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.utils import ModelOutput
 
@@ -44,6 +44,12 @@ class HybridCausalLMOutput(ModelOutput):
     router_choices: torch.Tensor | None = None  # [B*T, num_moe_layers, top_k]
     token_logprobs: torch.Tensor | None = None  # [B, T], fp32
     hidden_states: torch.Tensor | None = None  # [B, T, D], final (normed) hidden states
+
+
+# Flags HF and PEFT wrappers pass to every causal LM; our output object always has the same fields.
+_HF_NOOP_KWARGS = frozenset(
+    {"return_dict", "output_attentions", "output_hidden_states", "num_items_in_batch"}
+)
 
 
 class HybridDecoderLayer(nn.Module):
@@ -229,6 +235,8 @@ class HybridForCausalLM(HybridPreTrainedModel):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+        # PEFT's generate reads it; our own generate takes its settings as arguments
+        self.generation_config = GenerationConfig()
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -260,8 +268,9 @@ class HybridForCausalLM(HybridPreTrainedModel):
         """``labels`` [B, T]: next-token cross-entropy (-100 ignored, no prediction across packed
         boundaries). ``target_ids`` [B, T]: per-token log-probs of the given targets at each position.
         ``logits_to_keep`` > 0 keeps only the last positions' logits (generation)."""
-        if unused:
-            raise TypeError(f"HybridForCausalLM.forward got unexpected arguments {sorted(unused)}")
+        unexpected = sorted(k for k, v in unused.items() if v is not None and k not in _HF_NOOP_KWARGS)
+        if unexpected:
+            raise TypeError(f"HybridForCausalLM.forward got unexpected arguments {unexpected}")
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             raise ValueError("padding masks are not supported: pack sequences with cu_seqlens instead")
         h_BTD, cache, choices = self.model(
@@ -277,6 +286,12 @@ class HybridForCausalLM(HybridPreTrainedModel):
         if output_router_choices and choices:
             out.router_choices = torch.stack(choices, dim=1)
         return out
+
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, **kwargs) -> dict:
+        """HF/PEFT hook: with a cache only the newest token is fed."""
+        if past_key_values is not None:
+            input_ids = input_ids[:, -1:]
+        return {"input_ids": input_ids, "past_key_values": past_key_values, "use_cache": True}
 
     @staticmethod
     def _next_token_loss(logits, labels, cu_seqlens) -> torch.Tensor:

@@ -13,7 +13,7 @@ y = shared_experts(x) + routed_expert_up_proj(RMSNorm(u)). Without routed_expert
 experts act on x directly (DeepSeek-style).
 
 Experts are a ModuleList of ``GLUMLP`` (nn.Linear projections) so that PEFT LoRA can target them;
-the loop over experts with index_add is the readable single-device reference (grouped GEMMs
+the loop over experts is the readable single-device reference (grouped GEMMs
 belong in kernels/moe).
 """
 
@@ -128,21 +128,22 @@ class SparseMoE(nn.Module):
         return y_TD.view(B, T, D), route.experts_TK
 
     def _routed(self, z_TZ: torch.Tensor, route: RouterOutput) -> torch.Tensor:
-        out_TZ = torch.zeros_like(f32(z_TZ))
+        """sum_j w_tj E_{e_tj}(z_t): experts run on their tokens, results go back to (token, slot)
+        order and are summed over the k slots (no scatter-add, so it is deterministic)."""
+        T, k = route.experts_TK.shape
         flat_experts = route.experts_TK.reshape(-1)
         order = flat_experts.argsort(stable=True)
         counts = torch.bincount(flat_experts, minlength=len(self.experts)).tolist()
-        token_of_slot = order // route.experts_TK.shape[1]
-        weight_of_slot = route.weights_TK.reshape(-1)[order]
-        start = 0
+        tokens_sorted = z_TZ[order // k]
+        outs, start = [], 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            tok = token_of_slot[start : start + n]
-            h = f32(self.experts[e](z_TZ[tok])) * weight_of_slot[start : start + n, None]
-            out_TZ = out_TZ.index_add(0, tok, h)
+            if n:
+                outs.append(self.experts[e](tokens_sorted[start : start + n]))
             start += n
-        return out_TZ.to(z_TZ.dtype)
+        slots = torch.empty(T * k, z_TZ.shape[-1], dtype=z_TZ.dtype, device=z_TZ.device)
+        slots = slots.index_put((order,), torch.cat(outs)) if outs else slots.zero_()
+        weighted_TKZ = f32(slots.view(T, k, -1)) * route.weights_TK[..., None]
+        return weighted_TKZ.sum(1).to(z_TZ.dtype)
 
 
 class DenseMLP(GLUMLP):

@@ -47,3 +47,12 @@ def test_lora_wraps_trains_and_merges_to_identical_outputs():
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapted, rtol=1e-5, atol=1e-5)
         assert torch.equal(merged.generate(ids[:, :6], max_new_tokens=3), cached)
+
+
+def test_peft_causal_lm_task_type_forward_and_generate():
+    model = HybridForCausalLM(tiny_config())
+    lora = LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=lora_target_modules())
+    peft_model = get_peft_model(model, lora).eval()
+    ids = torch.randint(0, 128, (1, 8))
+    assert torch.isfinite(peft_model(input_ids=ids, labels=ids).loss)
+    assert peft_model.generate(input_ids=ids, max_new_tokens=3).shape == (1, 11)
