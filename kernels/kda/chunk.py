@@ -35,11 +35,13 @@ from dataclasses import dataclass
 import torch
 
 from kernels.kda.naive import _check_inputs
+from kernels.kda.recurrent import fused_recurrent_kda
 
 CHUNK = 64
 SUB = 16
 DEFAULT_LOWER_BOUND = -5.0
 CHECK_ENV = "LONGHORIZON_KDA_CHECK"
+RECURRENT_MAX_LEN = 16  # CPU: sequences this short are cheaper token by token than as a chunk
 
 
 @dataclass
@@ -241,7 +243,9 @@ def chunk_kda(
     lower_bound=None skips the check).
 
     Returns o [B, T, H, V] in q's dtype and, if asked, the final state [N, H, K, V] (fp32;
-    fp64 for fp64 inputs). CUDA tensors go to the Triton kernels.
+    fp64 for fp64 inputs). CUDA tensors go to the Triton kernels. On CPU, sequences of at most
+    RECURRENT_MAX_LEN tokens (decode steps) take the step recurrence instead of a mostly-padding
+    64-token chunk: same function, 10-40x less work for a batch of single tokens.
     """
     if lower_bound is not None and os.environ.get(CHECK_ENV, "0") not in ("", "0"):
         check_gate(g, lower_bound)
@@ -249,6 +253,29 @@ def chunk_kda(
         from kernels.kda.triton import chunk_kda_triton
 
         return chunk_kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T = q.shape[:2]
+    cu = (torch.arange(B + 1) * T) if cu_seqlens is None else cu_seqlens.to("cpu", torch.long)
+    short_N = (cu[1:] - cu[:-1]) <= RECURRENT_MAX_LEN
+    if bool(short_N.all()) and N:
+        return fused_recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    if bool(short_N.any()):
+        return _split_short_and_long(q, k, v, g, beta, scale, initial_state, output_final_state, cu, short_N)
+    return chunked_kda_torch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
+def chunked_kda_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunked algorithm itself, for every sequence length (chunk_kda's CPU path)."""
     N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -274,3 +301,29 @@ def chunk_kda(
     o = from_chunks(o_c, layout).reshape(B, T, H, V).to(q.dtype)
     state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return o, (final.to(state_dtype) if output_final_state else None)
+
+
+def _split_short_and_long(q, k, v, g, beta, scale, initial_state, output_final_state, cu, short_N):
+    """Packed batch mixing decode steps and prefills: short sequences through the recurrence,
+    the rest through chunks, outputs and states put back in place (differentiably)."""
+    lens_N = cu[1:] - cu[:-1]
+    token_seq = torch.repeat_interleave(torch.arange(len(lens_N)), lens_N)
+    parts, finals, order = [], [], []
+    for fn, sel_N in ((fused_recurrent_kda, short_N), (chunked_kda_torch, ~short_N)):
+        seq_ids = torch.nonzero(sel_N).flatten()
+        tok = torch.nonzero(sel_N[token_seq]).flatten().to(q.device)
+        sub_cu = torch.cat([torch.zeros(1, dtype=torch.long), lens_N[seq_ids].cumsum(0)])
+        h0 = None if initial_state is None else initial_state[seq_ids.to(initial_state.device)]
+        xs = (x.index_select(1, tok) for x in (q, k, v, g, beta))
+        o_part, fin = fn(*xs, scale, h0, output_final_state, sub_cu)
+        parts.append((tok, o_part))
+        finals.append(fin)
+        order.append(seq_ids)
+    B, T, H, _ = q.shape
+    o = q.new_zeros((B, T, H, v.shape[-1]))
+    for tok, o_part in parts:
+        o = o.index_copy(1, tok, o_part)
+    if not output_final_state:
+        return o, None
+    inverse = torch.argsort(torch.cat(order)).to(finals[0].device)
+    return o, torch.cat(finals)[inverse]
