@@ -124,7 +124,9 @@ class EpisodeRun:
             return self.finish(EpisodeStatus.TRUNCATED, "context")
         ep = self.episode
         if ep.turns and out.prev_token_routed_experts is not None and ep.turns[-1].routed_experts is not None:
-            ep.turns[-1].routed_experts[-1] = out.prev_token_routed_experts  # known only once it was fed
+            routes = ep.turns[-1].routed_experts.copy()  # arrays returned by Ray actors are read-only
+            routes[-1] = out.prev_token_routed_experts  # known only once it was fed
+            ep.turns[-1].routed_experts = routes
         text = self.renderer.assistant_text(out.token_ids)
         finish = "tool_call" if out.stop_token_id == self.renderer.tool_call_end_id else out.finish_reason
         ep.turns.append(
