@@ -54,3 +54,22 @@ def tiny_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_hybrid")
     model = build_checkpoint(path)
     return path, model
+
+
+@pytest.fixture(scope="session")
+def session_worker(tiny_ckpt):
+    """One session-reuse engine shared by the test modules that do not change its weights."""
+    from rollout.worker import RolloutWorker
+
+    path, _ = tiny_ckpt
+    w = RolloutWorker(
+        dict(
+            model_path=str(path),
+            reuse="session",
+            max_model_len=768,
+            max_num_seqs=8,
+            kv_cache_memory_bytes=32 << 20,
+        )
+    )
+    yield w
+    w.shutdown()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.worker import RolloutWorker, TurnRequest
+from rollout.worker import TurnRequest
 
 pytestmark = pytest.mark.vllm
 
@@ -18,19 +18,8 @@ LOGPROB_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_ckpt):
-    path, _ = tiny_ckpt
-    w = RolloutWorker(
-        dict(
-            model_path=str(path),
-            reuse="session",
-            max_model_len=768,
-            max_num_seqs=8,
-            kv_cache_memory_bytes=32 << 20,
-        )
-    )
-    yield w
-    w.shutdown()
+def worker(session_worker):
+    return session_worker
 
 
 def _prompt(seed: int, n: int) -> list[int]:
