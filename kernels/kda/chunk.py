@@ -24,7 +24,8 @@ Deviations from flash-linear-attention's Triton kernel: log-decay stays in natur
 fp64), because CPU bf16 matmuls are slow and round every product; outputs are cast back.
 The backward is autograd through this forward. Sequences are laid out as a flat list of
 chunks; the only sequential part is the state pass over chunk positions, vectorised over
-sequences and heads.
+sequences and heads. On CPU, ``chunk_kda`` sends sequences of <= RECURRENT_MAX_LEN tokens
+(decode steps) to the step recurrence rather than padding each to a 64-token chunk.
 """
 
 from __future__ import annotations
