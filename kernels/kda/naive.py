@@ -67,7 +67,7 @@ def naive_recurrent_kda(
     Returns o [B, T, H, V] in q's dtype and, if asked, the final state [N, H, K, V]
     (float32, or float64 for float64 inputs).
     """
-    N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K**-0.5 if scale is None else scale
