@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.utils import ModelOutput
 
@@ -226,7 +226,9 @@ class HybridModel(HybridPreTrainedModel):
         return self.out_res([*blocks, partial])
 
 
-class HybridForCausalLM(HybridPreTrainedModel):
+class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
+    """GenerationMixin only makes HF/PEFT treat it as generative; ``generate`` here is our own."""
+
     _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: HybridConfig) -> None:
@@ -235,8 +237,6 @@ class HybridForCausalLM(HybridPreTrainedModel):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-        # PEFT's generate reads it; our own generate takes its settings as arguments
-        self.generation_config = GenerationConfig()
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens

@@ -50,6 +50,14 @@ class MoEGate(nn.Module):
         self._stats: RoutingStats | None = None
         nn.init.normal_(self.weight, std=config.initializer_range)
 
+    def _apply(self, fn, recurse=True):
+        """Keep the selection bias in fp32 under model.to(bf16): QB moves it by less than a bf16 ulp."""
+        super()._apply(fn, recurse)
+        bias = self.e_score_correction_bias
+        if bias.dtype not in (torch.float32, torch.float64):
+            self.e_score_correction_bias = bias.float()
+        return self
+
     def set_balancing(self, mode: str, bins: int) -> None:
         self.balancing_mode, self.balancing_bins, self._stats = mode, bins, None
 

@@ -22,9 +22,11 @@ class ParamCount:
 
 
 def count_parameters(config: HybridConfig) -> ParamCount:
+    from transformers.initialization import no_init_weights
+
     from model.modeling import HybridForCausalLM
 
-    with torch.device("meta"):
+    with torch.device("meta"), no_init_weights():  # shapes only: skip the (slow) init pass
         model = HybridForCausalLM(config)
     total = sum(p.numel() for p in model.parameters())
     per_expert = 0

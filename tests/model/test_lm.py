@@ -142,3 +142,5 @@ def test_bf16_forward_backward_finite():
     out.loss.backward()
     assert torch.isfinite(out.loss)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    biases = [m.e_score_correction_bias for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    assert biases and all(b.dtype == torch.float32 for b in biases)  # the selection bias stays fp32
