@@ -292,8 +292,9 @@ def chunked_kda_torch(
     q_c, k_c, v_c, g_c = chunks(q) * scale, chunks(k), chunks(v), chunks(g)
     beta_c = chunks(beta).squeeze(-1)
     G_c = g_c.cumsum(dim=-2)  # fp32 cumulative log-decay from each chunk start
-    A_qk, A_kk = intra_chunk_scores((q_c, k_c), k_c, G_c)
-    W_c, U_c = ut_transform(A_kk * beta_c[..., None], k_c, v_c, G_c, beta_c)
+    # beta scales A_kk's rows: fold it into the row operand (C x K) rather than the scores (C x C).
+    A_qk, A_kk = intra_chunk_scores((q_c, k_c * beta_c[..., None]), k_c, G_c)
+    W_c, U_c = ut_transform(A_kk, k_c, v_c, G_c, beta_c)
     G_last = G_c[..., -1:, :]
     kdec_c = k_c * (G_last - G_c).exp()
     S0 = q.new_zeros((N, H, K, V), dtype=dt) if initial_state is None else initial_state.to(dt)
