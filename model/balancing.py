@@ -22,7 +22,7 @@ capacities); the histogram mode interpolates at the fractional rank.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -168,11 +168,21 @@ class ExpertBalancer:
         for gate in self.gates:
             gate.set_balancing(self.mode, self.bins)
 
-    def step(self) -> list[LoadMetrics]:
-        """Turn the step's statistics into next step's biases; return per-layer metrics."""
+    def step(self, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[LoadMetrics]:
+        """Turn the step's statistics into next step's biases; return per-layer metrics.
+
+        ``all_reduce`` (sum over data-parallel ranks, supplied by the caller; this module never reads a
+        rank) is applied to the integer statistics: loads, token counts and, in the histogram mode,
+        the [E, bins] counts - K3's one integer all-reduce per layer. The exact mode needs every
+        margin, which does not reduce by summation: use "quantile_histogram" across ranks.
+        """
+        if all_reduce is not None and self.mode == "quantile":
+            raise ValueError('exact "quantile" balancing cannot all-reduce margins; use "quantile_histogram"')
         metrics = []
         for gate in self.gates:
             stats = gate.pop_stats()
+            if all_reduce is not None:  # every rank joins the collective, even one that saw no tokens
+                stats = _reduced(stats or gate.empty_stats(), all_reduce)
             if stats is None or stats.tokens == 0:
                 continue
             metrics.append(load_metrics(stats.load_E, self.dead_fraction))
@@ -231,6 +241,9 @@ class ExpertBalancer:
             gate.set_balancing(self.mode, self.bins)
 
 
-def steps_to_threshold(max_vios: list[float], threshold: float) -> int | float:
-    """First step index whose MaxVio is below threshold (math.inf if never)."""
-    return next((i for i, v in enumerate(max_vios) if v < threshold), math.inf)
+def _reduced(stats: RoutingStats, all_reduce) -> RoutingStats:
+    """Sum the step's integer statistics over ranks (same call order on every rank)."""
+    load_E = all_reduce(stats.load_E.round().long()).to(stats.load_E)
+    tokens = int(all_reduce(torch.tensor([stats.tokens], device=stats.load_E.device)).item())
+    hist = all_reduce(stats.hist_EB) if stats.hist_EB is not None else None
+    return RoutingStats(load_E, tokens, stats.margins, hist, stats.hist_range)

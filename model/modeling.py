@@ -23,6 +23,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.utils import ModelOutput
@@ -263,11 +264,14 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         inputs_embeds: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
+        return_logits: bool = True,
         **unused,
     ) -> HybridCausalLMOutput:
         """``labels`` [B, T]: next-token cross-entropy (-100 ignored, no prediction across packed
         boundaries). ``target_ids`` [B, T]: per-token log-probs of the given targets at each position.
-        ``logits_to_keep`` > 0 keeps only the last positions' logits (generation)."""
+        ``logits_to_keep`` > 0 keeps only the last positions' logits (generation).
+        ``return_logits=False`` with ``target_ids``: no [B, T, V] logits are kept, not even for
+        backward (the LM head is recomputed per chunk), so long packed batches fit."""
         unexpected = sorted(k for k, v in unused.items() if v is not None and k not in _HF_NOOP_KWARGS)
         if unexpected:
             raise TypeError(f"HybridForCausalLM.forward got unexpected arguments {unexpected}")
@@ -276,13 +280,18 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         h_BTD, cache, choices = self.model(
             input_ids, cu_seqlens, past_key_values, use_cache, routed_experts, inputs_embeds
         )
-        kept_BTD = h_BTD[:, -logits_to_keep:] if logits_to_keep else h_BTD
-        logits = self.lm_head(kept_BTD)
-        out = HybridCausalLMOutput(logits=logits, past_key_values=cache, hidden_states=h_BTD)
-        if labels is not None:
-            out.loss = self._next_token_loss(logits, labels, cu_seqlens)
-        if target_ids is not None:
-            out.token_logprobs = token_logprobs(logits, target_ids)
+        out = HybridCausalLMOutput(past_key_values=cache, hidden_states=h_BTD)
+        if not return_logits:
+            if target_ids is None or labels is not None:
+                raise ValueError("return_logits=False needs target_ids and no labels")
+            out.token_logprobs = chunked_token_logprobs(self.lm_head, h_BTD, target_ids)
+        else:
+            kept_BTD = h_BTD[:, -logits_to_keep:] if logits_to_keep else h_BTD
+            out.logits = self.lm_head(kept_BTD)
+            if labels is not None:
+                out.loss = self._next_token_loss(out.logits, labels, cu_seqlens)
+            if target_ids is not None:
+                out.token_logprobs = token_logprobs(out.logits, target_ids)
         if output_router_choices and choices:
             out.router_choices = torch.stack(choices, dim=1)
         return out
@@ -353,6 +362,29 @@ def token_logprobs(logits_BTV: torch.Tensor, target_ids_BT: torch.Tensor, chunk:
         lg = f32(logits_BTV[:, s : s + chunk])
         tgt = target_ids_BT[:, s : s + chunk].long()
         out.append(lg.gather(-1, tgt[..., None])[..., 0] - lg.logsumexp(-1))
+    return torch.cat(out, dim=1)
+
+
+def chunked_token_logprobs(
+    lm_head: nn.Module, h_BTD: torch.Tensor, target_ids_BT: torch.Tensor, chunk: int = 1024
+) -> torch.Tensor:
+    """token_logprobs(lm_head(h), targets) a chunk at a time, each chunk recomputed in backward
+    (activation checkpointing), so at most [B, chunk, V] logits exist at once."""
+    if h_BTD.shape[:2] != target_ids_BT.shape:
+        raise ValueError(
+            f"target_ids {tuple(target_ids_BT.shape)} must match hidden states {tuple(h_BTD.shape[:2])}"
+        )
+
+    def piece(h, tgt):
+        return token_logprobs(lm_head(h), tgt, chunk=chunk)
+
+    out = []
+    for s in range(0, h_BTD.shape[1], chunk):
+        h, tgt = h_BTD[:, s : s + chunk], target_ids_BT[:, s : s + chunk]
+        if torch.is_grad_enabled() and h.requires_grad:
+            out.append(checkpoint(piece, h, tgt, use_reentrant=False))
+        else:
+            out.append(piece(h, tgt))
     return torch.cat(out, dim=1)
 
 

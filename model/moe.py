@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.balancing import RoutingStats
+from model.balancing import RoutingStats, histogram_range
 from model.config import HybridConfig
 from model.layers import GLUMLP, RMSNorm, f32
 
@@ -61,6 +61,15 @@ class MoEGate(nn.Module):
     def set_balancing(self, mode: str, bins: int) -> None:
         self.balancing_mode, self.balancing_bins, self._stats = mode, bins, None
 
+    def empty_stats(self) -> RoutingStats:
+        stats = RoutingStats(load_E=torch.zeros(self.num_experts, device=self.weight.device))
+        if self.balancing_mode == "quantile_histogram":
+            stats.hist_range = histogram_range(self.e_score_correction_bias)
+            stats.hist_EB = torch.zeros(
+                self.num_experts, self.balancing_bins, dtype=torch.long, device=self.weight.device
+            )
+        return stats
+
     def pop_stats(self) -> RoutingStats | None:
         stats, self._stats = self._stats, None
         return stats
@@ -93,7 +102,7 @@ class MoEGate(nn.Module):
     @torch.no_grad()
     def _record(self, scores_TE, cutoff_T, experts_TK) -> None:
         if self._stats is None:
-            self._stats = RoutingStats(load_E=torch.zeros(self.num_experts, device=scores_TE.device))
+            self._stats = self.empty_stats()
         bias = self.e_score_correction_bias
         self._stats.record(self.balancing_mode, scores_TE, cutoff_T, experts_TK, bias, self.balancing_bins)
 

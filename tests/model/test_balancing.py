@@ -132,3 +132,36 @@ def test_unknown_mode_is_rejected():
 
     with pytest.raises(ValueError, match="balancing mode"):
         ExpertBalancer(HybridForCausalLM(tiny_config()), mode="aux_loss")
+
+
+def test_histogram_mode_all_reduce_over_ranks_equals_one_big_batch():
+    """Two "ranks" each route half a batch; summing their integer statistics gives exactly the
+    bias a single process computes from the whole batch."""
+    ranks = [skewed_router() for _ in range(3)]
+    for r in ranks[1:]:
+        r.load_state_dict(ranks[0].state_dict())
+    balancers = [ExpertBalancer(r, mode="quantile_histogram") for r in ranks]
+    x = torch.randn(4096, D)
+    x[:, 0] = 1.0
+    ranks[0].gate(x[:2048])
+    ranks[1].gate(x[2048:])
+    ranks[2].gate(x)  # the single-process reference
+    other = ranks[1].gate.pop_stats()
+    peer = iter([other.load_E.round().long(), torch.tensor([other.tokens]), other.hist_EB])
+    metrics = balancers[0].step(all_reduce=lambda t: t + next(peer))
+    reference = balancers[2].step()
+    assert metrics[0].max_vio == pytest.approx(reference[0].max_vio)
+    torch.testing.assert_close(ranks[0].gate.e_score_correction_bias, ranks[2].gate.e_score_correction_bias)
+    with pytest.raises(ValueError, match="quantile_histogram"):
+        ExpertBalancer(ranks[0], mode="quantile").step(all_reduce=lambda t: t)
+
+
+def test_step_size_rules_move_bias_toward_underloaded_experts():
+    from model.balancing import load_quantile_update, sign_update
+
+    load = torch.tensor([10.0, 20.0, 30.0, 40.0])
+    bias = torch.zeros(4)
+    s = sign_update(bias, load, gamma=0.1)
+    torch.testing.assert_close(s, torch.tensor([0.1, 0.1, -0.1, -0.1]))
+    q = load_quantile_update(bias, load, eta=0.5, p=0.5)  # median relative load 1.0
+    torch.testing.assert_close(q, 0.5 * (1.0 - load / 25.0))

@@ -67,6 +67,28 @@ def test_token_logprobs_match_log_softmax():
     torch.testing.assert_close(token_logprobs(out.logits, targets, chunk=4), ref)
 
 
+def test_logprobs_without_logits_match_and_backprop_the_same():
+    model = make_model(torch.float32)
+    ids, targets = torch.randint(0, 128, (1, 20)), torch.randint(0, 128, (1, 20))
+    full = model(ids, target_ids=targets)
+    full.token_logprobs.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    from model import modeling
+
+    lean = model(ids, target_ids=targets, return_logits=False)
+    assert lean.logits is None
+    torch.testing.assert_close(lean.token_logprobs, full.token_logprobs)
+    small = modeling.chunked_token_logprobs(model.lm_head, lean.hidden_states, targets, chunk=7)
+    torch.testing.assert_close(small, full.token_logprobs)
+    lean.token_logprobs.sum().backward()
+    for n, p in model.named_parameters():
+        if n in grads:
+            torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="target_ids"):
+        model(ids, return_logits=False)
+
+
 def test_routing_replay_uses_given_experts():
     model = make_model(torch.float32)
     ids = torch.randint(0, 128, (2, 8))
