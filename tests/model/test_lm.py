@@ -34,6 +34,15 @@ def test_incremental_decode_equals_full_forward(attn_res_block_size):
     assert out.past_key_values.get_seq_length() == 10
 
 
+def test_cache_select_keeps_rows():
+    model = make_model()
+    ids = torch.randint(0, 128, (3, 6))
+    out = model(ids[:, :5], use_cache=True)
+    kept = out.past_key_values.select(torch.tensor([2, 0]))
+    step = model(ids[[2, 0], 5:], past_key_values=kept, use_cache=True).logits
+    torch.testing.assert_close(step, model(ids[[2, 0]]).logits[:, 5:], rtol=1e-9, atol=1e-9)
+
+
 def test_packed_varlen_equals_padded():
     model = make_model()
     seqs = [torch.randint(0, 128, (1, n)) for n in (6, 3, 11)]
