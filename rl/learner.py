@@ -26,6 +26,7 @@ import functools
 import inspect
 import json
 import random
+import shutil
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -287,7 +288,7 @@ class Learner:
         return {"sft/nll": nll, "sft/p_gt_half": correct, "sft/grad_norm": float(norm)}
 
     # ------------------------------------------------------------------ weights and checkpoints
-    def export_weights(self, out_dir: str) -> WeightUpdate:
+    def export_weights(self, out_dir: str, keep: int = 2) -> WeightUpdate:
         """Write the current weights for the rollout workers, tagged with the policy version.
 
         Full weights go out as an HF checkpoint (config.json + model.safetensors, balancer biases
@@ -302,6 +303,8 @@ class Learner:
             self.base_model.save_pretrained(str(path), safe_serialization=True)
             adapter_only = False
         (path / "version.json").write_text(json.dumps({"version": self.version}))
+        for old in sorted(Path(out_dir).glob("v[0-9]*"))[:-keep]:  # workers only ever read the newest
+            shutil.rmtree(old, ignore_errors=True)
         return WeightUpdate(self.version, str(path), adapter_only)
 
     def save_pretrained(self, out_dir: str) -> str:

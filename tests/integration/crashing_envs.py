@@ -1,0 +1,43 @@
+"""Envs that fail on purpose, named as "module:Class" strings by the failure tests."""
+
+from envs import protocol
+from envs.calculator import CalculatorEnv
+
+
+class HalfCrashingCalculator(CalculatorEnv):
+    """Calculator whose step raises for odd task indices (a buggy tool server, say)."""
+
+    env_name = "HalfCrashingCalculator"
+
+    def reset(self, *, seed=None, options=None):
+        self._crash = int((options or {}).get("task_index", 0)) % 2 == 1
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        if self._crash:
+            raise ConnectionError("tool server unreachable")
+        return super().step(action)
+
+
+class AlwaysCrashingCalculator(CalculatorEnv):
+    env_name = "AlwaysCrashingCalculator"
+
+    def step(self, action):
+        raise ConnectionError("tool server unreachable")
+
+
+KILL_ON_STEP: list = []
+"""Ray actor handles to kill from inside the next env step (a worker dying in the middle of a step)."""
+
+
+class WorkerKillingCalculator(CalculatorEnv):
+    env_name = "WorkerKillingCalculator"
+
+    def step(self, action):
+        if KILL_ON_STEP:
+            import ray
+
+            ray.kill(KILL_ON_STEP.pop())
+        if self.turn == 0:  # continue the episode whatever was sampled, so the next turn needs the worker
+            action = protocol.format_tool_call("calculator", {"expression": "1 + 1"})
+        return super().step(action)
