@@ -66,6 +66,7 @@ class HybridConfig(PretrainedConfig):
         num_shared_experts: int = 1,
         moe_intermediate_size: int = 128,
         routed_expert_hidden_size: int | None = None,
+        latent_moe_use_norm: bool = True,
         moe_router_activation_func: str = "sigmoid",
         moe_renormalize: bool = True,
         routed_scaling_factor: float = 1.0,
@@ -108,6 +109,7 @@ class HybridConfig(PretrainedConfig):
         self.num_shared_experts = num_shared_experts
         self.moe_intermediate_size = moe_intermediate_size
         self.routed_expert_hidden_size = routed_expert_hidden_size
+        self.latent_moe_use_norm = latent_moe_use_norm
         self.moe_router_activation_func = moe_router_activation_func
         self.moe_renormalize = moe_renormalize
         self.routed_scaling_factor = routed_scaling_factor

@@ -325,6 +325,9 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
 
         Rows that emit ``eos_token_id`` keep emitting it (the batch stops when every row has).
         """
+        attention_mask = unused.pop("attention_mask", None)
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError("generate takes unpadded prompts of equal length (no padding mask)")
         if unused:
             raise TypeError(f"generate got unsupported arguments {sorted(unused)}")
         if do_sample and temperature <= 0:

@@ -117,7 +117,10 @@ class SparseMoE(nn.Module):
         self.expert_dim = latent or d
         if latent:
             self.routed_expert_down_proj = nn.Linear(d, latent, bias=False)
-            self.routed_expert_norm = RMSNorm(latent, eps=config.rms_norm_eps)
+            # K3's "Stable" LatentMoE normalises the expert mixture before the up projection
+            self.routed_expert_norm = (
+                RMSNorm(latent, eps=config.rms_norm_eps) if config.latent_moe_use_norm else nn.Identity()
+            )
             self.routed_expert_up_proj = nn.Linear(latent, d, bias=False)
         self.experts = nn.ModuleList(
             GLUMLP(self.expert_dim, config.moe_intermediate_size, act, betas)

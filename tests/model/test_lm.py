@@ -177,3 +177,12 @@ def test_bf16_forward_backward_finite():
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     biases = [m.e_score_correction_bias for m in model.modules() if hasattr(m, "e_score_correction_bias")]
     assert biases and all(b.dtype == torch.float32 for b in biases)  # the selection bias stays fp32
+
+
+def test_dense_only_and_unlatent_variants_run():
+    for overrides in ({"num_experts": 0}, {"routed_expert_hidden_size": 32, "latent_moe_use_norm": False}):
+        model = make_model(torch.float32, **overrides)
+        ids = torch.randint(0, 128, (1, 8))
+        out = model(ids, labels=ids, output_router_choices=True)
+        assert torch.isfinite(out.loss)
+        assert (out.router_choices is None) == (overrides.get("num_experts") == 0)
