@@ -62,16 +62,23 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(HD, d, bias=False)
         self.reset_gate_parameters()
 
+    def initial_gate_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K3 init: A = 0 for the bounded gate (Kimi Linear's log U(1, 16) for the unbounded one);
+        dt_bias = softplus^-1(dt) with dt ~ logU(1e-3, 1e-1), clamped at >= 1e-4."""
+        like_A, like_dt = self.A_log.detach(), self.dt_bias.detach()
+        if self.gate_kind == "bounded":
+            A_log = torch.zeros_like(like_A)
+        else:
+            A_log = torch.empty_like(like_A).uniform_(1, 16).log()
+        u = torch.rand_like(like_dt)
+        dt = torch.exp(u * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+        return A_log, dt + torch.log(-torch.expm1(-dt))
+
     @torch.no_grad()
     def reset_gate_parameters(self) -> None:
-        """K3 init: A = 0 for the bounded gate; dt_bias = softplus^-1(dt), dt ~ logU(1e-3, 1e-1)."""
-        if self.gate_kind == "bounded":
-            self.A_log.zero_()
-        else:
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
-        dt = torch.exp(torch.rand_like(self.dt_bias) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-        dt = dt.clamp(min=1e-4)
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        A_log, dt_bias = self.initial_gate_values()
+        self.A_log.copy_(A_log)
+        self.dt_bias.copy_(dt_bias)
 
     def log_decay(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """g [B, T, H, D] in fp32."""

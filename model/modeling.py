@@ -118,11 +118,8 @@ class HybridPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=std)
             init.zeros_(module.e_score_correction_bias)
         elif isinstance(module, KimiDeltaAttention):
-            A_log, dt_bias = module.A_log.detach().clone(), module.dt_bias.detach().clone()
-            if A_log.device.type != "meta":
-                module.reset_gate_parameters()
-                A_log, dt_bias = module.A_log.detach().clone(), module.dt_bias.detach().clone()
-            init.copy_(module.A_log, A_log)
+            A_log, dt_bias = module.initial_gate_values()
+            init.copy_(module.A_log, A_log)  # init.* skip tensors already loaded from a checkpoint
             init.copy_(module.dt_bias, dt_bias)
 
 

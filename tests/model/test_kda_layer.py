@@ -44,6 +44,19 @@ def test_layer_log_decay_bounded_at_init_and_for_large_inputs():
     assert bool((g >= -5.0).all()) and bool((g <= 0.0).all())
 
 
+def test_model_init_follows_k3():
+    from model.modeling import HybridForCausalLM
+
+    model = HybridForCausalLM(tiny_config())
+    kda = [layer.self_attn for layer in model.model.layers if layer.is_kda]
+    assert kda
+    for layer in kda:
+        assert torch.equal(layer.A_log.detach(), torch.zeros_like(layer.A_log))
+        dt = F.softplus(layer.dt_bias.detach())
+        assert float(dt.min()) >= 1e-3 * (1 - 1e-4) and float(dt.max()) <= 0.1 * (1 + 1e-4)
+        assert float(dt.std()) > 0  # log-uniform draws, not a constant
+
+
 def test_short_convolution_matches_conv1d():
     conv = ShortConvolution(6, 4, activation=None).double()
     x = torch.randn(3, 11, 6, dtype=torch.float64)
