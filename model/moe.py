@@ -48,6 +48,7 @@ class MoEGate(nn.Module):
         self.balancing_bins = config.moe_balancing_bins
         self.balancing_quantile = config.moe_balancing_quantile
         self._stats: RoutingStats | None = None
+        self._balancer_attached = False  # statistics pile up only while an ExpertBalancer consumes them
         nn.init.normal_(self.weight, std=config.initializer_range)
 
     def _apply(self, fn, recurse=True):
@@ -59,7 +60,9 @@ class MoEGate(nn.Module):
         return self
 
     def set_balancing(self, mode: str, bins: int) -> None:
+        """Called by ExpertBalancer: from now on training forwards record routing statistics."""
         self.balancing_mode, self.balancing_bins, self._stats = mode, bins, None
+        self._balancer_attached = True
 
     def empty_stats(self) -> RoutingStats:
         stats = RoutingStats(load_E=torch.zeros(self.num_experts, device=self.weight.device))
@@ -77,7 +80,14 @@ class MoEGate(nn.Module):
     def forward(self, x_TD: torch.Tensor, replay_TK: torch.Tensor | None = None) -> RouterOutput:
         scores_TE = torch.sigmoid(F.linear(f32(x_TD), f32(self.weight)))
         biased_TE = scores_TE.detach() + self.e_score_correction_bias.to(scores_TE.dtype)
-        collect = self.training and self.balancing_mode != "frozen"
+        # only gradient-carrying training forwards count: no-grad passes (old logprobs, replay
+        # lookups) would add their tokens a second time
+        collect = (
+            self.training
+            and self._balancer_attached
+            and self.balancing_mode != "frozen"
+            and torch.is_grad_enabled()
+        )
         top_vals, top_idx = biased_TE.topk(self.top_k + 1 if collect else self.top_k, dim=-1)
         experts_TK = top_idx[:, : self.top_k]
         if replay_TK is not None:

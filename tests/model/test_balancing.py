@@ -127,6 +127,22 @@ def test_frozen_mode_and_state_dict_round_trip():
     assert all(torch.equal(b, g.e_score_correction_bias) for b, g in zip(before, frozen.gates))
 
 
+def test_statistics_only_with_a_balancer_and_gradients():
+    from model.modeling import HybridForCausalLM
+
+    model = HybridForCausalLM(tiny_config()).train()
+    gate = next(m for m in model.modules() if isinstance(m, MoEGate))
+    ids = torch.randint(0, 128, (1, 12))
+    model(ids)
+    assert gate.pop_stats() is None  # no balancer attached: nothing accumulates
+    ExpertBalancer(model)
+    with torch.no_grad():
+        model(ids)
+    assert gate.pop_stats() is None  # no-grad forwards are not training tokens
+    model(ids)
+    assert gate.pop_stats().tokens == 12
+
+
 def test_unknown_mode_is_rejected():
     from model.modeling import HybridForCausalLM
 
