@@ -1,6 +1,7 @@
 """Driver pieces without Ray: expert episodes, task sampling, error filtering, checkpoints, metrics, NIAH."""
 
 import json
+from pathlib import Path
 
 import pytest
 from rl_factories import episode, group, turn
@@ -21,7 +22,6 @@ def renderer():
 
 def test_expert_episode_matches_the_rollout_token_layout(renderer):
     import envs
-
     from rl.sft import expert_episode
 
     env = envs.make("Calculator", difficulty=2)
@@ -73,7 +73,7 @@ def test_checkpoint_roundtrip_keeps_in_flight_groups_and_prunes(tmp_path):
     eg = EpisodeGroup("t", [episode([turn([1], [2])], 1.0)])
     for step in (1, 2, 3):
         state = checkpoint.RunState(step=step, in_flight=[eg], eval_before={"eval/success_rate": 0.25})
-        checkpoint.save(tmp_path, state, lambda p: open(p, "w").write("learner"), keep=2)
+        checkpoint.save(tmp_path, state, lambda p: Path(p).write_text("learner"), keep=2)
     assert [p.name for p in sorted((tmp_path / "checkpoints").iterdir())] == ["step_000002", "step_000003"]
     latest = checkpoint.latest(tmp_path)
     restored = checkpoint.load(latest)
