@@ -69,6 +69,10 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 )
         self.paged_mixers = nn.ModuleList(mixers)
         self.model.paged_mixers = list(mixers)  # plain list: registered once, under paged_mixers
+        # inference only: MoE routing statistics (balancer input) are a training-time thing, and the
+        # router bias stays frozen at the checkpoint's value
+        self.eval()
+        self.requires_grad_(False)
         self.last_routed_experts_TLK: torch.Tensor | None = None
 
     # --- vLLM model interface -------------------------------------------------------------------------
@@ -95,15 +99,17 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         targets.update(dict(self.named_buffers()))
         items = []
         for name, tensor in weights:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings and name not in targets:
-                continue
+            tied_head = name == "lm_head.weight" and self.config.tie_word_embeddings and name not in targets
+            if tied_head:  # the learner's tied head is the embedding, which is loaded under its own name
+                name = "model.embed_tokens.weight"
             if name not in targets:
                 raise ValueError(f"checkpoint tensor {name!r} has no counterpart in the vLLM model")
             if tuple(targets[name].shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(targets[name].shape)}"
                 )
-            items.append((name, tensor))
+            if not tied_head:
+                items.append((name, tensor))
         with torch.no_grad():
             for name, tensor in items:
                 dst = targets[name]

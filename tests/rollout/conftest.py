@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random-init hybrid checkpoint (KDA x3 + MLA, MoE, AttnRes) in fp32."""
+"""Shared fixtures: a tiny random-init hybrid checkpoint in fp32 with every feature of the CPU preset
+(KDA x3 + gated MLA, dense first FFN then latent SiTU MoE, Block AttnRes, tied embeddings)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ TINY = dict(
     num_experts=4,
     num_experts_per_token=2,
     moe_intermediate_size=64,
+    routed_expert_hidden_size=32,  # latent MoE, as in the CPU preset
+    first_k_dense_replace=1,  # one dense FFN layer first
+    tie_word_embeddings=True,
     intermediate_size=128,
     attn_res_block_size=2,
     eos_token_id=2,

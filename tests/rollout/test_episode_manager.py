@@ -127,3 +127,39 @@ def test_manager_collects_groups_and_scores_them(session_worker, renderer):
             check_token_view(ep, renderer)
     assert all(e.status == EpisodeStatus.ERROR and "env.make" in e.status_detail for e in groups[2].episodes)
     assert session_worker.load()["resident"] == 0
+
+
+class SlowToolEnv(gymnasium.Env):
+    """Every step takes ``delay`` seconds (a slow tool); the episode never ends on its own."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def reset(self, *, seed=None, options=None):
+        return {"messages": [{"role": "user", "content": "wait"}], "tools": []}, {
+            "task_id": f"slow/{self.delay}"
+        }
+
+    def step(self, action):
+        import time
+
+        time.sleep(self.delay)
+        return {"messages": [{"role": "tool", "content": "ok"}], "tools": []}, 0.0, False, False, {}
+
+
+def test_an_episode_waiting_on_a_slow_tool_does_not_hold_up_the_others(session_worker, renderer):
+    budget, sampling = EpisodeBudget(max_turns=4, max_tokens_per_turn=4), SamplingConfig(temperature=0.0)
+    runs = [
+        EpisodeRun(SlowToolEnv(1.5), renderer, budget, sampling, episode_id="slow"),
+        EpisodeRun(SlowToolEnv(0.0), renderer, budget, sampling, episode_id="fast"),
+    ]
+    batches = []
+
+    def generate(reqs):  # the real worker, with the batch composition written down
+        batches.append(sorted(r.session_id for r in reqs))
+        return session_worker.generate(reqs)
+
+    slow, fast = drive_episodes(runs, generate, session_worker.end_sessions)
+    assert len(slow.turns) == len(fast.turns) == 4
+    assert batches[0] == ["fast", "slow"]
+    assert batches[1:4] == [["fast"]] * 3  # the fast episode finished while the slow tool was running
