@@ -98,12 +98,15 @@ def make_inputs(shape: Shape, seed: int = 0, requires_grad: bool = True):
 
 def impl_fn(name: str):
     """(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens) -> (o, ht) for each contender."""
-    if name == "ours":
+    if name in ("ours", "ours_bf16"):
         from kernels.kda.triton import chunk_kda_triton
 
-        return lambda q, k, v, g, b, h0, fs, cu: chunk_kda_triton(
-            q, k, v, g, b, initial_state=h0, output_final_state=fs, cu_seqlens=cu
-        )
+        def ours(q, k, v, g, b, h0, fs, cu):
+            # ours_bf16: the intra-chunk sub-tile products on bf16 operands instead of split-tf32
+            os.environ["LONGHORIZON_KDA_INTRA_BF16"] = "1" if name == "ours_bf16" else "0"
+            return chunk_kda_triton(q, k, v, g, b, initial_state=h0, output_final_state=fs, cu_seqlens=cu)
+
+        return ours
     from fla.ops.kda import chunk_kda
 
     safe = name == "fla_safe"
@@ -298,6 +301,35 @@ def _table_row(shape: str, by: dict) -> str:
     )
 
 
+def profile(report: Report, shape: Shape, name: str = "ours", steps: int = 5) -> None:
+    """GPU time per kernel of forward + backward (torch.profiler), averaged over `steps`."""
+    ins, cu = make_inputs(shape)
+    fn = impl_fn(name)
+    do = torch.randn_like(ins[2])
+
+    def step():
+        o, _ = fn(*ins, None, False, cu)
+        torch.autograd.grad(o, ins, do)
+
+    step()
+    sync()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)
+        if us > 0:
+            rows.append((ev.key[:60], us / steps / 1e3, ev.count // steps))
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    report.notes.append({"profile": shape.label(), "impl": name, "kernels_ms": rows[:20], "total_ms": total})
+    print(f"[profile] {name} {shape.label()} fwd+bwd, GPU ms per step (total {total:.3f}):", flush=True)
+    for key, ms, count in rows[:16]:
+        print(f"    {ms:8.3f} ms  x{count:<3d} {key}", flush=True)
+
+
 def markdown(report: Report) -> str:
     rows = {}
     for r in report.timings:
@@ -319,6 +351,7 @@ def main() -> None:
     ap.add_argument("--impls", default="ours,fla_safe,fla_unb")
     ap.add_argument("--check", default="ours,fla_safe", help="impls checked against the float64 reference")
     ap.add_argument("--warm", action="store_true", help="compile all combinations in parallel first")
+    ap.add_argument("--profile", default="", help="shapes to profile ours on (per-kernel GPU time)")
     ap.add_argument("--warm-limit", type=float, default=300.0)
     ap.add_argument("--budget", type=float, default=540.0, help="seconds; no new shape starts after this")
     ap.add_argument("--warm-one", default=None, help=argparse.SUPPRESS)
@@ -370,6 +403,9 @@ def main() -> None:
             report.notes.append(f"budget reached before {shape.label()}")
             break
         time_shape(report, shape, impls, bw)
+        report.save(args.out)
+    for name in [s for s in args.profile.split(",") if s]:
+        profile(report, SHAPES[name])
         report.save(args.out)
     # After the timings, so that every autotuner has picked its configs at the real shapes.
     checks = [i for i in args.check.split(",") if i in impls]

@@ -192,7 +192,7 @@ def _row_side(
     kc = kc.to(DT)
     dAq = load_tile(dAqk, ti, eos, H * BT, 0, BC, BC, BC).to(DT)
     dAk = load_tile(dAkk, ti, eos, H * BT, 0, BC, BC, BC).to(DT)
-    return tl.dot(dAq, kc), tl.dot(dAk, kc)
+    return tl.dot(dAq, kc, input_precision="tf32x3"), tl.dot(dAk, kc, input_precision="tf32x3")
 
 
 @triton.jit
@@ -220,7 +220,9 @@ def _col_side(
     kf = (b[:, None] * load_tile(k, tj, eos, H * K, 0, BC, K, BK) * f).to(DT)
     dAq = load_tile(dAqk, tj, eos, H * BT, 0, BC, BC, BC).to(DT)
     dAk = load_tile(dAkk, tj, eos, H * BT, 0, BC, BC, BC).to(DT)
-    return tl.dot(tl.trans(dAq), qf) + tl.dot(tl.trans(dAk), kf)
+    return tl.dot(tl.trans(dAq), qf, input_precision="tf32x3") + tl.dot(
+        tl.trans(dAk), kf, input_precision="tf32x3"
+    )
 
 
 @triton.jit
@@ -278,7 +280,10 @@ def _intra_bwd_kernel(
 ):  # fmt: skip
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
-    DT = q.dtype.element_ty
+    # fp32 operands (split-tf32 products) here: every pair term enters dG twice with opposite signs
+    # (row and column side) and the reverse cumsum only cancels them if both are accurate; with bf16
+    # operands the dg error was 20x larger (interpreter, D = 64, against float64).
+    DT = tl.float32
     q, k, G, beta = q + i_h * K, k + i_h * K, G + i_h * K, beta + i_h
     dAqk, dAkk = dAqk + i_h * BT, dAkk + i_h * BT
     dq_p, dk_p, dG_p, db_p = dq_p + i_h * K, dk_p + i_h * K, dG_p + i_h * K, db_p + i_h

@@ -12,8 +12,11 @@ The products with e^-G are never formed over a whole chunk: they are taken in 16
 Off the diagonal the exponents are referred to the boundary between the two sub-tiles, so both
 factors are <= 1 for any decay. On the diagonal they are referred to the tile midpoint, so each factor
 is at most e^(8 |g_min|); that is where the contract g >= G_MIN (= -5, i.e. <= e^40) is needed, and
-it lets the diagonal tiles use the same dense tl.dot as the rest (operands in the input dtype,
-fp32 accumulation) instead of a per-pair loop. (I + L)^-1 is built from forward substitution on the
+it lets the diagonal tiles use the same dense tl.dot as the rest instead of a per-pair loop.
+Deviation from the issue text: those sub-tile products take fp32 operands with split-tf32 products
+(tl.dot input_precision="tf32x3"), not bf16 operands, because L feeds (I + L)^-1 and bf16 rounding there
+made o and dv errors ~1.5x larger (interpreter, D = 64, vs float64); LONGHORIZON_KDA_INTRA_BF16=1
+restores bf16 operands (for timing the difference). All other products use the input dtype. (I + L)^-1 is built from forward substitution on the
 four diagonal 16 x 16 blocks and block back-substitution for the six blocks below them.
 
 Kernels: `_cumsum` (G), `_intra` (Aqk, X, W, U), `_state` (sequential over chunks: per-chunk states
@@ -21,6 +24,8 @@ and Vn), `_output` (O, parallel over chunks).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -60,7 +65,19 @@ def _cumsum_kernel(g, G, cu_seqlens, chunk_indices, H, K, BK: tl.constexpr, BT: 
 
 @triton.jit
 def _pair(
-    q, k, G, beta, ti, tj, eos, H, K, BK: tl.constexpr, BC: tl.constexpr, DIAG: tl.constexpr, DT: tl.constexpr
+    q,
+    k,
+    G,
+    beta,
+    ti,
+    tj,
+    eos,
+    H,
+    K,
+    BK: tl.constexpr,
+    BC: tl.constexpr,
+    DIAG: tl.constexpr,
+    BF16: tl.constexpr,
 ):
     """Sub-tile (i, j) of Aqk and L, rows ti.., columns tj.. (fp32, masked)."""
     st = H * K
@@ -76,9 +93,16 @@ def _pair(
         ref_t = tl.minimum(ti, eos - 1)
     ref = load_row(G, ref_t, st, K, BK)
     f_i = decay_factor(G_i, ref, ti, eos, BC, 1.0)
-    kc_j = (k_j * decay_factor(G_j, ref, tj, eos, BC, -1.0)).to(DT)
-    A_qk = tl.dot((q_i * f_i).to(DT), tl.trans(kc_j))
-    L = tl.dot((k_i * f_i).to(DT), tl.trans(kc_j)) * b_i[:, None]
+    # fp32 operands with split-tf32 products: L feeds (I + L)^-1, and bf16 rounding here costs a
+    # factor ~1.5 in the error of o and dv at D = 64 (interpreter experiment against float64).
+    kc_j = k_j * decay_factor(G_j, ref, tj, eos, BC, -1.0)
+    if BF16:
+        kc_j = kc_j.to(tl.bfloat16)
+        A_qk = tl.dot((q_i * f_i).to(tl.bfloat16), tl.trans(kc_j))
+        L = tl.dot((k_i * f_i).to(tl.bfloat16), tl.trans(kc_j)) * b_i[:, None]
+    else:
+        A_qk = tl.dot(q_i * f_i, tl.trans(kc_j), input_precision="tf32x3")
+        L = tl.dot(k_i * f_i, tl.trans(kc_j), input_precision="tf32x3") * b_i[:, None]
     if DIAG:
         r = tl.arange(0, BC)
         A_qk = tl.where(r[:, None] >= r[None, :], A_qk, 0.0)
@@ -134,6 +158,7 @@ def _decayed_qk(q, k, G, Qg, Kd, ti, eos, g_last, H, K, BK: tl.constexpr, BC: tl
 def _intra_kernel(
     q, k, v, G, beta, Aqk, Ainv, W, U, Qg, Kd, cu_seqlens, chunk_indices, H, K, V,
     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STORE_X: tl.constexpr,
+    INTRA_BF16: tl.constexpr,
 ):  # fmt: skip
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
@@ -142,16 +167,16 @@ def _intra_kernel(
     Aqk, Ainv, W, U = Aqk + i_h * BT, Ainv + i_h * BT, W + i_h * K, U + i_h * V
     Qg, Kd = Qg + i_h * K, Kd + i_h * K
     t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
-    A00, L00 = _pair(q, k, G, beta, t0, t0, eos, H, K, BK, BC, True, DT)
-    A10, L10 = _pair(q, k, G, beta, t1, t0, eos, H, K, BK, BC, False, DT)
-    A11, L11 = _pair(q, k, G, beta, t1, t1, eos, H, K, BK, BC, True, DT)
-    A20, L20 = _pair(q, k, G, beta, t2, t0, eos, H, K, BK, BC, False, DT)
-    A21, L21 = _pair(q, k, G, beta, t2, t1, eos, H, K, BK, BC, False, DT)
-    A22, L22 = _pair(q, k, G, beta, t2, t2, eos, H, K, BK, BC, True, DT)
-    A30, L30 = _pair(q, k, G, beta, t3, t0, eos, H, K, BK, BC, False, DT)
-    A31, L31 = _pair(q, k, G, beta, t3, t1, eos, H, K, BK, BC, False, DT)
-    A32, L32 = _pair(q, k, G, beta, t3, t2, eos, H, K, BK, BC, False, DT)
-    A33, L33 = _pair(q, k, G, beta, t3, t3, eos, H, K, BK, BC, True, DT)
+    A00, L00 = _pair(q, k, G, beta, t0, t0, eos, H, K, BK, BC, True, INTRA_BF16)
+    A10, L10 = _pair(q, k, G, beta, t1, t0, eos, H, K, BK, BC, False, INTRA_BF16)
+    A11, L11 = _pair(q, k, G, beta, t1, t1, eos, H, K, BK, BC, True, INTRA_BF16)
+    A20, L20 = _pair(q, k, G, beta, t2, t0, eos, H, K, BK, BC, False, INTRA_BF16)
+    A21, L21 = _pair(q, k, G, beta, t2, t1, eos, H, K, BK, BC, False, INTRA_BF16)
+    A22, L22 = _pair(q, k, G, beta, t2, t2, eos, H, K, BK, BC, True, INTRA_BF16)
+    A30, L30 = _pair(q, k, G, beta, t3, t0, eos, H, K, BK, BC, False, INTRA_BF16)
+    A31, L31 = _pair(q, k, G, beta, t3, t1, eos, H, K, BK, BC, False, INTRA_BF16)
+    A32, L32 = _pair(q, k, G, beta, t3, t2, eos, H, K, BK, BC, False, INTRA_BF16)
+    A33, L33 = _pair(q, k, G, beta, t3, t3, eos, H, K, BK, BC, True, INTRA_BF16)
     _store_sq(Aqk, A00, t0, eos, 0, H, BT, BC)
     _store_sq(Aqk, A10, t1, eos, 0, H, BT, BC)
     _store_sq(Aqk, A11, t1, eos, 1, H, BT, BC)
@@ -309,6 +334,7 @@ def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool,
             BT=BT,
             BC=BC,
             STORE_X=store_x,
+            INTRA_BF16=os.environ.get("LONGHORIZON_KDA_INTRA_BF16", "0") == "1" and dt == torch.bfloat16,
         )
     h0_arg = h0 if h0 is not None else G.new_empty(1)
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * H)
