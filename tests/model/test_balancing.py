@@ -31,7 +31,7 @@ def skewed_router() -> nn.Module:
     return holder.train()
 
 
-def simulate(mode: str, steps: int = 20, tokens: int = 65536, rate: float | None = None) -> list[float]:
+def simulate(mode: str, steps: int = 20, tokens: int = 131072, rate: float | None = None) -> list[float]:
     """MaxVio_batch per step, each step routing a fresh batch with the bias from the previous steps."""
     holder, gen = skewed_router(), torch.Generator().manual_seed(1)
     balancer = ExpertBalancer(holder, mode=mode, rate=rate)
@@ -44,12 +44,15 @@ def simulate(mode: str, steps: int = 20, tokens: int = 65536, rate: float | None
     return max_vio
 
 
+@pytest.mark.slow  # ~25 s of CPU: 2 x 20 routing steps over 131072 tokens
 def test_quantile_balancing_reaches_balance_within_20_steps_and_beats_sign_rule():
-    # 65536 tokens x top-8 / 64 experts = 8192 assignments per expert: sampling noise alone gives a
-    # MaxVio_batch of ~3%, so 0.05 is a real balance threshold, not a noise-free one.
+    # 131072 tokens x top-8 / 64 experts = 16384 assignments per expert. A bias estimated on one
+    # batch and applied to the next leaves a sampling-noise floor of MaxVio_batch ~0.03 (0.05 at
+    # half this batch, which made the threshold a coin toss); measured over 5 seeds QB is below
+    # 0.05 from step 6-9 on and at most 0.039 over steps 10-19.
     qb = simulate("quantile")
     assert qb[0] > 1.0  # the router really is skewed
-    assert max(qb[-5:]) < 0.05, qb
+    assert max(qb[10:]) < 0.05, qb
     sign = simulate("sign", rate=1e-2)
     assert min(sign) > 0.2 and qb[-1] < sign[-1], (qb[-1], sign)
 
