@@ -49,6 +49,9 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """peft target module names; "all-linear" means every nn.Linear except the LM head."""
+    sync: str = "merged"
+    """Weights shipped to rollout workers: merged (adapters folded into full weights) or adapter
+    (adapter tensors only; needs an engine that applies LoRA adapters)."""
 
 
 @dataclass
@@ -416,6 +419,7 @@ def _validate_learner(c: LearnerConfig, errors: list[str]) -> None:
            "bfloat16 autocast is for GPUs; use float32 with device=cpu", errors)  # fmt: skip
     _choice(c.balancer, ("frozen", "update"), "learner.balancer", errors)
     _check(c.lora.r >= 1, "learner.lora.r", "must be >= 1", errors)
+    _choice(c.lora.sync, ("merged", "adapter"), "learner.lora.sync", errors)
 
 
 def _validate_rollout(r: RolloutConfig, errors: list[str]) -> None:

@@ -288,24 +288,47 @@ class Learner:
         return {"sft/nll": nll, "sft/p_gt_half": correct, "sft/grad_norm": float(norm)}
 
     # ------------------------------------------------------------------ weights and checkpoints
-    def export_weights(self, out_dir: str, keep: int = 2) -> WeightUpdate:
+    def export_weights(self, out_dir: str, keep: int = 2, adapter_only: bool | None = None) -> WeightUpdate:
         """Write the current weights for the rollout workers, tagged with the policy version.
 
         Full weights go out as an HF checkpoint (config.json + model.safetensors, balancer biases
-        included as buffers). With LoRA only the adapter (plus the biases) is written.
+        included as buffers). With LoRA, ``adapter_only`` (default: ``lora.sync == "adapter"``) writes
+        only the adapter (adapter_model.safetensors); otherwise the adapters are merged into a full
+        checkpoint, for engines that cannot apply adapters.
         """
         path = Path(out_dir) / f"v{self.version:06d}"
         path.mkdir(parents=True, exist_ok=True)
-        if self.cfg.lora.enabled:
+        lora = self.cfg.lora.enabled
+        adapter_only = lora and (self.cfg.lora.sync == "adapter" if adapter_only is None else adapter_only)
+        if adapter_only:
             self.policy.save_pretrained(str(path))
-            adapter_only = True
+        elif lora:
+            self._save_merged(path)
         else:
             self.base_model.save_pretrained(str(path), safe_serialization=True)
-            adapter_only = False
         (path / "version.json").write_text(json.dumps({"version": self.version}))
         for old in sorted(Path(out_dir).glob("v[0-9]*"))[:-keep]:  # workers only ever read the newest
             shutil.rmtree(old, ignore_errors=True)
         return WeightUpdate(self.version, str(path), adapter_only)
+
+    @torch.no_grad()
+    def _save_merged(self, path: Path) -> None:
+        """W + scale * B A for every adapted layer, written under the plain (un-wrapped) parameter names."""
+        from safetensors.torch import save_file
+
+        self.policy.merge_adapter()
+        try:
+            state = {
+                k.replace(".base_layer", ""): v.detach().clone().contiguous()
+                for k, v in self.policy.get_base_model().state_dict().items()
+                if "lora_" not in k
+            }
+        finally:
+            self.policy.unmerge_adapter()
+        if self.base_model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        self.base_model.config.save_pretrained(str(path))
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
 
     def save_pretrained(self, out_dir: str) -> str:
         """A standalone HF checkpoint of the (merged, if LoRA) policy: what ``model.init_from`` loads."""

@@ -77,8 +77,11 @@ def eval_tasks(env: EnvConfig, stage: StageConfig) -> list:
 class WorkerPool:
     """Rollout worker actors; replaces dead ones with fresh actors on the newest weights."""
 
-    def __init__(self, cfg: RolloutConfig, model_path: str, version: int) -> None:
+    def __init__(
+        self, cfg: RolloutConfig, model_path: str, version: int, max_context_tokens: int | None = None
+    ) -> None:
         self.cfg, self.model_path, self.version = cfg, model_path, version
+        self.max_model_len = (max_context_tokens or cfg.max_context_tokens) + cfg.max_tokens_per_turn
         self.workers = [self._start(i) for i in range(cfg.num_workers)]
         self.restarts = 0
 
@@ -88,7 +91,7 @@ class WorkerPool:
         from rollout.worker import RolloutWorker, WorkerConfig
 
         wc = WorkerConfig(model_path=self.model_path, policy_version=self.version, seed=self.cfg.seed + i,
-                          max_model_len=self.cfg.max_context_tokens + self.cfg.max_tokens_per_turn, **self.cfg.engine)  # fmt: skip
+                          max_model_len=self.max_model_len, **self.cfg.engine)  # fmt: skip
         actor = ray.remote(num_cpus=self.cfg.worker_num_cpus, max_restarts=0)(RolloutWorker)
         return actor.remote(wc)
 

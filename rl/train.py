@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         truncate_metrics(run_dir / "metrics.jsonl", state.step)
         print(f"resumed from {resume} (step {state.step})", flush=True)
     update = call(learner, "export_weights", str(run_dir / "weights"))
-    pool = WorkerPool(cfg.rollout, prepare_model_dir(update.path), update.version)
+    max_ctx = max(s.max_context_tokens for s in plan)
+    pool = WorkerPool(cfg.rollout, prepare_model_dir(update.path), update.version, max_ctx)
     log = MetricsLogger(str(run_dir), total, cfg.run.tensorboard, cfg.run.progress_bar, start_step=state.step)
     steps_run = 0
     try:

@@ -36,7 +36,7 @@ def step_rows(run_dir: Path) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("runs") / "a"
-    out = train(run, "curriculum.steps=3", "run.save_every=1", "run.keep_checkpoints=3")
+    out = train(run, "run.save_every=1", "run.keep_checkpoints=3")
     assert "held_out_success_after" in out.stdout  # the summary is printed
     return run
 
@@ -48,6 +48,8 @@ def test_run_outputs(uninterrupted):
     for r in rows.values():  # the rollout/learner mismatch is logged every step
         assert r["mismatch/tokens"] > 0 and r["mismatch/logprob_abs_mean"] >= 0
     assert rows[1]["mismatch/logprob_abs_mean"] < 1e-3  # step 0 weights: engine and learner agree
+    niah = [r for r in read_metrics(run / "metrics.jsonl") if "niah/512/nll" in r]
+    assert [r["step"] for r in niah] == [2, 3]  # between the two curriculum stages, and at the end
     summary = json.loads((run / "summary.json").read_text())
     assert {"held_out_success_before", "held_out_success_after"} <= set(summary)
     for name in ("reward.png", "success.png", "kl.png", "mismatch.png", "config.yaml", "sft/config.json"):
@@ -60,7 +62,7 @@ def test_kill_and_resume_matches_the_uninterrupted_run(uninterrupted, tmp_path):
     """Resume from the step-2 checkpoint: step 3 must reproduce the uninterrupted run's step 3."""
     resumed = tmp_path / "b"
     shutil.copytree(uninterrupted, resumed, ignore=shutil.ignore_patterns("step_000003", "summary.json"))
-    out = train(resumed, "curriculum.steps=3", "run.save_every=1", "run.keep_checkpoints=3")
+    out = train(resumed, "run.save_every=1", "run.keep_checkpoints=3")
     assert "resumed from" in out.stdout
     a, b = step_rows(uninterrupted)[3], step_rows(resumed)[3]
     for key in TRAIN_KEYS:

@@ -1,6 +1,7 @@
 """Learner invariants on a tiny hybrid model: packing, routing replay, updates, mismatch, resume, LoRA."""
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,10 +172,18 @@ def test_lora_trains_adapters_only_and_exports_them(tmp_path):
     assert all(
         torch.equal(p, frozen_before[n]) for n, p in learner.policy.named_parameters() if not p.requires_grad
     )
-    upd = learner.export_weights(str(tmp_path))
+    upd = learner.export_weights(str(tmp_path / "a"), adapter_only=True)
     assert upd.adapter_only
-    files = {p.name for p in (tmp_path / f"v{upd.version:06d}").iterdir()}
+    files = {p.name for p in Path(upd.path).iterdir()}
     assert "adapter_model.safetensors" in files and "model.safetensors" not in files
+    # merged export (what the vLLM worker loads) == the adapted policy
+    merged = learner.export_weights(str(tmp_path / "m"))
+    assert not merged.adapter_only
+    size = lambda d, f: Path(d, f).stat().st_size
+    assert size(upd.path, "adapter_model.safetensors") < 0.5 * size(merged.path, "model.safetensors")
+    other = Learner(dataclasses.replace(c.model, init_from=merged.path), make_cfg().learner, c.algorithm)
+    b = pack(rows_from_groups([make_group()], [[[0.0, 0.0]] * 4]), "token_mean", 1)
+    assert torch.allclose(other.logprobs(b), learner.logprobs(b), atol=1e-5)
 
 
 def test_ppo_value_head_and_several_minibatches():
