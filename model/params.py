@@ -28,6 +28,7 @@ def count_parameters(config: HybridConfig) -> ParamCount:
 
     with torch.device("meta"), no_init_weights():  # shapes only: skip the (slow) init pass
         model = HybridForCausalLM(config)
+    model.tie_weights()  # no_init_weights also skips tying: count a tied LM head once
     total = sum(p.numel() for p in model.parameters())
     per_expert = 0
     moe_layers = [layer.block_sparse_moe for layer in model.model.layers if layer.is_moe]

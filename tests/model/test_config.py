@@ -100,6 +100,19 @@ def test_preset_parameter_counts(preset, total_range, active_range):
     assert active_range[0] <= count.active <= active_range[1], count
 
 
+def test_param_count_matches_a_real_model():
+    from model.modeling import HybridForCausalLM
+
+    for tie in (True, False):
+        config = HybridConfig.from_yaml(PRESETS / "cpu_tiny.yaml", tie_word_embeddings=tie)
+        real = sum(p.numel() for p in HybridForCausalLM(config).parameters())
+        count = count_parameters(config)
+        assert count.total == real
+        per_expert = 3 * config.routed_expert_hidden_size * config.moe_intermediate_size
+        inactive = (config.num_experts - config.num_experts_per_token) * per_expert
+        assert count.active == real - inactive * len(config.moe_layer_indices)
+
+
 def test_transformers_does_not_take_our_kernels_package_for_hf_kernels():
     import importlib
 
