@@ -13,7 +13,9 @@ of O tokens wrapped in the chat template. The same episodes run on three engines
 
 Printed per mode: prefill tokens actually computed per turn (from the engine's own step records)
 vs the new tokens of that turn, the cached-token hit rate (context not recomputed), episode wall
-time, and ratios against ``none``; and whether all modes sampled identical tokens.
+time (engine start-up excluded; the modes' turns are interleaved so that a shared machine's load
+drifts over all of them alike), ratios against ``none``, and whether all modes sampled identical
+tokens.
 """
 
 from __future__ import annotations
@@ -79,59 +81,92 @@ def episode_chunks(args, renderer) -> list[list[list[int]]]:
     return eps
 
 
-def run_mode(mode: str, model_dir: Path, chunks, args) -> dict:
-    from rollout.worker import RolloutWorker, TurnRequest
+class ModeRun:
+    """One engine and the episodes' bookkeeping for one caching mode."""
 
-    worker = RolloutWorker(
-        dict(
-            model_path=str(model_dir),
-            reuse=mode,
-            max_model_len=args.max_model_len,
-            max_num_seqs=max(8, args.episodes + 1),
-            kv_cache_memory_bytes=args.kv_mib << 20,
+    def __init__(self, mode: str, model_dir: Path, chunks, args) -> None:
+        from rollout.worker import RolloutWorker, TurnRequest
+
+        self.mode, self.chunks, self.args, self.TurnRequest = mode, chunks, args, TurnRequest
+        self.worker = RolloutWorker(
+            dict(
+                model_path=str(model_dir),
+                reuse=mode,
+                max_model_len=args.max_model_len,
+                max_num_seqs=max(8, args.episodes + 1),
+                kv_cache_memory_bytes=args.kv_mib << 20,
+            )
         )
-    )
-    # warm-up (first-call costs of kernels and allocators), not timed
-    # (reversed prompts: nothing the episodes could later hit in the prefix cache)
-    worker.generate(
-        [TurnRequest(f"w{i}", c[0][::-1][:256], max_tokens=4, temperature=0.0) for i, c in enumerate(chunks)]
-    )
-    worker.end_sessions([f"w{i}" for i in range(len(chunks))])
-    sids = [f"e{i}" for i in range(len(chunks))]
-    per_turn, tokens = [], {s: [] for s in sids}
-    context = {s: 0 for s in sids}
-    t_start = time.perf_counter()
-    for t in range(args.turns):
+        # warm-up (first-call costs of kernels and allocators), not timed; reversed prompts share
+        # no prefix the episodes could later hit in the prefix cache
+        warm = [
+            TurnRequest(f"w{i}", c[0][::-1][:256], max_tokens=4, temperature=0.0)
+            for i, c in enumerate(chunks)
+        ]
+        self.worker.generate(warm)
+        self.worker.end_sessions([r.session_id for r in warm])
+        self.reps: list[list[dict]] = []
+        self.tokens: dict[str, list] = {}
+
+    def start_repeat(self, rep: int) -> None:
+        """Fresh episodes (new session ids, empty prefix cache) for repetition ``rep``."""
+        self.worker.llm.reset_prefix_cache()
+        self.sids = [f"e{i}r{rep}" for i in range(len(self.chunks))]
+        self.context = dict.fromkeys(self.sids, 0)
+        self.turns: list[dict] = []
+        self.reps.append(self.turns)
+
+    def turn(self, t: int) -> None:
         reqs = [
-            TurnRequest(s, chunks[i][t], max_tokens=args.gen, temperature=0.0) for i, s in enumerate(sids)
+            self.TurnRequest(s, self.chunks[i][t], max_tokens=self.args.gen, temperature=0.0)
+            for i, s in enumerate(self.sids)
         ]
         t0 = time.perf_counter()
-        outs = worker.generate(reqs)
+        outs = self.worker.generate(reqs)
         dt = time.perf_counter() - t0
-        new = sum(len(r.token_ids) for r in reqs)
-        full = sum(context[s] + len(r.token_ids) for s, r in zip(sids, reqs))
+        full = sum(self.context[s] + len(r.token_ids) for s, r in zip(self.sids, reqs))
         computed = sum(o.num_computed_prompt_tokens for o in outs)
-        for s, r, o in zip(sids, reqs, outs):
-            context[s] += len(r.token_ids) + len(o.token_ids)
-            tokens[s].append(o.token_ids)
-        per_turn.append(
+        for i, (s, r, o) in enumerate(zip(self.sids, reqs, outs)):
+            self.context[s] += len(r.token_ids) + len(o.token_ids)
+            self.tokens.setdefault(f"{s}", []).append(o.token_ids)
+            self.tokens.setdefault(f"e{i}", []).append(o.token_ids)
+        self.turns.append(
             {
                 "turn": t + 1,
-                "new": new,
+                "new": sum(len(r.token_ids) for r in reqs),
                 "context": full,
                 "computed": computed,
                 "seconds": dt,
                 "hit_rate": 1 - computed / full,
             }
         )
-    wall = time.perf_counter() - t_start
-    worker.shutdown()
-    return {"mode": mode, "turns": per_turn, "wall_s": wall, "tokens": tokens}
+
+    def result(self) -> dict:
+        self.worker.shutdown()
+        return {
+            "mode": self.mode,
+            "turns": self.turns,
+            "wall_s": sum(x["seconds"] for x in self.turns),
+            "tokens": self.tokens,
+        }
+
+
+def run_interleaved(modes: list[str], model_dir: Path, chunks, args) -> dict:
+    """All engines up at once; turn t runs in every mode back to back, so the load of a shared
+    machine drifts over all modes alike."""
+    runs = [ModeRun(m, model_dir, chunks, args) for m in modes]
+    for rep in range(args.repeats):
+        for r in runs:
+            r.start_repeat(rep)
+        for t in range(args.turns):
+            for r in runs:
+                r.turn(t)
+    return {r.mode: r.result() for r in runs}
 
 
 def report(results: dict, args) -> str:
     lines = [
-        f"episodes={args.episodes} turns={args.turns} prompt={args.prompt} obs={args.obs} gen={args.gen}"
+        f"episodes={args.episodes} turns={args.turns} prompt={args.prompt} obs={args.obs} gen={args.gen} repeats={args.repeats}"
     ]
     base = results["none"]["wall_s"]
     lines.append(
@@ -162,6 +197,7 @@ def main() -> None:
     p.add_argument("--kv-mib", type=int, default=512)
     p.add_argument("--preset", type=Path, default=ROOT / "configs/model/cpu_tiny.yaml")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--repeats", type=int, default=2, help="per-turn time = fastest repetition")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     from rollout.renderer import ChatRenderer
@@ -169,7 +205,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         build_model(Path(d), args.preset)
         chunks = episode_chunks(args, ChatRenderer())
-        results = {m: run_mode(m, Path(d), chunks, args) for m in args.modes.split(",")}
+        results = run_interleaved(args.modes.split(","), Path(d), chunks, args)
     if set(results) == set(MODES):
         print(report(results, args))
     for m, r in results.items():

@@ -54,6 +54,7 @@ class WorkerConfig:
     logprobs_mode: str = "processed_logprobs"  # logprobs of the distribution actually sampled from
     policy_version: int = 0
     stall_steps: int = 200  # engine steps without progress before idle sessions are force-closed
+    in_process: bool = True  # engine core in this process (fast start; a Ray actor is a process already)
 
     def __post_init__(self) -> None:
         if self.reuse not in REUSE_MODES:
@@ -144,6 +145,7 @@ class RolloutWorker:
 
             torch.set_num_threads(c.num_threads)
             os.environ.setdefault("OMP_NUM_THREADS", str(c.num_threads))
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if c.in_process else "1"
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # hooks are callables (MP engines)
         from vllm import LLM
 
@@ -210,7 +212,7 @@ class RolloutWorker:
 
         t0 = time.perf_counter()
         if isinstance(weights, dict):
-            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
+            if self.config.in_process:
                 counts = self.llm.collective_rpc(load_state_dict_inplace, args=(weights,))
             else:  # tensors cannot ride in collective_rpc across processes: go through a file
                 counts = self._load_via_file(weights)
