@@ -6,7 +6,8 @@ balanced here, outside autograd. Modes (``HybridConfig.moe_balancing``):
 * "quantile" - K3's Quantile Balancing (K3 Eq. 14, App. C; J. Su, kexue.fm/archives/11619).
   Per step: route with top-(k+1) of (s + b), the (k+1)-th value is the token's cutoff alpha_i;
   margins r_ij = s_ij - alpha_i; b_hat_j = -[(q+1)-th largest of r_{:,j}] with q = floor(m k / n);
-  b <- b_hat - mean(b_hat), applied from the NEXT step. The closed form has no step size.
+  b <- b_hat - mean(b_hat), applied from the NEXT step. The closed form has no step size. It keeps
+  every margin of the step ([m, E] fp32 per layer), so it is the small-scale mode.
 * "quantile_histogram" - the same b_hat from per-expert histograms of the required bias
   rho_ij = alpha_i - s_ij over [b_min - 1, b_max + 1] (K3 App. D, ~1000 bins, linear interpolation
   inside the bin). Counts add across micro-batches (and, at scale, across ranks with one integer

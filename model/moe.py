@@ -88,7 +88,8 @@ class MoEGate(nn.Module):
             and self.balancing_mode != "frozen"
             and torch.is_grad_enabled()
         )
-        top_vals, top_idx = biased_TE.topk(self.top_k + 1 if collect else self.top_k, dim=-1)
+        needs_cutoff = collect and self.balancing_mode.startswith("quantile")  # alpha_i = (k+1)-th value
+        top_vals, top_idx = biased_TE.topk(self.top_k + 1 if needs_cutoff else self.top_k, dim=-1)
         experts_TK = top_idx[:, : self.top_k]
         if replay_TK is not None:
             experts_TK = self._check_replay(replay_TK, x_TD.shape[0]).to(experts_TK)
@@ -97,7 +98,7 @@ class MoEGate(nn.Module):
             weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True).clamp(min=1e-20)
         weights_TK = weights_TK * self.scaling
         if collect:
-            self._record(scores_TE, top_vals[:, self.top_k], experts_TK)
+            self._record(scores_TE, top_vals[:, -1], experts_TK)
         return RouterOutput(experts_TK, weights_TK)
 
     def _check_replay(self, replay_TK: torch.Tensor, T: int) -> torch.Tensor:
