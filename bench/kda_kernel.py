@@ -313,13 +313,14 @@ def profile(report: Report, shape: Shape, name: str = "ours", steps: int = 5) ->
 
     step()
     sync()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    act = torch.profiler.ProfilerActivity
+    with torch.profiler.profile(activities=[act.CUDA if DEVICE == "cuda" else act.CPU]) as prof:
         for _ in range(steps):
             step()
         sync()
     rows = []
     for ev in prof.key_averages():
-        us = getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)
+        us = ev.self_device_time_total if DEVICE == "cuda" else ev.self_cpu_time_total
         if us > 0:
             rows.append((ev.key[:60], us / steps / 1e3, ev.count // steps))
     rows.sort(key=lambda r: -r[1])
