@@ -200,3 +200,14 @@ def test_ppo_value_head_and_several_minibatches():
     mbs = minibatches(rows, 2, c.algorithm.loss_agg, 1, 4096)
     m = learner.train_step(mbs)
     assert np.isfinite(m["value_loss"]) and m["learner/version"] == 1.0
+
+
+def test_activation_checkpointing_gives_the_same_update():
+    results = []
+    for ac in ("false", "true"):
+        c = make_cfg(f"learner.activation_checkpointing={ac}")
+        learner = Learner(c.model, c.learner, c.algorithm)
+        m = learner.train_step(batches_for(learner, c, make_group()))
+        results.append((m["loss"], torch.cat([p.detach().flatten() for p in learner.policy.parameters()])))
+    assert results[0][0] == pytest.approx(results[1][0])
+    assert torch.allclose(results[0][1], results[1][1], atol=1e-6)
