@@ -11,7 +11,7 @@ import operator
 import re
 from fractions import Fraction
 
-from envs.base import ToolError
+from envs.base import Tool, ToolError
 
 MAX_EXPR_CHARS = 200
 MAX_ABS = 10**30
@@ -94,3 +94,18 @@ def numbers_close(a: Fraction, b: Fraction, tol: float = 1e-6) -> bool:
 def numbers_match(answer: str | None, target: str, tol: float = 1e-6) -> bool:
     a, b = parse_number(answer), parse_number(target)
     return a is not None and b is not None and numbers_close(a, b, tol)
+
+
+def calculator_tool() -> Tool:
+    """The ``calculator`` tool shared by the envs that offer one."""
+    params = {
+        "type": "object",
+        "properties": {"expression": {"type": "string", "maxLength": MAX_EXPR_CHARS}},
+        "required": ["expression"],
+    }
+    return Tool(
+        "calculator",
+        "Evaluate an arithmetic expression.",
+        params,
+        lambda expression: format_number(safe_eval(expression)),
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from envs import protocol
-from envs.arith import format_number, numbers_match, safe_eval
+from envs.arith import calculator_tool, numbers_match
 from envs.base import Task, Tool, ToolEnv
 
 SYSTEM = "Use the calculator tool. Reply with <answer>N</answer> when done."
@@ -26,16 +26,7 @@ class CalculatorEnv(ToolEnv):
     default_max_turns = 8
 
     def make_tools(self) -> list[Tool]:
-        params = {
-            "type": "object",
-            "properties": {"expression": {"type": "string", "maxLength": 200}},
-            "required": ["expression"],
-        }
-        return [Tool("calculator", "Evaluate an arithmetic expression.", params, self._calculate)]
-
-    @staticmethod
-    def _calculate(expression: str) -> str:
-        return format_number(safe_eval(expression))
+        return [calculator_tool()]
 
     def generate_task(self, rng: np.random.Generator, difficulty: int) -> Task:
         value = int(rng.integers(10, 100))

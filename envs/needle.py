@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from envs import protocol
-from envs.arith import format_number, numbers_match, safe_eval
+from envs.arith import calculator_tool, numbers_match
 from envs.base import Task, Tool, ToolEnv
 
 SYSTEM = "Find the facts in the text. Use the calculator tool. Reply with <answer>N</answer>."
@@ -54,16 +54,7 @@ class NeedleHaystackEnv(ToolEnv):
         super().__init__(*args, **kwargs)
 
     def make_tools(self) -> list[Tool]:
-        params = {
-            "type": "object",
-            "properties": {"expression": {"type": "string", "maxLength": 200}},
-            "required": ["expression"],
-        }
-        return [Tool("calculator", "Evaluate an arithmetic expression.", params, self._calculate)]
-
-    @staticmethod
-    def _calculate(expression: str) -> str:
-        return format_number(safe_eval(expression))
+        return [calculator_tool()]
 
     def generate_task(self, rng: np.random.Generator, difficulty: int) -> Task:
         n_doors = min(2 + 2 * difficulty, len(COLORS))
