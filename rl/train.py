@@ -142,26 +142,14 @@ def main(argv: list[str] | None = None) -> int:
             stage = stage_of[step - 1]
             if step > 1 and stage is not stage_of[step - 2] and cfg.curriculum.niah.enabled:
                 log.log(step - 1, niah_check(cfg, learner, stage))  # validation between stages
-            if state.in_flight is not None:
-                groups, metrics = state.in_flight, dict(state.in_flight_metrics)
-            else:
-                c = collect_step(pool, cfg.env, cfg.rollout, cfg.algorithm, stage, cfg.seed, step)
-                groups, metrics = c.groups, c.metrics
-            if groups:
-                batches = train_minibatches(groups, cfg.algorithm, cfg.learner.micro_batch_tokens, seed=step,
-                                            values_fn=lambda b: call(learner, "turn_values", b))  # fmt: skip
-                metrics.update(call(learner, "train_step", batches))
-                update = call(learner, "export_weights", str(run_dir / "weights"))
-                pool.update_weights(update.path, update.version)
+            groups, metrics = state.in_flight, dict(state.in_flight_metrics)
+            if groups is None:
+                groups, metrics = collect(cfg, pool, stage, step)
+            metrics.update(rl_step(cfg, learner, pool, groups, step, run_dir))
             if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < total:
                 metrics.update(evaluate(pool, cfg.env, cfg.rollout, stage))
-            nxt = (
-                collect_step(pool, cfg.env, cfg.rollout, cfg.algorithm, stage_of[step], cfg.seed, step + 1)
-                if step < total
-                else None
-            )
-            state = dataclasses.replace(state, step=step, in_flight=nxt.groups if nxt else None,
-                                        in_flight_metrics=nxt.metrics if nxt else {})  # fmt: skip
+            nxt, nxt_metrics = collect(cfg, pool, stage_of[step], step + 1) if step < total else (None, {})
+            state = dataclasses.replace(state, step=step, in_flight=nxt, in_flight_metrics=nxt_metrics)
             steps_run += 1
             stop = cfg.run.stop_after_steps is not None and steps_run >= cfg.run.stop_after_steps
             if step == total or stop or (cfg.run.save_every and step % cfg.run.save_every == 0):
@@ -170,9 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             log.log(step, metrics)
             log.advance(metrics)
             if stop and step < total:
-                print(
-                    f"\nstopping after {steps_run} steps (run.stop_after_steps); resume with the same command"
-                )
+                print(f"\nstopped after {steps_run} steps (run.stop_after_steps); the same command resumes")
                 return 0
         final = evaluate(pool, cfg.env, cfg.rollout, plan[-1])
         log.log(total, final)
@@ -185,6 +171,23 @@ def main(argv: list[str] | None = None) -> int:
         log.close()
         pool.shutdown()
         ray.kill(learner)
+
+
+def collect(cfg: TrainConfig, pool, stage, step: int):
+    c = collect_step(pool, cfg.env, cfg.rollout, cfg.algorithm, stage, cfg.seed, step)
+    return c.groups, c.metrics
+
+
+def rl_step(cfg: TrainConfig, learner, pool, groups, step: int, run_dir: Path) -> dict:
+    """Advantages -> train step -> weight sync; nothing when every group was dropped."""
+    if not groups:
+        return {}
+    batches = train_minibatches(groups, cfg.algorithm, cfg.learner.micro_batch_tokens, seed=step,
+                                values_fn=lambda b: call(learner, "turn_values", b))  # fmt: skip
+    metrics = call(learner, "train_step", batches)
+    update = call(learner, "export_weights", str(run_dir / "weights"))
+    pool.update_weights(update.path, update.version)
+    return metrics
 
 
 def finish(cfg: TrainConfig, run_dir: Path, before: dict, after: dict) -> dict:
