@@ -26,9 +26,11 @@ from kernels.kda.triton.common import (
     block_size,
     chunk_bounds,
     decay_factor,
+    intra_precision,
     load_row,
     load_rows,
     load_tile,
+    pdot,
     rcumsum,
     rsum,
     store_tile,
@@ -110,6 +112,7 @@ def _kv_tile(ptr, i_c, i_h, H, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
 def _main_bwd_kernel(
     q, k, v, G, beta, Ainv, Hc, dHc, Vn, dVn, do, dq, dk, dG, dv, dbeta, dAkk, dGl, scale,
     cu_seqlens, chunk_indices, H, K, V, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    PREC: tl.constexpr,
 ):  # fmt: skip
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
@@ -162,9 +165,9 @@ def _main_bwd_kernel(
     store_tile(dbeta + i_h, (db + rsum(keG_dXk, 1))[:, None], t0, eos, H, 0, BT, 1, 1)
     rk = tl.arange(0, BK)
     tl.store(dGl + (i_c.to(tl.int64) * H + i_h) * K + rk, dg_last, mask=rk < K)
-    # dL = -X^T dX X^T on its strictly lower part; fp32 operands (X can be large), split-tf32 on GPUs.
+    # dL = -X^T dX X^T on its strictly lower part, at the intra precision (X can be large).
     Xf = tl.trans(X)
-    dL = -tl.dot(Xf, tl.dot(dX, Xf, input_precision="tf32x3"), input_precision="tf32x3")
+    dL = -pdot(Xf, pdot(dX, Xf, PREC), PREC)
     store_tile(dAkk + i_h * BT, tl.where(r[:, None] > r[None, :], dL, 0.0), t0, eos, H * BT, 0, BT, BT, BT)
 
 
@@ -183,16 +186,15 @@ def _row_side(
     BK: tl.constexpr,
     BT: tl.constexpr,
     BC: tl.constexpr,
-    DT: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """Sub-tile (i, j) seen from its rows: dAqk_ij (k_j e^(ref - G_j)) and the same for dL."""
     kc = load_tile(k, tj, eos, H * K, 0, BC, K, BK) * decay_factor(
         load_tile(G, tj, eos, H * K, 0, BC, K, BK), ref, tj, eos, BC, -1.0
     )
-    kc = kc.to(DT)
-    dAq = load_tile(dAqk, ti, eos, H * BT, 0, BC, BC, BC).to(DT)
-    dAk = load_tile(dAkk, ti, eos, H * BT, 0, BC, BC, BC).to(DT)
-    return tl.dot(dAq, kc, input_precision="tf32x3"), tl.dot(dAk, kc, input_precision="tf32x3")
+    dAq = load_tile(dAqk, ti, eos, H * BT, 0, BC, BC, BC)
+    dAk = load_tile(dAkk, ti, eos, H * BT, 0, BC, BC, BC)
+    return pdot(dAq, kc, PREC), pdot(dAk, kc, PREC)
 
 
 @triton.jit
@@ -211,24 +213,22 @@ def _col_side(
     BK: tl.constexpr,
     BT: tl.constexpr,
     BC: tl.constexpr,
-    DT: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """Sub-tile (j, i) seen from its columns: dAqk_ji^T (q_j e^(G_j - ref)) + dL_ji^T (beta k_j e^(G_j - ref))."""
     f = decay_factor(load_tile(G, tj, eos, H * K, 0, BC, K, BK), ref, tj, eos, BC, 1.0)
-    qf = (load_tile(q, tj, eos, H * K, 0, BC, K, BK) * f).to(DT)
+    qf = load_tile(q, tj, eos, H * K, 0, BC, K, BK) * f
     b = load_rows(beta, tj, eos, H, BC)
-    kf = (b[:, None] * load_tile(k, tj, eos, H * K, 0, BC, K, BK) * f).to(DT)
-    dAq = load_tile(dAqk, tj, eos, H * BT, 0, BC, BC, BC).to(DT)
-    dAk = load_tile(dAkk, tj, eos, H * BT, 0, BC, BC, BC).to(DT)
-    return tl.dot(tl.trans(dAq), qf, input_precision="tf32x3") + tl.dot(
-        tl.trans(dAk), kf, input_precision="tf32x3"
-    )
+    kf = b[:, None] * load_tile(k, tj, eos, H * K, 0, BC, K, BK) * f
+    dAq = load_tile(dAqk, tj, eos, H * BT, 0, BC, BC, BC)
+    dAk = load_tile(dAkk, tj, eos, H * BT, 0, BC, BC, BC)
+    return pdot(tl.trans(dAq), qf, PREC) + pdot(tl.trans(dAk), kf, PREC)
 
 
 @triton.jit
 def _intra_bwd_block(
     q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dq, dk, dg, dbeta, carry, t0, eos, H, K,
-    I: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr,
+    I: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     stk = H * K
     ti = t0 + I * BC
@@ -242,14 +242,14 @@ def _intra_bwd_block(
     P_o = tl.full([BC, BK], 0.0, tl.float32)
     for j in tl.static_range(I):
         a, p = _row_side(
-            k, G, dAqk + j * BC, dAkk + j * BC, ti, t0 + j * BC, ref_o, eos, H, K, BK, BT, BC, DT
+            k, G, dAqk + j * BC, dAkk + j * BC, ti, t0 + j * BC, ref_o, eos, H, K, BK, BT, BC, PREC
         )
         dq_o += a
         P_o += p
     f_o = decay_factor(G_i, ref_o, ti, eos, BC, 1.0)
     ref_m = load_row(G, tl.minimum(ti + BC // 2, eos - 1), stk, K, BK)
     f_m = decay_factor(G_i, ref_m, ti, eos, BC, 1.0)
-    a, p = _row_side(k, G, dAqk + I * BC, dAkk + I * BC, ti, ti, ref_m, eos, H, K, BK, BT, BC, DT)
+    a, p = _row_side(k, G, dAqk + I * BC, dAkk + I * BC, ti, ti, ref_m, eos, H, K, BK, BT, BC, PREC)
     dq_i = dq_o * f_o + a * f_m
     P = P_o * f_o + p * f_m
     # columns of sub-tile column I, later rows referred to the tile's last row
@@ -257,10 +257,10 @@ def _intra_bwd_block(
     dkc_o = tl.full([BC, BK], 0.0, tl.float32)
     for j in tl.static_range(I + 1, BT // BC):
         dkc_o += _col_side(
-            q, k, G, beta, dAqk + I * BC, dAkk + I * BC, t0 + j * BC, ref_c, eos, H, K, BK, BT, BC, DT
+            q, k, G, beta, dAqk + I * BC, dAkk + I * BC, t0 + j * BC, ref_c, eos, H, K, BK, BT, BC, PREC
         )
     dkc = dkc_o * decay_factor(G_i, ref_c, ti, eos, BC, -1.0)
-    d = _col_side(q, k, G, beta, dAqk + I * BC, dAkk + I * BC, ti, ref_m, eos, H, K, BK, BT, BC, DT)
+    d = _col_side(q, k, G, beta, dAqk + I * BC, dAkk + I * BC, ti, ref_m, eos, H, K, BK, BT, BC, PREC)
     dkc += d * decay_factor(G_i, ref_m, ti, eos, BC, -1.0)
     dk_row = b_i[:, None] * P
     dG_i = q_i * dq_i + k_i * (dk_row - dkc) + load_tile(dG_p, ti, eos, stk, 0, BC, K, BK)
@@ -276,14 +276,10 @@ def _intra_bwd_block(
 @triton.jit
 def _intra_bwd_kernel(
     q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dGl, dq, dk, dg, dbeta, cu_seqlens, chunk_indices,
-    H, K, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    H, K, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
-    # fp32 operands (split-tf32 products) here: every pair term enters dG twice with opposite signs
-    # (row and column side) and the reverse cumsum only cancels them if both are accurate; with bf16
-    # operands the dg error was 20x larger (interpreter, D = 64, against float64).
-    DT = tl.float32
     q, k, G, beta = q + i_h * K, k + i_h * K, G + i_h * K, beta + i_h
     dAqk, dAkk = dAqk + i_h * BT, dAkk + i_h * BT
     dq_p, dk_p, dG_p, db_p = dq_p + i_h * K, dk_p + i_h * K, dG_p + i_h * K, db_p + i_h
@@ -314,7 +310,7 @@ def _intra_bwd_kernel(
         BK,
         BT,
         BC,
-        DT,
+        PREC,
     )
     carry = _intra_bwd_block(
         q,
@@ -340,7 +336,7 @@ def _intra_bwd_kernel(
         BK,
         BT,
         BC,
-        DT,
+        PREC,
     )
     carry = _intra_bwd_block(
         q,
@@ -366,7 +362,7 @@ def _intra_bwd_kernel(
         BK,
         BT,
         BC,
-        DT,
+        PREC,
     )
     carry = _intra_bwd_block(
         q,
@@ -392,7 +388,7 @@ def _intra_bwd_kernel(
         BK,
         BT,
         BC,
-        DT,
+        PREC,
     )
 
 
@@ -403,6 +399,7 @@ def kda_bwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, saved: dict, do
     NC, N = plan.num_chunks, plan.num_seqs
     BK = block_size(K)
     dt, dev, f32 = q.dtype, q.device, torch.float32
+    prec = intra_precision(dt)
     cu, ci = plan.cu_seqlens_N1, plan.chunk_indices_C2
     dAqk = torch.empty(T, H, BT, device=dev, dtype=f32)
     dVi = torch.empty(T, H, V, device=dev, dtype=dt)
@@ -424,10 +421,10 @@ def kda_bwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, saved: dict, do
     if NC > 0:
         _main_bwd_kernel[(NC, H)](
             q, k, v, saved["G"], beta, saved["Ainv"], saved["Hc"], dHc, saved["Vn"], dVn, do,
-            dq_p, dk_p, dG_p, dv, db_p, dAkk, dGl, scale, cu, ci, H, K, V, BK=BK, BT=BT,
+            dq_p, dk_p, dG_p, dv, db_p, dAkk, dGl, scale, cu, ci, H, K, V, BK=BK, BT=BT, PREC=prec,
         )  # fmt: skip
         _intra_bwd_kernel[(NC, H)](
             q, k, saved["G"], beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dGl, dq, dk, dg, dbeta, cu, ci,
-            H, K, BK=BK, BT=BT, BC=BC,
+            H, K, BK=BK, BT=BT, BC=BC, PREC=prec,
         )  # fmt: skip
     return dq, dk, dv, dg, dbeta, dh0

@@ -133,3 +133,42 @@ def rsum(x, axis: tl.constexpr):
 @triton.jit
 def rcumsum(x, axis: tl.constexpr, reverse: tl.constexpr):
     return tl.associative_scan(x, axis, _sum_combine, reverse)
+
+
+# Precision of the products whose errors cancel (intra-chunk sub-tiles, dL): 0 = bf16 operands,
+# 1 = fp32 operands with tf32 products, 2 = bf16x3 (hi/lo split, three bf16 products: ~16 mantissa bits
+# on bf16 tensor cores), 3 = fp32 "ieee" (fp32 inputs and the interpreter). See intra_precision().
+PREC_BF16, PREC_TF32, PREC_BF16X3, PREC_IEEE = 0, 1, 2, 3
+_PREC_NAMES = {"bf16": PREC_BF16, "tf32": PREC_TF32, "bf16x3": PREC_BF16X3, "ieee": PREC_IEEE}
+
+
+def intra_precision(dtype: torch.dtype) -> int:
+    """bf16x3 by default for half-precision inputs; LONGHORIZON_KDA_INTRA_PREC overrides (bf16, tf32,
+    bf16x3, ieee). fp32 inputs always use ieee."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return PREC_IEEE
+    name = os.environ.get("LONGHORIZON_KDA_INTRA_PREC", "bf16x3")
+    if name not in _PREC_NAMES:
+        raise ValueError(f"LONGHORIZON_KDA_INTRA_PREC must be one of {sorted(_PREC_NAMES)}, got {name!r}")
+    return _PREC_NAMES[name]
+
+
+@triton.jit
+def _split_bf16(x):
+    hi = x.to(tl.bfloat16)
+    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def pdot(a, b, PREC: tl.constexpr):
+    """a @ b for fp32 tiles at the chosen precision, fp32 result."""
+    if PREC == 0:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif PREC == 1:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+    elif PREC == 2:
+        a_hi, a_lo = _split_bf16(a.to(tl.float32))
+        b_hi, b_lo = _split_bf16(b.to(tl.float32))
+        return tl.dot(a_hi, b_hi) + tl.dot(a_hi, b_lo) + tl.dot(a_lo, b_hi)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")

@@ -13,10 +13,10 @@ Off the diagonal the exponents are referred to the boundary between the two sub-
 factors are <= 1 for any decay. On the diagonal they are referred to the tile midpoint, so each factor
 is at most e^(8 |g_min|); that is where the contract g >= G_MIN (= -5, i.e. <= e^40) is needed, and
 it lets the diagonal tiles use the same dense tl.dot as the rest instead of a per-pair loop.
-Deviation from the issue text: those sub-tile products take fp32 operands with split-tf32 products
-(tl.dot input_precision="tf32x3"), not bf16 operands, because L feeds (I + L)^-1 and bf16 rounding there
-made o and dv errors ~1.5x larger (interpreter, D = 64, vs float64); LONGHORIZON_KDA_INTRA_BF16=1
-restores bf16 operands (for timing the difference). All other products use the input dtype. (I + L)^-1 is built from forward substitution on the
+Deviation from the issue text: by default those sub-tile products are "bf16x3" (operands split into
+bf16 hi + lo, three bf16 tensor-core products, about 16 mantissa bits), not single bf16 operands,
+because L feeds (I + L)^-1: single bf16 rounding there made o and dv errors ~1.5x larger (interpreter,
+D = 64, vs float64). LONGHORIZON_KDA_INTRA_PREC=bf16|tf32|bf16x3 selects (common.intra_precision). (I + L)^-1 is built from forward substitution on the
 four diagonal 16 x 16 blocks and block back-substitution for the six blocks below them.
 
 Kernels: `_cumsum` (G), `_intra` (Aqk, X, W, U), `_state` (sequential over chunks: per-chunk states
@@ -24,8 +24,6 @@ and Vn), `_output` (O, parallel over chunks).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -40,9 +38,11 @@ from kernels.kda.triton.common import (
     block_size,
     chunk_bounds,
     decay_factor,
+    intra_precision,
     load_row,
     load_rows,
     load_tile,
+    pdot,
     rcumsum,
     rsum,
     store_tile,
@@ -77,7 +77,7 @@ def _pair(
     BK: tl.constexpr,
     BC: tl.constexpr,
     DIAG: tl.constexpr,
-    BF16: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """Sub-tile (i, j) of Aqk and L, rows ti.., columns tj.. (fp32, masked)."""
     st = H * K
@@ -96,13 +96,8 @@ def _pair(
     # fp32 operands with split-tf32 products: L feeds (I + L)^-1, and bf16 rounding here costs a
     # factor ~1.5 in the error of o and dv at D = 64 (interpreter experiment against float64).
     kc_j = k_j * decay_factor(G_j, ref, tj, eos, BC, -1.0)
-    if BF16:
-        kc_j = kc_j.to(tl.bfloat16)
-        A_qk = tl.dot((q_i * f_i).to(tl.bfloat16), tl.trans(kc_j))
-        L = tl.dot((k_i * f_i).to(tl.bfloat16), tl.trans(kc_j)) * b_i[:, None]
-    else:
-        A_qk = tl.dot(q_i * f_i, tl.trans(kc_j), input_precision="tf32x3")
-        L = tl.dot(k_i * f_i, tl.trans(kc_j), input_precision="tf32x3") * b_i[:, None]
+    A_qk = pdot(q_i * f_i, tl.trans(kc_j), PREC)
+    L = pdot(k_i * f_i, tl.trans(kc_j), PREC) * b_i[:, None]
     if DIAG:
         r = tl.arange(0, BC)
         A_qk = tl.where(r[:, None] >= r[None, :], A_qk, 0.0)
@@ -158,7 +153,7 @@ def _decayed_qk(q, k, G, Qg, Kd, ti, eos, g_last, H, K, BK: tl.constexpr, BC: tl
 def _intra_kernel(
     q, k, v, G, beta, Aqk, Ainv, W, U, Qg, Kd, cu_seqlens, chunk_indices, H, K, V,
     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STORE_X: tl.constexpr,
-    INTRA_BF16: tl.constexpr,
+    PREC: tl.constexpr,
 ):  # fmt: skip
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
@@ -167,16 +162,16 @@ def _intra_kernel(
     Aqk, Ainv, W, U = Aqk + i_h * BT, Ainv + i_h * BT, W + i_h * K, U + i_h * V
     Qg, Kd = Qg + i_h * K, Kd + i_h * K
     t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
-    A00, L00 = _pair(q, k, G, beta, t0, t0, eos, H, K, BK, BC, True, INTRA_BF16)
-    A10, L10 = _pair(q, k, G, beta, t1, t0, eos, H, K, BK, BC, False, INTRA_BF16)
-    A11, L11 = _pair(q, k, G, beta, t1, t1, eos, H, K, BK, BC, True, INTRA_BF16)
-    A20, L20 = _pair(q, k, G, beta, t2, t0, eos, H, K, BK, BC, False, INTRA_BF16)
-    A21, L21 = _pair(q, k, G, beta, t2, t1, eos, H, K, BK, BC, False, INTRA_BF16)
-    A22, L22 = _pair(q, k, G, beta, t2, t2, eos, H, K, BK, BC, True, INTRA_BF16)
-    A30, L30 = _pair(q, k, G, beta, t3, t0, eos, H, K, BK, BC, False, INTRA_BF16)
-    A31, L31 = _pair(q, k, G, beta, t3, t1, eos, H, K, BK, BC, False, INTRA_BF16)
-    A32, L32 = _pair(q, k, G, beta, t3, t2, eos, H, K, BK, BC, False, INTRA_BF16)
-    A33, L33 = _pair(q, k, G, beta, t3, t3, eos, H, K, BK, BC, True, INTRA_BF16)
+    A00, L00 = _pair(q, k, G, beta, t0, t0, eos, H, K, BK, BC, True, PREC)
+    A10, L10 = _pair(q, k, G, beta, t1, t0, eos, H, K, BK, BC, False, PREC)
+    A11, L11 = _pair(q, k, G, beta, t1, t1, eos, H, K, BK, BC, True, PREC)
+    A20, L20 = _pair(q, k, G, beta, t2, t0, eos, H, K, BK, BC, False, PREC)
+    A21, L21 = _pair(q, k, G, beta, t2, t1, eos, H, K, BK, BC, False, PREC)
+    A22, L22 = _pair(q, k, G, beta, t2, t2, eos, H, K, BK, BC, True, PREC)
+    A30, L30 = _pair(q, k, G, beta, t3, t0, eos, H, K, BK, BC, False, PREC)
+    A31, L31 = _pair(q, k, G, beta, t3, t1, eos, H, K, BK, BC, False, PREC)
+    A32, L32 = _pair(q, k, G, beta, t3, t2, eos, H, K, BK, BC, False, PREC)
+    A33, L33 = _pair(q, k, G, beta, t3, t3, eos, H, K, BK, BC, True, PREC)
     _store_sq(Aqk, A00, t0, eos, 0, H, BT, BC)
     _store_sq(Aqk, A10, t1, eos, 0, H, BT, BC)
     _store_sq(Aqk, A11, t1, eos, 1, H, BT, BC)
@@ -334,7 +329,7 @@ def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool,
             BT=BT,
             BC=BC,
             STORE_X=store_x,
-            INTRA_BF16=os.environ.get("LONGHORIZON_KDA_INTRA_BF16", "0") == "1" and dt == torch.bfloat16,
+            PREC=intra_precision(dt),
         )
     h0_arg = h0 if h0 is not None else G.new_empty(1)
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * H)
