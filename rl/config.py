@@ -200,6 +200,8 @@ class SFTConfig:
     """Scripted-expert episodes to train on."""
     epochs: int = 2
     batch_episodes: int = 16
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (None: all epochs)."""
     lr: float = 1e-3
     warmup_steps: int = 10
     output_dir: str = ""

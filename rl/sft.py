@@ -103,6 +103,8 @@ def run_sft(
     step, t0 = 0, time.time()
     for epoch in range(cfg.epochs):
         for batch in sft_batches(episodes, cfg.batch_episodes, micro_batch_tokens, cfg.seed + epoch):
+            if cfg.max_steps is not None and step >= cfg.max_steps:
+                break
             metrics = call(learner, "sft_step", batch)
             step += 1
             if step % 10 == 0:

@@ -99,3 +99,15 @@ def test_niah_episodes_fit_their_length(renderer):
 
     eps = niah_episodes(400, 2, renderer)
     assert len(eps) == 2 and all(len(e.token_ids) <= 400 for e in eps) and all(e.info["solved"] for e in eps)
+
+
+def test_sft_entry_point_writes_a_checkpoint_rl_can_load(tmp_path):
+    from rl.config import CONFIGS_ROOT
+    from rl.sft import main
+
+    out = tmp_path / "sft"
+    cfg = str(CONFIGS_ROOT / "exp" / "ci_tiny.yaml")
+    assert main(["--config", cfg, "sft.num_episodes=4", "sft.batch_episodes=2", "sft.max_steps=1",
+                 f"sft.output_dir={out}"]) == 0  # fmt: skip
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert load_config(cfg, [f"model.init_from={out}"]).model.init_from == str(out)
