@@ -13,8 +13,9 @@ pytestmark = pytest.mark.vllm
 
 # Rollout and learner run the same fp32 modules; what differs is how tokens are grouped (the
 # learner's one chunked pass over the whole sequence vs vLLM's prefill + token-by-token recurrent
-# decode, paged attention vs SDPA), i.e. fp32 rounding order only: observed < 1e-5, bound 1e-4.
-LOGPROB_TOL = 1e-4
+# decode, paged attention vs SDPA), i.e. fp32 rounding order only: observed max 9.5e-7 (mean 2.3e-7
+# over 256 sampled tokens, contexts up to 700), bound 2e-5.
+LOGPROB_TOL = 2e-5
 
 
 @pytest.fixture(scope="module")
