@@ -94,3 +94,17 @@ def test_bad_input_is_named(renderer):
         renderer.render([{"role": "robot", "content": "x"}])
     with pytest.raises(ValueError, match="content"):
         renderer.render([{"role": "user", "content": 3}])
+
+
+def test_package_is_import_light_and_plugin_registers():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, rollout, rollout.vllm_plugin\n"
+        "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'vllm' in m)\n"
+        "print(rollout.vllm_plugin.padded_head_size(type('C', (), dict(qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "64"  # 48 rounded up to a CPU paged-attention head size
