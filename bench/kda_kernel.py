@@ -415,8 +415,9 @@ def main() -> None:
             break
         time_shape(report, shape, impls, bw)
         report.save(args.out)
-    for name in [s for s in args.profile.split(",") if s]:
-        profile(report, SHAPES[name])
+    for spec in [s for s in args.profile.split(",") if s]:  # shape[:impl]
+        shape_name, _, impl = spec.partition(":")
+        profile(report, SHAPES[shape_name], impl or "ours")
         report.save(args.out)
     # After the timings, so that every autotuner has picked its configs at the real shapes.
     checks = [i for i in args.check.split(",") if i in impls]

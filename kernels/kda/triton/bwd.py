@@ -107,7 +107,7 @@ def _kv_tile(ptr, i_c, i_h, H, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
     )
 
 
-@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [8, 4], [2]), key=["H", "K", "V"])
+@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [8, 4], [2]), key=["H", "K", "V", "PREC"])
 @triton.jit
 def _main_bwd_kernel(
     q, k, v, G, beta, Ainv, Hc, dHc, Vn, dVn, do, dq, dk, dG, dv, dbeta, dAkk, dGl, scale,
@@ -272,7 +272,7 @@ def _intra_bwd_block(
     return carry + rsum(dG_i, 0)
 
 
-@triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["H", "K"])
+@triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["H", "K", "PREC"])
 @triton.jit
 def _intra_bwd_kernel(
     q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dGl, dq, dk, dg, dbeta, cu_seqlens, chunk_indices,

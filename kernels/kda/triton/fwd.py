@@ -16,8 +16,8 @@ it lets the diagonal tiles use the same dense tl.dot as the rest instead of a pe
 Deviation from the issue text: by default those sub-tile products are "bf16x3" (operands split into
 bf16 hi + lo, three bf16 tensor-core products, about 16 mantissa bits), not single bf16 operands,
 because L feeds (I + L)^-1: single bf16 rounding there made o and dv errors ~1.5x larger (interpreter,
-D = 64, vs float64). LONGHORIZON_KDA_INTRA_PREC=bf16|tf32|bf16x3 selects (common.intra_precision). (I + L)^-1 is built from forward substitution on the
-four diagonal 16 x 16 blocks and block back-substitution for the six blocks below them.
+D = 64, vs float64). LONGHORIZON_KDA_INTRA_PREC=bf16|tf32|bf16x3 selects (common.intra_precision).
+(I + L)^-1 is built from forward substitution on the four diagonal 16 x 16 blocks and block back-substitution for the six blocks below them.
 
 Kernels: `_cumsum` (G), `_intra` (Aqk, X, W, U), `_state` (sequential over chunks: per-chunk states
 and Vn), `_output` (O, parallel over chunks).
@@ -148,7 +148,7 @@ def _decayed_qk(q, k, G, Qg, Kd, ti, eos, g_last, H, K, BK: tl.constexpr, BC: tl
     store_tile(Kd, kd, ti, eos, H * K, 0, BC, K, BK)
 
 
-@triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["H", "K", "V", "STORE_X"])
+@triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["H", "K", "V", "STORE_X", "PREC"])
 @triton.jit
 def _intra_kernel(
     q, k, v, G, beta, Aqk, Ainv, W, U, Qg, Kd, cu_seqlens, chunk_indices, H, K, V,
