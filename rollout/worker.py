@@ -193,8 +193,11 @@ class RolloutWorker:
             else:
                 pending.append(started)
         self._run(pending)
+        from rollout.engine_hooks import pop_request_records
+
+        records = self.llm.collective_rpc(pop_request_records, args=([p.internal_id for p in pending],))[0]
         for p in pending:
-            outputs[p.request.session_id] = self._finish_turn(p)
+            outputs[p.request.session_id] = self._finish_turn(p, records[p.internal_id])
         return [outputs[i] for i in ids]
 
     def end_sessions(self, session_ids: list[str]) -> None:
@@ -327,11 +330,8 @@ class RolloutWorker:
                     raise RuntimeError(f"vLLM engine made no progress for {idle_steps} steps")
                 idle_steps = 0
 
-    def _finish_turn(self, p: _Pending) -> TurnOutput:
-        from rollout.engine_hooks import pop_request_records
-
+    def _finish_turn(self, p: _Pending, rec) -> TurnOutput:
         s, r = p.session, p.request
-        rec = self.llm.collective_rpc(pop_request_records, args=([p.internal_id],))[0][p.internal_id]
         routed, prev_routed = _routed_rows(rec, p.prompt_len, len(p.tokens), p.prev_pos)
         s.history.extend(p.tokens)
         if not p.resumable:
