@@ -26,6 +26,8 @@ class _RegisterAfterGymnasium:
 
         def exec_then_register(module):
             exec_module(module)
+            if "envs" in sys.modules:  # gymnasium was imported by `import envs`, which registers itself
+                return
             try:
                 import envs
 
