@@ -165,12 +165,25 @@ def test_batched_equals_reference():
     _assert_close(got, want, FP32_TOL)
 
 
-def test_bf16_per_tensor_tolerances():
-    ins = _inputs(65, H=2, K=32, V=32, dtype=torch.bfloat16)
+def _rms_rel(got, want):
+    return ((got.double() - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item()
+
+
+@pytest.mark.parametrize("prec", ["bf16x3", "bf16"])
+def test_bf16_per_tensor_tolerances(prec, monkeypatch):
+    monkeypatch.setenv("LONGHORIZON_KDA_INTRA_PREC", prec)
+    # Strong decay and D = 64: the regime where dG's pair terms are large next to dg itself.
+    ins = _inputs(128, H=1, K=64, V=64, dtype=torch.bfloat16)
+    ins[3] = -5.0 * torch.sigmoid(torch.randn(ins[3].shape, generator=torch.Generator().manual_seed(3)) + 1)
     got, want = _run_both(ins)
-    # bf16 operands carry 8 bits of mantissa; dg sums per-position terms through a reverse cumsum.
-    tol = {"default": 2e-2, "o": 1e-2, "ht": 1e-2, "dg": 3e-2}
+    # bf16 storage carries 8 bits of mantissa; dg sums per-position terms through a reverse cumsum.
+    tol = {"default": 3e-2, "o": 2e-2, "ht": 2e-2, "dg": 3e-2}
     _assert_close(got, want, tol)
+    # The default split products keep the pair terms of dG accurate enough to cancel; single bf16 does not.
+    dg_err = _rms_rel(got["dg"], want["dg"])
+    if prec == "bf16x3":
+        assert dg_err < 2e-2, dg_err  # single bf16 products: ~0.1 here
+    print(f"{prec}: dg rms rel err {dg_err:.2e}")
 
 
 def test_without_state_and_grads_only_on_output():

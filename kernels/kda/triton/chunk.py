@@ -2,7 +2,8 @@
 
 Same signature and conventions as `kernels.kda.naive_recurrent_kda` (flash-linear-attention's layout):
 q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], state [N, H, K, V] in fp32, B = 1 with
-cu_seqlens. Contract: g >= G_MIN = -5 (the bounded gate); with LONGHORIZON_KDA_DEBUG=1 it is checked.
+cu_seqlens. Contract: g >= G_MIN = -5 (the bounded gate); with LONGHORIZON_KDA_DEBUG=1 or
+LONGHORIZON_KDA_CHECK=1 (the CPU path's switch) it is checked (a device sync).
 Differences from the peer: no GQA/GVA head ratios (the model uses equal head counts), no gate or L2 norm
 fused in; the per-chunk states and Vn of the forward are kept for the backward instead of recomputed.
 """
