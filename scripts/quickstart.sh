@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
+# the cluster listens on loopback only; Ray 2.5x's token auth would make `ray job submit` need a token
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
 RAY_TMP="$(mktemp -d /tmp/lh_ray.XXXXXX)"
 PORT="${LH_DASHBOARD_PORT:-8265}"
 GCS_PORT="${LH_GCS_PORT:-6390}"
