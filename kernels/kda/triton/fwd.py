@@ -42,9 +42,10 @@ from kernels.kda.triton.common import (
     load_row,
     load_rows,
     load_tile,
-    pdot,
+    psplit,
     rcumsum,
     rsum,
+    sdot,
     store_tile,
 )
 
@@ -64,45 +65,48 @@ def _cumsum_kernel(g, G, cu_seqlens, chunk_indices, H, K, BK: tl.constexpr, BT: 
 
 
 @triton.jit
-def _pair(
-    q,
-    k,
-    G,
-    beta,
-    ti,
-    tj,
-    eos,
-    H,
-    K,
-    BK: tl.constexpr,
-    BC: tl.constexpr,
-    DIAG: tl.constexpr,
+def _row_tile(
+    q, k, G, beta, Qg, Kd, g_last, ti, eos, H, K, BK: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr,
     PREC: tl.constexpr,
-):
-    """Sub-tile (i, j) of Aqk and L, rows ti.., columns tj.. (fp32, masked)."""
+):  # fmt: skip
+    """Everything sub-tile i's rows give, from one load of q, k, G, beta: the diagonal tile (Aqk_ii, L_ii)
+    referred to the tile midpoint; the row operands of the off-diagonal tiles (i, j < i), referred to the
+    tile's first row and split once; the column operand for later rows (k e^(G_e - G), G_e = the tile's
+    last row); Diag(beta)(k e^G) for W; and q e^G, k e^(G_C - G) stored for the state and output passes."""
     st = H * K
     q_i = load_tile(q, ti, eos, st, 0, BC, K, BK)
     k_i = load_tile(k, ti, eos, st, 0, BC, K, BK)
     G_i = load_tile(G, ti, eos, st, 0, BC, K, BK)
-    k_j = load_tile(k, tj, eos, st, 0, BC, K, BK)
-    G_j = load_tile(G, tj, eos, st, 0, BC, K, BK)
     b_i = load_rows(beta, ti, eos, H, BC)
-    if DIAG:
-        ref_t = tl.minimum(ti + BC // 2, eos - 1)
-    else:
-        ref_t = tl.minimum(ti, eos - 1)
-    ref = load_row(G, ref_t, st, K, BK)
-    f_i = decay_factor(G_i, ref, ti, eos, BC, 1.0)
-    # fp32 operands with split-tf32 products: L feeds (I + L)^-1, and bf16 rounding here costs a
-    # factor ~1.5 in the error of o and dv at D = 64 (interpreter experiment against float64).
-    kc_j = k_j * decay_factor(G_j, ref, tj, eos, BC, -1.0)
-    A_qk = pdot(q_i * f_i, tl.trans(kc_j), PREC)
-    L = pdot(k_i * f_i, tl.trans(kc_j), PREC) * b_i[:, None]
-    if DIAG:
-        r = tl.arange(0, BC)
-        A_qk = tl.where(r[:, None] >= r[None, :], A_qk, 0.0)
-        L = tl.where(r[:, None] > r[None, :], L, 0.0)
-    return A_qk, L
+    ref_s = load_row(G, tl.minimum(ti, eos - 1), st, K, BK)
+    ref_m = load_row(G, tl.minimum(ti + BC // 2, eos - 1), st, K, BK)
+    ref_e = load_row(G, tl.minimum(ti + BC - 1, eos - 1), st, K, BK)
+    f_m = decay_factor(G_i, ref_m, ti, eos, BC, 1.0)
+    kc_h, kc_l = psplit(tl.trans(k_i * decay_factor(G_i, ref_m, ti, eos, BC, -1.0)), PREC)
+    a_h, a_l = psplit(q_i * f_m, PREC)
+    A_ii = sdot(a_h, a_l, kc_h, kc_l, PREC)
+    a_h, a_l = psplit(k_i * f_m, PREC)
+    L_ii = sdot(a_h, a_l, kc_h, kc_l, PREC) * b_i[:, None]
+    r = tl.arange(0, BC)
+    A_ii = tl.where(r[:, None] >= r[None, :], A_ii, 0.0)
+    L_ii = tl.where(r[:, None] > r[None, :], L_ii, 0.0)
+    f_s = decay_factor(G_i, ref_s, ti, eos, BC, 1.0)
+    qs_h, qs_l = psplit(q_i * f_s, PREC)
+    ks_h, ks_l = psplit(k_i * f_s, PREC)
+    kn_i = k_i * decay_factor(G_i, ref_e, ti, eos, BC, -1.0)
+    eG = tl.exp2(G_i)
+    xk_i = (b_i[:, None] * k_i * eG).to(DT)
+    store_tile(Qg, q_i * eG, ti, eos, st, 0, BC, K, BK)
+    store_tile(Kd, k_i * decay_factor(G_i, g_last, ti, eos, BC, -1.0), ti, eos, st, 0, BC, K, BK)
+    return A_ii, L_ii, qs_h, qs_l, ks_h, ks_l, b_i, ref_s, kn_i, ref_e, xk_i
+
+
+@triton.jit
+def _off(qs_h, qs_l, ks_h, ks_l, b_i, ref_s, kn_j, ge_j, PREC: tl.constexpr):
+    """Off-diagonal tile (i, j < i) of Aqk and L, both factors referred to row i's first row:
+    k_j e^(ref_s - G_j) = kn_j e^(ref_s - G_e(j)), a per-feature factor <= 1 on a tile already <= 1."""
+    kc_h, kc_l = psplit(tl.trans(kn_j * tl.exp2(ref_s - ge_j)[None, :]), PREC)
+    return sdot(qs_h, qs_l, kc_h, kc_l, PREC), sdot(ks_h, ks_l, kc_h, kc_l, PREC) * b_i[:, None]
 
 
 @triton.jit
@@ -128,24 +132,9 @@ def _store_sq(ptr, x, ti, eos, j, H, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _wy_in(
-    k, v, G, beta, tj, eos, H, K, V, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr
-):
-    """Diag(beta)(k e^G) and Diag(beta) v for sub-tile j, in the dot dtype."""
-    b = load_rows(beta, tj, eos, H, BC)[:, None]
-    k_j = load_tile(k, tj, eos, H * K, 0, BC, K, BK)
-    G_j = load_tile(G, tj, eos, H * K, 0, BC, K, BK)
-    v_j = load_tile(v, tj, eos, H * V, 0, BC, V, BV)
-    return (b * k_j * tl.exp2(G_j)).to(DT), (b * v_j).to(DT)
-
-
-@triton.jit
-def _decayed_qk(q, k, G, Qg, Kd, ti, eos, g_last, H, K, BK: tl.constexpr, BC: tl.constexpr):
-    """q e^G and k e^(G_C - G) of sub-tile i, stored in the dot dtype for the state and output passes."""
-    G_i = load_tile(G, ti, eos, H * K, 0, BC, K, BK)
-    store_tile(Qg, load_tile(q, ti, eos, H * K, 0, BC, K, BK) * tl.exp2(G_i), ti, eos, H * K, 0, BC, K, BK)
-    kd = load_tile(k, ti, eos, H * K, 0, BC, K, BK) * decay_factor(G_i, g_last, ti, eos, BC, -1.0)
-    store_tile(Kd, kd, ti, eos, H * K, 0, BC, K, BK)
+def _yv(v, beta, tj, eos, H, V, BV: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr):
+    """Diag(beta) v for sub-tile j, in the dot dtype."""
+    return (load_rows(beta, tj, eos, H, BC)[:, None] * load_tile(v, tj, eos, H * V, 0, BC, V, BV)).to(DT)
 
 
 @triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["H", "K", "V", "STORE_X", "PREC"])
@@ -162,22 +151,32 @@ def _intra_kernel(
     Aqk, Ainv, W, U = Aqk + i_h * BT, Ainv + i_h * BT, W + i_h * K, U + i_h * V
     Qg, Kd = Qg + i_h * K, Kd + i_h * K
     t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
-    A00, L00 = _pair(q, k, G, beta, t0, t0, eos, H, K, BK, BC, True, PREC)
-    A10, L10 = _pair(q, k, G, beta, t1, t0, eos, H, K, BK, BC, False, PREC)
-    A11, L11 = _pair(q, k, G, beta, t1, t1, eos, H, K, BK, BC, True, PREC)
-    A20, L20 = _pair(q, k, G, beta, t2, t0, eos, H, K, BK, BC, False, PREC)
-    A21, L21 = _pair(q, k, G, beta, t2, t1, eos, H, K, BK, BC, False, PREC)
-    A22, L22 = _pair(q, k, G, beta, t2, t2, eos, H, K, BK, BC, True, PREC)
-    A30, L30 = _pair(q, k, G, beta, t3, t0, eos, H, K, BK, BC, False, PREC)
-    A31, L31 = _pair(q, k, G, beta, t3, t1, eos, H, K, BK, BC, False, PREC)
-    A32, L32 = _pair(q, k, G, beta, t3, t2, eos, H, K, BK, BC, False, PREC)
-    A33, L33 = _pair(q, k, G, beta, t3, t3, eos, H, K, BK, BC, True, PREC)
+    g_last = load_row(G, tl.minimum(t0 + BT, eos) - 1, H * K, K, BK)
+    # Each 16-row sub-tile is loaded once; its column operand (kn, ge) serves every later row tile.
+    A00, L00, _, _, _, _, _, _, kn0, ge0, xk0 = _row_tile(
+        q, k, G, beta, Qg, Kd, g_last, t0, eos, H, K, BK, BC, DT, PREC
+    )
     _store_sq(Aqk, A00, t0, eos, 0, H, BT, BC)
+    A11, L11, qh, ql, kh, kl, b1, rs, kn1, ge1, xk1 = _row_tile(
+        q, k, G, beta, Qg, Kd, g_last, t1, eos, H, K, BK, BC, DT, PREC
+    )
+    A10, L10 = _off(qh, ql, kh, kl, b1, rs, kn0, ge0, PREC)
     _store_sq(Aqk, A10, t1, eos, 0, H, BT, BC)
     _store_sq(Aqk, A11, t1, eos, 1, H, BT, BC)
+    A22, L22, qh, ql, kh, kl, b2, rs, kn2, ge2, xk2 = _row_tile(
+        q, k, G, beta, Qg, Kd, g_last, t2, eos, H, K, BK, BC, DT, PREC
+    )
+    A20, L20 = _off(qh, ql, kh, kl, b2, rs, kn0, ge0, PREC)
+    A21, L21 = _off(qh, ql, kh, kl, b2, rs, kn1, ge1, PREC)
     _store_sq(Aqk, A20, t2, eos, 0, H, BT, BC)
     _store_sq(Aqk, A21, t2, eos, 1, H, BT, BC)
     _store_sq(Aqk, A22, t2, eos, 2, H, BT, BC)
+    A33, L33, qh, ql, kh, kl, b3, rs, _, _, xk3 = _row_tile(
+        q, k, G, beta, Qg, Kd, g_last, t3, eos, H, K, BK, BC, DT, PREC
+    )
+    A30, L30 = _off(qh, ql, kh, kl, b3, rs, kn0, ge0, PREC)
+    A31, L31 = _off(qh, ql, kh, kl, b3, rs, kn1, ge1, PREC)
+    A32, L32 = _off(qh, ql, kh, kl, b3, rs, kn2, ge2, PREC)
     _store_sq(Aqk, A30, t3, eos, 0, H, BT, BC)
     _store_sq(Aqk, A31, t3, eos, 1, H, BT, BC)
     _store_sq(Aqk, A32, t3, eos, 2, H, BT, BC)
@@ -204,10 +203,10 @@ def _intra_kernel(
         _store_sq(Ainv, X31, t3, eos, 1, H, BT, BC)
         _store_sq(Ainv, X32, t3, eos, 2, H, BT, BC)
         _store_sq(Ainv, X33, t3, eos, 3, H, BT, BC)
-    xk0, yv0 = _wy_in(k, v, G, beta, t0, eos, H, K, V, BK, BV, BC, DT)
-    xk1, yv1 = _wy_in(k, v, G, beta, t1, eos, H, K, V, BK, BV, BC, DT)
-    xk2, yv2 = _wy_in(k, v, G, beta, t2, eos, H, K, V, BK, BV, BC, DT)
-    xk3, yv3 = _wy_in(k, v, G, beta, t3, eos, H, K, V, BK, BV, BC, DT)
+    yv0 = _yv(v, beta, t0, eos, H, V, BV, BC, DT)
+    yv1 = _yv(v, beta, t1, eos, H, V, BV, BC, DT)
+    yv2 = _yv(v, beta, t2, eos, H, V, BV, BC, DT)
+    yv3 = _yv(v, beta, t3, eos, H, V, BV, BC, DT)
     X00, X10, X11, X20, X21 = X00.to(DT), X10.to(DT), X11.to(DT), X20.to(DT), X21.to(DT)
     X22, X30, X31, X32, X33 = X22.to(DT), X30.to(DT), X31.to(DT), X32.to(DT), X33.to(DT)
     store_tile(W, tl.dot(X00, xk0), t0, eos, H * K, 0, BC, K, BK)
@@ -222,11 +221,6 @@ def _intra_kernel(
     u3 = tl.dot(X30, yv0) + tl.dot(X31, yv1) + tl.dot(X32, yv2) + tl.dot(X33, yv3)
     store_tile(W, w3, t3, eos, H * K, 0, BC, K, BK)
     store_tile(U, u3, t3, eos, H * V, 0, BC, V, BV)
-    g_last = load_row(G, tl.minimum(t0 + BT, eos) - 1, H * K, K, BK)
-    _decayed_qk(q, k, G, Qg, Kd, t0, eos, g_last, H, K, BK, BC)
-    _decayed_qk(q, k, G, Qg, Kd, t1, eos, g_last, H, K, BK, BC)
-    _decayed_qk(q, k, G, Qg, Kd, t2, eos, g_last, H, K, BK, BC)
-    _decayed_qk(q, k, G, Qg, Kd, t3, eos, g_last, H, K, BK, BC)
 
 
 @triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [4], [2, 3]), key=["H", "K", "V"])
