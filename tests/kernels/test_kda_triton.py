@@ -244,3 +244,21 @@ def test_decode_without_pool_matches_reference():
     o, h = fused_recurrent_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     o_ref, h_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     assert (o - o_ref).abs().max() < 1e-5 and (h - h_ref).abs().max() < 1e-5
+
+
+def test_chunk_plan_cached_per_cu_seqlens_and_validated():
+    common = MODS["common"]
+    cu = torch.tensor([0, 37, 200, 200, 511], dtype=torch.int64)
+    plan = common.plan_chunks(1, 511, cu, torch.device("cpu"))
+    assert common.plan_chunks(1, 511, cu, torch.device("cpu")) is plan
+    assert plan.num_seqs == 4 and plan.num_chunks == 1 + 3 + 0 + 5
+    assert plan.chunk_indices_C2.tolist()[:5] == [[0, 0], [1, 0], [1, 1], [1, 2], [3, 0]]
+    assert plan.chunk_offsets_N1.tolist() == [0, 1, 4, 4, 9]
+    cu[1] = 100  # in place: a new version, so a new plan
+    again = common.plan_chunks(1, 511, cu, torch.device("cpu"))
+    assert again is not plan and again.chunk_offsets_N1.tolist() == [0, 2, 4, 4, 9]
+    assert again.chunk_indices_C2.tolist()[:5] == [[0, 0], [0, 1], [1, 0], [1, 1], [3, 0]]
+    with pytest.raises(ValueError, match="run from 0 to T"):
+        common.plan_chunks(1, 512, torch.tensor([0, 100]), torch.device("cpu"))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        common.plan_chunks(1, 100, torch.tensor([0, 60, 50, 100]), torch.device("cpu"))

@@ -74,7 +74,15 @@ def chunk_kda_triton(
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA on CUDA (or under TRITON_INTERPRET=1). Returns (o [B, T, H, V], final state | None)."""
-    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    # cu_seqlens is validated by the (cached) chunk plan: no device sync per call once it is known
+    _check_inputs(q, k, v, g, beta, None, None)
+    plan = plan_chunks(q.shape[0], q.shape[1], cu_seqlens, q.device)
+    H, N = q.shape[2], plan.num_seqs
+    if initial_state is not None and tuple(initial_state.shape) != (N, H, q.shape[-1], v.shape[-1]):
+        raise ValueError(
+            f"initial_state must be [N, H, K, V] = [{N}, {H}, {q.shape[-1]}, {v.shape[-1]}], "
+            f"got {tuple(initial_state.shape)}"
+        )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     K, V = q.shape[-1], v.shape[-1]

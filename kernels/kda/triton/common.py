@@ -8,6 +8,7 @@ packed sequences with cu_seqlens = [0, T, 2T, ...]. A chunk never crosses a sequ
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -42,8 +43,28 @@ class ChunkPlan:
     num_chunks: int
 
 
+_PLAN_CACHE: list[tuple[tuple, torch.Tensor | None, ChunkPlan]] = []  # most recent first
+_PLAN_CACHE_SIZE = 8
+
+
 def plan_chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkPlan:
-    """Chunk layout; without cu_seqlens it is built without a device->host sync."""
+    """Chunk layout, cached per cu_seqlens tensor (by identity and version, holding a reference so the
+    identity cannot be reused) and per (B, T) without one: every KDA layer of a step, and its backward,
+    share one plan. A miss with cu_seqlens validates it and builds the plan from one host copy (one
+    device sync); without cu_seqlens nothing syncs."""
+    key = (B, T, str(device), None if cu_seqlens is None else cu_seqlens._version)
+    for i, (k, cu, plan) in enumerate(_PLAN_CACHE):
+        if k == key and cu is cu_seqlens:
+            if i:
+                _PLAN_CACHE.insert(0, _PLAN_CACHE.pop(i))
+            return plan
+    plan = _build_plan(B, T, cu_seqlens, device)
+    _PLAN_CACHE.insert(0, (key, cu_seqlens, plan))
+    del _PLAN_CACHE[_PLAN_CACHE_SIZE:]
+    return plan
+
+
+def _build_plan(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkPlan:
     i32 = dict(device=device, dtype=torch.int32)
     if cu_seqlens is None:
         per_seq = (T + BT - 1) // BT
@@ -52,16 +73,31 @@ def plan_chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.d
         indices = torch.stack([chunk // max(per_seq, 1), chunk % max(per_seq, 1)], 1).contiguous()
         cu = torch.arange(0, B + 1, **i32) * T
         return ChunkPlan(cu, indices, torch.arange(0, B + 1, **i32) * per_seq, B, total)
-    cu = cu_seqlens.to(**i32)
-    lens = (cu[1:] - cu[:-1]).long()
-    n_chunks = (lens + BT - 1) // BT
-    offsets = torch.zeros(len(lens) + 1, device=device, dtype=torch.long)
-    offsets[1:] = torch.cumsum(n_chunks, 0)
-    total = int(offsets[-1])
-    seq_of_chunk = torch.repeat_interleave(torch.arange(len(lens), device=device), n_chunks)
-    within = torch.arange(total, device=device) - offsets[seq_of_chunk]
-    indices = torch.stack([seq_of_chunk, within], 1).to(torch.int32).contiguous()
-    return ChunkPlan(cu, indices, offsets.to(torch.int32), len(lens), total)
+    if cu_seqlens.ndim != 1 or len(cu_seqlens) < 1:
+        raise ValueError(
+            f"cu_seqlens must be a 1-d tensor of sequence offsets, got shape {tuple(cu_seqlens.shape)}"
+        )
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    if B != 1:
+        raise ValueError(f"packed sequences (cu_seqlens) need B == 1, got B = {B}")
+    if bounds[0] != 0 or bounds[-1] != T:
+        raise ValueError(f"cu_seqlens must run from 0 to T = {T}, got {bounds}")
+    if any(b < a for a, b in itertools.pairwise(bounds)):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+    indices, offsets = [], [0]
+    for n, (a, b) in enumerate(itertools.pairwise(bounds)):
+        n_chunks = (b - a + BT - 1) // BT
+        indices.extend((n, c) for c in range(n_chunks))
+        offsets.append(offsets[-1] + n_chunks)
+    host = dict(dtype=torch.int32)
+    indices_C2 = torch.tensor(indices, **host).reshape(-1, 2).to(device)
+    return ChunkPlan(
+        torch.tensor(bounds, **host).to(device),
+        indices_C2.contiguous(),
+        torch.tensor(offsets, **host).to(device),
+        len(bounds) - 1,
+        len(indices),
+    )
 
 
 def block_size(n: int) -> int:
