@@ -16,7 +16,8 @@ depend on which path ran. ``reuse="prefix_cache"`` is stock vLLM (full history e
 prefix caching with align-mode recurrent checkpoints) and ``reuse="none"`` recomputes everything.
 
 Weight updates copy tensors into the running model in place (our vLLM model uses plain torch
-layers, so there is no CPU repacking to redo), bump the policy version, close every resident
+layers, so there is no CPU repacking to redo) -- full weights, or a LoRA adapter folded into the
+base weights (``rollout.adapters``) -- bump the policy version, close every resident
 session and reset the prefix cache; requests also carry ``cache_salt = "v<version>"`` so no prefix
 computed by an older version can be matched, unless ``allow_stale_cache`` is set.
 """
@@ -29,9 +30,12 @@ import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from rollout.adapters import AdapterWeights
 
 REUSE_MODES = ("session", "prefix_cache", "none")
 
@@ -209,23 +213,65 @@ class RolloutWorker:
                 close.append(s.internal_id)
         self.engine.close(close)
 
-    def update_weights(self, weights: str | os.PathLike | dict[str, Any], version: int) -> dict[str, Any]:
-        """Load new weights in place (safetensors file/dir or a state dict) and tag them ``version``."""
-        from rollout.engine_hooks import load_state_dict_inplace, load_weights_inplace
+    def update_weights(
+        self,
+        weights: str | os.PathLike | dict[str, Any] | AdapterWeights,
+        version: int,
+        adapter_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load new weights in place and tag them ``version``.
+
+        Full weights: a safetensors file/dir or a state dict. Adapter-only (``adapter_only``, or
+        None and ``weights`` is an ``AdapterWeights`` or a peft adapter dir): the LoRA adapter is
+        folded into the base weights (``rollout.adapters``). Either way a bad update raises before
+        any weight changes, and the stale-cache rules are the same."""
+        from rollout.adapters import is_adapter_update
 
         t0 = time.perf_counter()
+        is_adapter = is_adapter_update(weights, adapter_only)
+        count = self._load_adapter(weights) if is_adapter else self._load_full(weights)
+        if not self.config.allow_stale_cache:
+            self._close_resident(keep=set())
+            self.llm.reset_prefix_cache()
+        self.version = int(version)
+        return {
+            "version": self.version,
+            "tensors": count,
+            "adapter_only": is_adapter,
+            "seconds": time.perf_counter() - t0,
+        }
+
+    def _load_full(self, weights: str | os.PathLike | dict[str, Any]) -> int:
+        from rollout.adapters import rebase_inplace
+        from rollout.engine_hooks import load_state_dict_inplace, load_weights_inplace
+
         if isinstance(weights, dict):
+            names = list(weights)
             if self.config.in_process:
                 counts = self.llm.collective_rpc(load_state_dict_inplace, args=(weights,))
             else:  # tensors cannot ride in collective_rpc across processes: go through a file
                 counts = self._load_via_file(weights)
         else:
-            counts = self.llm.collective_rpc(load_weights_inplace, args=(str(_safetensors_file(weights)),))
-        if not self.config.allow_stale_cache:
-            self._close_resident(keep=set())
-            self.llm.reset_prefix_cache()
-        self.version = int(version)
-        return {"version": self.version, "tensors": int(counts[0]), "seconds": time.perf_counter() - t0}
+            from safetensors import safe_open
+
+            path = str(_safetensors_file(weights))
+            with safe_open(path, "pt") as f:
+                names = list(f.keys())
+            counts = self.llm.collective_rpc(load_weights_inplace, args=(path,))
+        self.llm.collective_rpc(rebase_inplace, args=(names,))  # these are the new base of adapted layers
+        return int(counts[0])
+
+    def _load_adapter(self, adapter) -> int:
+        from rollout.adapters import AdapterWeights, apply_adapter_inplace
+
+        if self.config.in_process:
+            w = adapter if isinstance(adapter, AdapterWeights) else AdapterWeights.from_dir(adapter)
+            return int(self.llm.collective_rpc(apply_adapter_inplace, args=(w,))[0])
+        if not isinstance(adapter, AdapterWeights):
+            return int(self.llm.collective_rpc(apply_adapter_inplace, args=(str(adapter),))[0])
+        with tempfile.TemporaryDirectory() as d:
+            path = str(adapter.save(d))
+            return int(self.llm.collective_rpc(apply_adapter_inplace, args=(path,))[0])
 
     def load(self) -> dict[str, Any]:
         resident = sum(s.internal_id is not None for s in self.sessions.values())

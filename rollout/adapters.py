@@ -1,0 +1,203 @@
+"""Adapter-only weight sync: LoRA adapters (peft's format) applied to the running vLLM model in place.
+
+The rollout model has no LoRA layers (plain ``nn.Linear``, see ``rollout.vllm_model``), so an
+adapter update folds the adapter into the weights: for every targeted Linear,
+``W = W_base + scale * (B @ A)`` with ``scale = alpha / r`` (``alpha / sqrt(r)`` with rsLoRA), the
+same arithmetic, in the same order, as peft's ``merge_adapter``; an fp32 engine therefore ends up
+with bitwise the weights of the learner's merged export.
+
+Every adapter update is relative to the base, never to the previous adapter: the model keeps a
+pristine copy of the base weight of each Linear an adapter has touched (``_lh_lora_base``, only
+those). Deviation from "copy at load": the copy of a module is taken the first time an adapter
+targets it (until then the running weight *is* the base, since only adapters change it), which
+needs no knowledge of the learner's target list. A full weight update replaces the base copy of
+every tensor it carries. A module adapted before but absent from the new adapter is reset to its
+base, so the engine always equals "base + this adapter".
+
+Tensor names are peft's ``save_pretrained`` names, ``base_model.model.<module path>.lora_A.weight``
+([r, in]) and ``.lora_B.weight`` ([out, r]); the module path is the learner's, which is also the
+vLLM model's (same module tree). Everything is checked before the first weight changes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+_BASE_ATTR = "_lh_lora_base"
+
+
+@dataclass
+class AdapterWeights:
+    """One LoRA adapter: peft-named tensors and the scale its deltas are applied with."""
+
+    tensors: dict[str, torch.Tensor]  # PEFT_PREFIX<module>.lora_A.weight [r, in], .lora_B.weight [out, r]
+    r: int
+    alpha: float
+    use_rslora: bool = False
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> AdapterWeights:
+        """Read a peft adapter directory (adapter_config.json + adapter_model.safetensors)."""
+        from safetensors.torch import load_file
+
+        p = Path(path)
+        if not is_adapter_dir(p):
+            raise FileNotFoundError(
+                f"{p} is not a LoRA adapter directory (needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})"
+            )
+        cfg = json.loads((p / ADAPTER_CONFIG).read_text())
+        return cls(load_file(str(p / ADAPTER_WEIGHTS)), **_scale_fields(cfg, str(p / ADAPTER_CONFIG)))
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write a directory ``from_dir`` reads (the transport to an engine in another process)."""
+        from safetensors.torch import save_file
+
+        p = Path(path)
+        p.mkdir(parents=True, exist_ok=True)
+        cfg = {"peft_type": "LORA", "r": self.r, "lora_alpha": self.alpha, "use_rslora": self.use_rslora}
+        (p / ADAPTER_CONFIG).write_text(json.dumps(cfg))
+        save_file(
+            {k: v.detach().contiguous().cpu() for k, v in self.tensors.items()}, str(p / ADAPTER_WEIGHTS)
+        )
+        return p
+
+
+def is_adapter_dir(path: str | os.PathLike) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / ADAPTER_CONFIG).is_file() and (p / ADAPTER_WEIGHTS).is_file()
+
+
+def is_adapter_update(weights, adapter_only: bool | None) -> bool:
+    """Whether a worker update is adapter-only; ``adapter_only=None`` decides from what ``weights`` is."""
+    is_adapter = isinstance(weights, AdapterWeights) or (
+        isinstance(weights, str | os.PathLike) and is_adapter_dir(weights)
+    )
+    if adapter_only and not is_adapter:
+        raise ValueError(f"adapter_only update needs AdapterWeights or a peft adapter dir, got {weights!r}")
+    if adapter_only is False and is_adapter:
+        what = "AdapterWeights" if isinstance(weights, AdapterWeights) else repr(str(weights))
+        raise ValueError(f"{what} is a LoRA adapter, not full weights (pass adapter_only=True)")
+    return is_adapter
+
+
+def _scale_fields(cfg: dict, where: str) -> dict:
+    """r, alpha and rsLoRA from a peft LoraConfig dict; features this path cannot apply are rejected."""
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{where}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    unsupported = {
+        "use_dora": "DoRA adapters",
+        "rank_pattern": "per-module ranks (rank_pattern)",
+        "alpha_pattern": "per-module alphas (alpha_pattern)",
+        "fan_in_fan_out": "fan_in_fan_out (Conv1D) layers",
+        "modules_to_save": "fully trained extra modules (modules_to_save)",
+        "lora_bias": "LoRA biases",
+    }
+    for key, what in unsupported.items():
+        if cfg.get(key):
+            raise ValueError(
+                f"{where}: {what} cannot be applied as an adapter-only update ({key}={cfg[key]!r})"
+            )
+    if not isinstance(cfg.get("r"), int) or cfg["r"] < 1 or "lora_alpha" not in cfg:
+        raise ValueError(f"{where}: needs an integer r >= 1 and lora_alpha, got r={cfg.get('r')!r}")
+    return {
+        "r": cfg["r"],
+        "alpha": float(cfg["lora_alpha"]),
+        "use_rslora": bool(cfg.get("use_rslora", False)),
+    }
+
+
+def adapter_deltas(model: nn.Module, adapter: AdapterWeights) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Module path -> (A [r, in], B [out, r]), every name and shape checked against ``model``."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in adapter.tensors.items():
+        for kind in ("lora_A", "lora_B"):
+            suffix = f".{kind}.weight"
+            if key.startswith(PEFT_PREFIX) and key.endswith(suffix):
+                pairs.setdefault(key[len(PEFT_PREFIX) : -len(suffix)], {})[kind] = t
+                break
+        else:
+            raise ValueError(
+                f"adapter tensor {key!r} is not a LoRA weight named {PEFT_PREFIX}<module>.lora_A/B.weight"
+            )
+    modules = dict(model.named_modules())
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    out = {}
+    for path, ab in sorted(pairs.items()):
+        lin = modules.get(path)
+        if not isinstance(lin, nn.Linear):
+            found = "no module" if lin is None else f"a {type(lin).__name__}, not an nn.Linear"
+            raise ValueError(f"adapter targets {path!r}: the vLLM model has {found} there")
+        if tied and path == "lm_head":
+            raise ValueError("adapter targets lm_head, which is tied to the embedding in this model")
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise ValueError(f"adapter for {path!r} has {sorted(ab)} only; it needs lora_A and lora_B")
+        A, B = ab["lora_A"], ab["lora_B"]
+        want_A, want_B = (adapter.r, lin.in_features), (lin.out_features, adapter.r)
+        if tuple(A.shape) != want_A or tuple(B.shape) != want_B:
+            raise ValueError(
+                f"adapter for {path!r}: lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)} do not fit "
+                f"r={adapter.r} and the Linear's weight {tuple(lin.weight.shape)} (want {want_A} / {want_B})"
+            )
+        out[path] = (A, B)
+    return out
+
+
+@torch.no_grad()
+def apply_adapter(model: nn.Module, adapter: AdapterWeights) -> int:
+    """Set every targeted Linear to base + scale * B @ A (others adapted before back to base)."""
+    deltas = adapter_deltas(model, adapter)  # raises before anything changes
+    base: dict[str, torch.Tensor] = model.__dict__.setdefault(_BASE_ATTR, {})
+    modules = dict(model.named_modules())
+    for path in deltas:
+        if path not in base:  # never adapted since its last full load: the running weight is the base
+            base[path] = modules[path].weight.detach().clone()
+    for path, W_base in base.items():
+        W = modules[path].weight
+        if path in deltas:
+            A, B = deltas[path]
+            dev = W_base.device
+            # peft's merge order: W + (B @ A) * scale, here in fp32 whatever the engine dtype
+            delta_OI = (B.to(dev, torch.float32) @ A.to(dev, torch.float32)) * adapter.scale
+            W.copy_((W_base.float() + delta_OI).to(W.dtype))
+        else:
+            W.copy_(W_base)
+    return len(deltas)
+
+
+def rebase_after_full_update(model: nn.Module, names: list[str]) -> int:
+    """A full update carried these tensors: they are the new base of any module adapted so far."""
+    base: dict[str, torch.Tensor] = model.__dict__.get(_BASE_ATTR, {})
+    modules = dict(model.named_modules())
+    refreshed = 0
+    for name in names:
+        path = name.removesuffix(".weight")
+        if name.endswith(".weight") and path in base:
+            base[path] = modules[path].weight.detach().clone()
+            refreshed += 1
+    return refreshed
+
+
+# --- functions run inside vLLM's model-runner process (sent with collective_rpc) -----------------------
+def apply_adapter_inplace(worker, adapter: AdapterWeights | str) -> int:
+    """``adapter``: the weights themselves (engine in this process) or an adapter directory."""
+    if isinstance(adapter, str):
+        adapter = AdapterWeights.from_dir(adapter)
+    return apply_adapter(worker.model_runner.get_model(), adapter)
+
+
+def rebase_inplace(worker, names: list[str]) -> int:
+    return rebase_after_full_update(worker.model_runner.get_model(), names)
