@@ -174,16 +174,16 @@ def _main_bwd_kernel(
 
 
 @triton.jit
-def _tile_in(q, k, G, beta, ti, eos, H, K, BK: tl.constexpr, BC: tl.constexpr):
+def _tile_in(q, k, G, beta, ti, eos, H, K, KD, BK: tl.constexpr, BC: tl.constexpr):
     """Sub-tile i (q, k, G, beta) and G at its first, middle and last rows (the reference exponents)."""
     st = H * K
-    q_i = load_tile(q, ti, eos, st, 0, BC, K, BK)
-    k_i = load_tile(k, ti, eos, st, 0, BC, K, BK)
-    G_i = load_tile(G, ti, eos, st, 0, BC, K, BK)
+    q_i = load_tile(q, ti, eos, st, 0, BC, KD, BK)
+    k_i = load_tile(k, ti, eos, st, 0, BC, KD, BK)
+    G_i = load_tile(G, ti, eos, st, 0, BC, KD, BK)
     b_i = load_rows(beta, ti, eos, H, BC)
-    ref_s = load_row(G, tl.minimum(ti, eos - 1), st, K, BK)
-    ref_m = load_row(G, tl.minimum(ti + BC // 2, eos - 1), st, K, BK)
-    ref_e = load_row(G, tl.minimum(ti + BC - 1, eos - 1), st, K, BK)
+    ref_s = load_row(G, tl.minimum(ti, eos - 1), st, KD, BK)
+    ref_m = load_row(G, tl.minimum(ti + BC // 2, eos - 1), st, KD, BK)
+    ref_e = load_row(G, tl.minimum(ti + BC - 1, eos - 1), st, KD, BK)
     return q_i, k_i, G_i, b_i, ref_s, ref_m, ref_e
 
 
@@ -213,14 +213,14 @@ def _row_off(
 
 @triton.jit
 def _rows_bwd(
-    q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dq, ti, eos, H, K, I: tl.constexpr, acc_q, acc_p,
+    q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, dq, ti, eos, H, K, KD, I: tl.constexpr, acc_q, acc_p,
     ref_s, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Row side of sub-tile row I (acc_q, acc_p = its off-diagonal sums, referred to ref_s): dq is final;
-    the dk, dG and dbeta partials are updated in place for the column pass. Returns the column operand
-    k e^(G_e - G) (split) and G_e for the later row tiles."""
+    the dk and dG partials are updated in place for the column pass. Returns the column operand
+    k e^(G_e - G) (split) and G_e for the later row tiles, and this K block's share of dbeta."""
     stk = H * K
-    q_i, k_i, G_i, b_i, _, ref_m, ref_e = _tile_in(q, k, G, beta, ti, eos, H, K, BK, BC)
+    q_i, k_i, G_i, b_i, _, ref_m, ref_e = _tile_in(q, k, G, beta, ti, eos, H, K, KD, BK, BC)
     kc_h, kc_l = psplit(k_i * decay_factor(G_i, ref_m, ti, eos, BC, -1.0), PREC)
     a_h, a_l = _dA_tile(dAqk + I * BC, ti, eos, H, BT, BC, False, PREC)
     a = sdot(a_h, a_l, kc_h, kc_l, PREC)
@@ -231,14 +231,12 @@ def _rows_bwd(
     dq_i = acc_q * f_o + a * f_m
     P = acc_p * f_o + p * f_m
     dk_row = b_i[:, None] * P
-    store_tile(dq, dq_i + load_tile(dq_p, ti, eos, stk, 0, BC, K, BK), ti, eos, stk, 0, BC, K, BK)
-    store_tile(dk_p, dk_row + load_tile(dk_p, ti, eos, stk, 0, BC, K, BK), ti, eos, stk, 0, BC, K, BK)
-    dG_i = q_i * dq_i + k_i * dk_row + load_tile(dG_p, ti, eos, stk, 0, BC, K, BK)
-    store_tile(dG_p, dG_i, ti, eos, stk, 0, BC, K, BK)
-    db = rsum(k_i * P, 1) + load_rows(db_p, ti, eos, H, BC)
-    store_tile(db_p, db[:, None], ti, eos, H, 0, BC, 1, 1)
+    store_tile(dq, dq_i + load_tile(dq_p, ti, eos, stk, 0, BC, KD, BK), ti, eos, stk, 0, BC, KD, BK)
+    store_tile(dk_p, dk_row + load_tile(dk_p, ti, eos, stk, 0, BC, KD, BK), ti, eos, stk, 0, BC, KD, BK)
+    dG_i = q_i * dq_i + k_i * dk_row + load_tile(dG_p, ti, eos, stk, 0, BC, KD, BK)
+    store_tile(dG_p, dG_i, ti, eos, stk, 0, BC, KD, BK)
     kn_h, kn_l = psplit(k_i * decay_factor(G_i, ref_e, ti, eos, BC, -1.0), PREC)
-    return kn_h, kn_l, ref_e
+    return kn_h, kn_l, ref_e, rsum(k_i * P, 1)
 
 
 @triton.jit
@@ -257,14 +255,14 @@ def _col_off(
 
 @triton.jit
 def _cols_bwd(
-    q, k, G, beta, dAqk, dAkk, dk_p, dG_p, db_p, dk, dg, dbeta, carry, ti, eos, H, K, I: tl.constexpr, acc,
+    q, k, G, beta, dAqk, dAkk, dk_p, dG_p, dk, dg, carry, ti, eos, H, K, KD, I: tl.constexpr, acc,
     ref_e, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """Column side of sub-tile column I (acc = its off-diagonal sum, referred to ref_e), final dk, dbeta
+    """Column side of sub-tile column I (acc = its off-diagonal sum, referred to ref_e), final dk
     and dg = reverse cumsum of dG within the chunk plus the carry. Returns the carry and the row operands
     q e^(G - G_s), beta k e^(G - G_s) (split) with G_s for the earlier column tiles."""
     stk = H * K
-    q_i, k_i, G_i, b_i, ref_s, ref_m, _ = _tile_in(q, k, G, beta, ti, eos, H, K, BK, BC)
+    q_i, k_i, G_i, b_i, ref_s, ref_m, _ = _tile_in(q, k, G, beta, ti, eos, H, K, KD, BK, BC)
     f_m = decay_factor(G_i, ref_m, ti, eos, BC, 1.0)
     x_h, x_l = psplit(q_i * f_m, PREC)
     a_h, a_l = _dA_tile(dAqk + I * BC, ti, eos, H, BT, BC, True, PREC)
@@ -273,83 +271,104 @@ def _cols_bwd(
     a_h, a_l = _dA_tile(dAkk + I * BC, ti, eos, H, BT, BC, True, PREC)
     d += sdot(a_h, a_l, x_h, x_l, PREC)
     dkc = acc * decay_factor(G_i, ref_e, ti, eos, BC, -1.0) + d * decay_factor(G_i, ref_m, ti, eos, BC, -1.0)
-    store_tile(dk, dkc + load_tile(dk_p, ti, eos, stk, 0, BC, K, BK), ti, eos, stk, 0, BC, K, BK)
-    dG_i = load_tile(dG_p, ti, eos, stk, 0, BC, K, BK) - k_i * dkc
-    store_tile(dbeta, load_rows(db_p, ti, eos, H, BC)[:, None], ti, eos, H, 0, BC, 1, 1)
-    store_tile(dg, rcumsum(dG_i, 0, True) + carry[None, :], ti, eos, stk, 0, BC, K, BK)
+    store_tile(dk, dkc + load_tile(dk_p, ti, eos, stk, 0, BC, KD, BK), ti, eos, stk, 0, BC, KD, BK)
+    dG_i = load_tile(dG_p, ti, eos, stk, 0, BC, KD, BK) - k_i * dkc
+    store_tile(dg, rcumsum(dG_i, 0, True) + carry[None, :], ti, eos, stk, 0, BC, KD, BK)
     f_s = decay_factor(G_i, ref_s, ti, eos, BC, 1.0)
     qn_h, qn_l = psplit(q_i * f_s, PREC)
     kn_h, kn_l = psplit(b_i[:, None] * k_i * f_s, PREC)
     return carry + rsum(dG_i, 0), qn_h, qn_l, kn_h, kn_l, ref_s
 
 
-@triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["H", "K", "PREC"])
+@triton.autotune(configs=_configs([{"BK": 32}, {"BK": 64}], [4, 8], [1]), key=["H", "K", "PREC"])
 @triton.jit
 def _intra_bwd_kernel(
     q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dGl, dq, dk, dg, dbeta, cu_seqlens, chunk_indices,
     H, K, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """Two passes over the chunk's four sub-tiles, each tile loaded once per pass: rows ascending (dq and
-    the row-side partials, which need the column operands of earlier tiles), then columns descending
-    (dk, and dg's reverse cumsum, which needs the row operands of later tiles and the carry)."""
+    """Every term here is elementwise in the feature axis except dbeta (a sum over it), so the chunk is
+    walked in BK-wide feature blocks (bounded registers), each in two passes over the four sub-tiles, each
+    tile loaded once per pass: rows ascending (dq and the row-side partials, which need the column
+    operands of earlier tiles), then columns descending (dk, and dg's reverse cumsum, which needs the row
+    operands of later tiles and the carry)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
-    q, k, G, beta = q + i_h * K, k + i_h * K, G + i_h * K, beta + i_h
-    dAqk, dAkk = dAqk + i_h * BT, dAkk + i_h * BT
-    dq_p, dk_p, dG_p, db_p = dq_p + i_h * K, dk_p + i_h * K, dG_p + i_h * K, db_p + i_h
-    dq, dk, dg, dbeta = dq + i_h * K, dk + i_h * K, dg + i_h * K, dbeta + i_h
     t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
     stk = H * K
+    dAqk, dAkk = dAqk + i_h * BT, dAkk + i_h * BT
+    db0 = tl.full([BC], 0.0, tl.float32)
+    db1, db2, db3 = db0, db0, db0
     z = tl.full([BC, BK], 0.0, tl.float32)
-    r0 = load_row(G, tl.minimum(t0, eos - 1), stk, K, BK)
-    n0_h, n0_l, e0 = _rows_bwd(
-        q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dq, t0, eos, H, K, 0, z, z, r0, BK, BT, BC, PREC
-    )
-    r1 = load_row(G, tl.minimum(t1, eos - 1), stk, K, BK)
-    aq, ap = _row_off(dAqk, dAkk, t1, eos, H, n0_h, n0_l, e0, r1, z, z, BT, BC, PREC)
-    n1_h, n1_l, e1 = _rows_bwd(
-        q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dq, t1, eos, H, K, 1, aq, ap, r1, BK, BT, BC, PREC
-    )
-    r2 = load_row(G, tl.minimum(t2, eos - 1), stk, K, BK)
-    aq, ap = _row_off(dAqk, dAkk, t2, eos, H, n0_h, n0_l, e0, r2, z, z, BT, BC, PREC)
-    aq, ap = _row_off(dAqk + BC, dAkk + BC, t2, eos, H, n1_h, n1_l, e1, r2, aq, ap, BT, BC, PREC)
-    n2_h, n2_l, e2 = _rows_bwd(
-        q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dq, t2, eos, H, K, 2, aq, ap, r2, BK, BT, BC, PREC
-    )
-    r3 = load_row(G, tl.minimum(t3, eos - 1), stk, K, BK)
-    aq, ap = _row_off(dAqk, dAkk, t3, eos, H, n0_h, n0_l, e0, r3, z, z, BT, BC, PREC)
-    aq, ap = _row_off(dAqk + BC, dAkk + BC, t3, eos, H, n1_h, n1_l, e1, r3, aq, ap, BT, BC, PREC)
-    aq, ap = _row_off(dAqk + 2 * BC, dAkk + 2 * BC, t3, eos, H, n2_h, n2_l, e2, r3, aq, ap, BT, BC, PREC)
-    _, _, e3 = _rows_bwd(
-        q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dq, t3, eos, H, K, 3, aq, ap, r3, BK, BT, BC, PREC
-    )
-    tl.debug_barrier()  # the column pass reads the partials other threads just wrote
     rk = tl.arange(0, BK)
-    carry = tl.load(dGl + (i_c.to(tl.int64) * H + i_h) * K + rk, mask=rk < K, other=0.0)
-    # fmt: off
-    carry, q3_h, q3_l, k3_h, k3_l, s3 = _cols_bwd(
-        q, k, G, beta, dAqk, dAkk, dk_p, dG_p, db_p, dk, dg, dbeta,
-        carry, t3, eos, H, K, 3, z, e3, BK, BT, BC, PREC
-    )
-    d = _col_off(dAqk + 2 * BC, dAkk + 2 * BC, t3, eos, H, q3_h, q3_l, k3_h, k3_l, s3, e2, z, BT, BC, PREC)
-    carry, q2_h, q2_l, k2_h, k2_l, s2 = _cols_bwd(
-        q, k, G, beta, dAqk, dAkk, dk_p, dG_p, db_p, dk, dg, dbeta,
-        carry, t2, eos, H, K, 2, d, e2, BK, BT, BC, PREC
-    )
-    d = _col_off(dAqk + BC, dAkk + BC, t3, eos, H, q3_h, q3_l, k3_h, k3_l, s3, e1, z, BT, BC, PREC)
-    d = _col_off(dAqk + BC, dAkk + BC, t2, eos, H, q2_h, q2_l, k2_h, k2_l, s2, e1, d, BT, BC, PREC)
-    carry, q1_h, q1_l, k1_h, k1_l, s1 = _cols_bwd(
-        q, k, G, beta, dAqk, dAkk, dk_p, dG_p, db_p, dk, dg, dbeta,
-        carry, t1, eos, H, K, 1, d, e1, BK, BT, BC, PREC
-    )
-    d = _col_off(dAqk, dAkk, t3, eos, H, q3_h, q3_l, k3_h, k3_l, s3, e0, z, BT, BC, PREC)
-    d = _col_off(dAqk, dAkk, t2, eos, H, q2_h, q2_l, k2_h, k2_l, s2, e0, d, BT, BC, PREC)
-    d = _col_off(dAqk, dAkk, t1, eos, H, q1_h, q1_l, k1_h, k1_l, s1, e0, d, BT, BC, PREC)
-    _cols_bwd(
-        q, k, G, beta, dAqk, dAkk, dk_p, dG_p, db_p, dk, dg, dbeta,
-        carry, t0, eos, H, K, 0, d, e0, BK, BT, BC, PREC
-    )
-    # fmt: on
+    for k0 in range(0, K, BK):
+        KD = K - k0
+        off = i_h * K + k0
+        q_, k_, G_, beta_ = q + off, k + off, G + off, beta + i_h
+        dq_p_, dk_p_, dG_p_ = dq_p + off, dk_p + off, dG_p + off
+        dq_, dk_, dg_ = dq + off, dk + off, dg + off
+        # fmt: off
+        r0 = load_row(G_, tl.minimum(t0, eos - 1), stk, KD, BK)
+        n0_h, n0_l, e0, b = _rows_bwd(
+            q_, k_, G_, beta_, dAqk, dAkk, dq_p_, dk_p_, dG_p_, dq_, t0, eos, H, K, KD, 0, z, z, r0,
+            BK, BT, BC, PREC,
+        )
+        db0 += b
+        r1 = load_row(G_, tl.minimum(t1, eos - 1), stk, KD, BK)
+        aq, ap = _row_off(dAqk, dAkk, t1, eos, H, n0_h, n0_l, e0, r1, z, z, BT, BC, PREC)
+        n1_h, n1_l, e1, b = _rows_bwd(
+            q_, k_, G_, beta_, dAqk, dAkk, dq_p_, dk_p_, dG_p_, dq_, t1, eos, H, K, KD, 1, aq, ap, r1,
+            BK, BT, BC, PREC,
+        )
+        db1 += b
+        r2 = load_row(G_, tl.minimum(t2, eos - 1), stk, KD, BK)
+        aq, ap = _row_off(dAqk, dAkk, t2, eos, H, n0_h, n0_l, e0, r2, z, z, BT, BC, PREC)
+        aq, ap = _row_off(dAqk + BC, dAkk + BC, t2, eos, H, n1_h, n1_l, e1, r2, aq, ap, BT, BC, PREC)
+        n2_h, n2_l, e2, b = _rows_bwd(
+            q_, k_, G_, beta_, dAqk, dAkk, dq_p_, dk_p_, dG_p_, dq_, t2, eos, H, K, KD, 2, aq, ap, r2,
+            BK, BT, BC, PREC,
+        )
+        db2 += b
+        r3 = load_row(G_, tl.minimum(t3, eos - 1), stk, KD, BK)
+        aq, ap = _row_off(dAqk, dAkk, t3, eos, H, n0_h, n0_l, e0, r3, z, z, BT, BC, PREC)
+        aq, ap = _row_off(dAqk + BC, dAkk + BC, t3, eos, H, n1_h, n1_l, e1, r3, aq, ap, BT, BC, PREC)
+        aq, ap = _row_off(dAqk + 2 * BC, dAkk + 2 * BC, t3, eos, H, n2_h, n2_l, e2, r3, aq, ap, BT, BC, PREC)
+        _, _, e3, b = _rows_bwd(
+            q_, k_, G_, beta_, dAqk, dAkk, dq_p_, dk_p_, dG_p_, dq_, t3, eos, H, K, KD, 3, aq, ap, r3,
+            BK, BT, BC, PREC,
+        )
+        db3 += b
+        tl.debug_barrier()  # the column pass reads the partials other threads just wrote
+        carry = tl.load(dGl + (i_c.to(tl.int64) * H + i_h) * K + k0 + rk, mask=rk < KD, other=0.0)
+        carry, q3_h, q3_l, k3_h, k3_l, s3 = _cols_bwd(
+            q_, k_, G_, beta_, dAqk, dAkk, dk_p_, dG_p_, dk_, dg_, carry, t3, eos, H, K, KD, 3, z, e3,
+            BK, BT, BC, PREC,
+        )
+        d = _col_off(
+            dAqk + 2 * BC, dAkk + 2 * BC, t3, eos, H, q3_h, q3_l, k3_h, k3_l, s3, e2, z, BT, BC, PREC
+        )
+        carry, q2_h, q2_l, k2_h, k2_l, s2 = _cols_bwd(
+            q_, k_, G_, beta_, dAqk, dAkk, dk_p_, dG_p_, dk_, dg_, carry, t2, eos, H, K, KD, 2, d, e2,
+            BK, BT, BC, PREC,
+        )
+        d = _col_off(dAqk + BC, dAkk + BC, t3, eos, H, q3_h, q3_l, k3_h, k3_l, s3, e1, z, BT, BC, PREC)
+        d = _col_off(dAqk + BC, dAkk + BC, t2, eos, H, q2_h, q2_l, k2_h, k2_l, s2, e1, d, BT, BC, PREC)
+        carry, q1_h, q1_l, k1_h, k1_l, s1 = _cols_bwd(
+            q_, k_, G_, beta_, dAqk, dAkk, dk_p_, dG_p_, dk_, dg_, carry, t1, eos, H, K, KD, 1, d, e1,
+            BK, BT, BC, PREC,
+        )
+        d = _col_off(dAqk, dAkk, t3, eos, H, q3_h, q3_l, k3_h, k3_l, s3, e0, z, BT, BC, PREC)
+        d = _col_off(dAqk, dAkk, t2, eos, H, q2_h, q2_l, k2_h, k2_l, s2, e0, d, BT, BC, PREC)
+        d = _col_off(dAqk, dAkk, t1, eos, H, q1_h, q1_l, k1_h, k1_l, s1, e0, d, BT, BC, PREC)
+        _cols_bwd(
+            q_, k_, G_, beta_, dAqk, dAkk, dk_p_, dG_p_, dk_, dg_, carry, t0, eos, H, K, KD, 0, d, e0,
+            BK, BT, BC, PREC,
+        )
+        # fmt: on
+    db_p, dbeta = db_p + i_h, dbeta + i_h
+    store_tile(dbeta, (db0 + load_rows(db_p, t0, eos, H, BC))[:, None], t0, eos, H, 0, BC, 1, 1)
+    store_tile(dbeta, (db1 + load_rows(db_p, t1, eos, H, BC))[:, None], t1, eos, H, 0, BC, 1, 1)
+    store_tile(dbeta, (db2 + load_rows(db_p, t2, eos, H, BC))[:, None], t2, eos, H, 0, BC, 1, 1)
+    store_tile(dbeta, (db3 + load_rows(db_p, t3, eos, H, BC))[:, None], t3, eos, H, 0, BC, 1, 1)
 
 
 def kda_bwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, saved: dict, do, dht):
@@ -385,6 +404,6 @@ def kda_bwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, saved: dict, do
         )  # fmt: skip
         _intra_bwd_kernel[(NC, H)](
             q, k, saved["G"], beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dGl, dq, dk, dg, dbeta, cu, ci,
-            H, K, BK=BK, BT=BT, BC=BC, PREC=prec,
+            H, K, BT=BT, BC=BC, PREC=prec,
         )  # fmt: skip
     return dq, dk, dv, dg, dbeta, dh0
