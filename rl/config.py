@@ -50,8 +50,10 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """peft target module names; "all-linear" means every nn.Linear except the LM head."""
     sync: str = "merged"
-    """Weights shipped to rollout workers: merged (adapters folded into full weights) or adapter
-    (adapter tensors only; needs an engine that applies LoRA adapters)."""
+    """Weights shipped to rollout workers: merged (adapters folded into full weights by the learner)
+    or adapter (adapter tensors only; workers fold them into their copy of the base weights,
+    rollout/adapters.py). Adapter sync ships nothing but the adapters, so it cannot carry an
+    updated balancing bias (learner.balancer=update)."""
 
 
 @dataclass
@@ -422,6 +424,9 @@ def _validate_learner(c: LearnerConfig, errors: list[str]) -> None:
     _choice(c.balancer, ("frozen", "update"), "learner.balancer", errors)
     _check(c.lora.r >= 1, "learner.lora.r", "must be >= 1", errors)
     _choice(c.lora.sync, ("merged", "adapter"), "learner.lora.sync", errors)
+    _check(not (c.lora.enabled and c.lora.sync == "adapter" and c.balancer == "update"), "learner.lora.sync",
+           "adapter sync ships only the adapters, not the balancing bias that balancer=update changes; "
+           "use lora.sync=merged or balancer=frozen", errors)  # fmt: skip
 
 
 def _validate_rollout(r: RolloutConfig, errors: list[str]) -> None:

@@ -311,20 +311,36 @@ class Learner:
             shutil.rmtree(old, ignore_errors=True)
         return WeightUpdate(self.version, str(path), adapter_only)
 
+    def export_base_weights(self, out_dir: str) -> WeightUpdate:
+        """The frozen base weights without adapters, as a full checkpoint in ``out_dir`` (never pruned):
+        what rollout workers start from (and restart from) with adapter-only sync."""
+        if not self.cfg.lora.enabled:
+            raise ValueError("export_base_weights is for LoRA training (learner.lora.enabled)")
+        path = Path(out_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        self._save_merged(path, merge=False)
+        return WeightUpdate(self.version, str(path), adapter_only=False)
+
     @torch.no_grad()
-    def _save_merged(self, path: Path) -> None:
-        """W + scale * B A for every adapted layer, written under the plain (un-wrapped) parameter names."""
+    def _save_merged(self, path: Path, merge: bool = True) -> None:
+        """W + scale * B A for every adapted layer (W alone without ``merge``), written under the plain
+        (un-wrapped) parameter names. Out of place: peft's merge_adapter + unmerge_adapter would leave
+        W + d - d, which is not W in floating point, so the frozen base would drift at every sync."""
+        from peft.tuners.lora import LoraLayer
         from safetensors.torch import save_file
 
-        self.policy.merge_adapter()
-        try:
-            state = {
-                k.replace(".base_layer", ""): v.detach().clone().contiguous()
-                for k, v in self.policy.get_base_model().state_dict().items()
-                if "lora_" not in k
-            }
-        finally:
-            self.policy.unmerge_adapter()
+        model = self.policy.get_base_model()
+        state = {
+            k.replace(".base_layer", ""): v.detach().clone().contiguous()
+            for k, v in model.state_dict().items()
+            if "lora_" not in k
+        }
+        for name, module in model.named_modules() if merge else ():
+            if isinstance(module, LoraLayer):
+                for adapter in module.active_adapters:  # the order and arithmetic of peft's merge
+                    state[f"{name}.weight"] += module.get_delta_weight(adapter).to(
+                        state[f"{name}.weight"].dtype
+                    )
         if self.base_model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         self.base_model.config.save_pretrained(str(path))

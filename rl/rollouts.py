@@ -75,14 +75,25 @@ def eval_tasks(env: EnvConfig, stage: StageConfig) -> list:
 
 
 class WorkerPool:
-    """Rollout worker actors; replaces dead ones with fresh actors on the newest weights."""
+    """Rollout worker actors; replaces dead ones with fresh actors on the newest weights.
+
+    With adapter-only sync (LoRA), ``model_path`` holds the frozen base weights the engines start
+    from and ``adapter_path`` the newest adapter, applied on top of them (also to a replacement worker).
+    """
 
     def __init__(
-        self, cfg: RolloutConfig, model_path: str, version: int, max_context_tokens: int | None = None
+        self,
+        cfg: RolloutConfig,
+        model_path: str,
+        version: int,
+        max_context_tokens: int | None = None,
+        adapter_path: str | None = None,
     ) -> None:
         self.cfg, self.model_path, self.version = cfg, model_path, version
+        self.adapter_path = adapter_path
         self.max_model_len = (max_context_tokens or cfg.max_context_tokens) + cfg.max_tokens_per_turn
         self.workers = [self._start(i) for i in range(cfg.num_workers)]
+        self._apply_adapter(self.workers)
         self.restarts = 0
 
     def _start(self, i: int):
@@ -95,11 +106,22 @@ class WorkerPool:
         actor = ray.remote(num_cpus=self.cfg.worker_num_cpus, max_restarts=0)(RolloutWorker)
         return actor.remote(wc)
 
-    def update_weights(self, path: str, version: int) -> None:
+    def _apply_adapter(self, workers: list) -> None:
         import ray
 
-        ray.get([w.update_weights.remote(path, version) for w in self.workers])
-        self.model_path, self.version = path, version
+        if self.adapter_path is not None:
+            ray.get([w.update_weights.remote(self.adapter_path, self.version, True) for w in workers])
+
+    def update_weights(self, path: str, version: int, adapter_only: bool = False) -> None:
+        """Full weights (``path`` becomes what new workers start from) or a LoRA adapter over the base."""
+        import ray
+
+        ray.get([w.update_weights.remote(path, version, adapter_only) for w in self.workers])
+        if adapter_only:
+            self.adapter_path = path
+        else:
+            self.model_path, self.adapter_path = path, None
+        self.version = version
 
     def replace_dead(self) -> list[int]:
         """Ping every worker; start a fresh one in place of each that does not answer."""
@@ -114,6 +136,7 @@ class WorkerPool:
         for i in dead:
             self.workers[i] = self._start(i)
             self.restarts += 1
+        self._apply_adapter([self.workers[i] for i in dead])
         return dead
 
     def shutdown(self) -> None:

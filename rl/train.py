@@ -131,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resumed from {resume} (step {state.step})", flush=True)
     update = call(learner, "export_weights", str(run_dir / "weights"))
     max_ctx = max(s.max_context_tokens for s in plan)
-    pool = WorkerPool(cfg.rollout, prepare_model_dir(update.path), update.version, max_ctx)
+    adapter = update.path if update.adapter_only else None  # LoRA adapter sync: workers run base + adapter
+    base = call(learner, "export_base_weights", str(run_dir / "weights_base")) if adapter else update
+    pool = WorkerPool(cfg.rollout, prepare_model_dir(base.path), update.version, max_ctx, adapter)
     log = MetricsLogger(str(run_dir), total, cfg.run.tensorboard, cfg.run.progress_bar, start_step=state.step)
     steps_run = 0
     try:
@@ -186,7 +188,7 @@ def rl_step(cfg: TrainConfig, learner, pool, groups, step: int, run_dir: Path) -
                                 values_fn=lambda b: call(learner, "turn_values", b))  # fmt: skip
     metrics = call(learner, "train_step", batches)
     update = call(learner, "export_weights", str(run_dir / "weights"))
-    pool.update_weights(update.path, update.version)
+    pool.update_weights(update.path, update.version, update.adapter_only)
     return metrics
 
 
