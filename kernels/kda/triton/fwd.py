@@ -66,7 +66,7 @@ def _cumsum_kernel(g, G, cu_seqlens, chunk_indices, H, K, BK: tl.constexpr, BT: 
 
 @triton.jit
 def _row_tile(
-    q, k, G, beta, Qg, Kd, g_last, ti, eos, H, K, BK: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr,
+    q, k, G, beta, Qg, Kd, g_last, ti, eos, H, K, KD, BK: tl.constexpr, BC: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
     """Everything sub-tile i's rows give, from one load of q, k, G, beta: the diagonal tile (Aqk_ii, L_ii)
@@ -74,13 +74,13 @@ def _row_tile(
     tile's first row and split once; the column operand for later rows (k e^(G_e - G), G_e = the tile's
     last row); Diag(beta)(k e^G) for W; and q e^G, k e^(G_C - G) stored for the state and output passes."""
     st = H * K
-    q_i = load_tile(q, ti, eos, st, 0, BC, K, BK)
-    k_i = load_tile(k, ti, eos, st, 0, BC, K, BK)
-    G_i = load_tile(G, ti, eos, st, 0, BC, K, BK)
+    q_i = load_tile(q, ti, eos, st, 0, BC, KD, BK)
+    k_i = load_tile(k, ti, eos, st, 0, BC, KD, BK)
+    G_i = load_tile(G, ti, eos, st, 0, BC, KD, BK)
     b_i = load_rows(beta, ti, eos, H, BC)
-    ref_s = load_row(G, tl.minimum(ti, eos - 1), st, K, BK)
-    ref_m = load_row(G, tl.minimum(ti + BC // 2, eos - 1), st, K, BK)
-    ref_e = load_row(G, tl.minimum(ti + BC - 1, eos - 1), st, K, BK)
+    ref_s = load_row(G, tl.minimum(ti, eos - 1), st, KD, BK)
+    ref_m = load_row(G, tl.minimum(ti + BC // 2, eos - 1), st, KD, BK)
+    ref_e = load_row(G, tl.minimum(ti + BC - 1, eos - 1), st, KD, BK)
     f_m = decay_factor(G_i, ref_m, ti, eos, BC, 1.0)
     kc_h, kc_l = psplit(tl.trans(k_i * decay_factor(G_i, ref_m, ti, eos, BC, -1.0)), PREC)
     a_h, a_l = psplit(q_i * f_m, PREC)
@@ -94,11 +94,9 @@ def _row_tile(
     qs_h, qs_l = psplit(q_i * f_s, PREC)
     ks_h, ks_l = psplit(k_i * f_s, PREC)
     kn_i = k_i * decay_factor(G_i, ref_e, ti, eos, BC, -1.0)
-    eG = tl.exp2(G_i)
-    xk_i = (b_i[:, None] * k_i * eG).to(DT)
-    store_tile(Qg, q_i * eG, ti, eos, st, 0, BC, K, BK)
-    store_tile(Kd, k_i * decay_factor(G_i, g_last, ti, eos, BC, -1.0), ti, eos, st, 0, BC, K, BK)
-    return A_ii, L_ii, qs_h, qs_l, ks_h, ks_l, b_i, ref_s, kn_i, ref_e, xk_i
+    store_tile(Qg, q_i * tl.exp2(G_i), ti, eos, st, 0, BC, KD, BK)
+    store_tile(Kd, k_i * decay_factor(G_i, g_last, ti, eos, BC, -1.0), ti, eos, st, 0, BC, KD, BK)
+    return A_ii, L_ii, qs_h, qs_l, ks_h, ks_l, b_i, ref_s, kn_i, ref_e
 
 
 @triton.jit
@@ -132,51 +130,94 @@ def _store_sq(ptr, x, ti, eos, j, H, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _yv(v, beta, tj, eos, H, V, BV: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr):
-    """Diag(beta) v for sub-tile j, in the dot dtype."""
-    return (load_rows(beta, tj, eos, H, BC)[:, None] * load_tile(v, tj, eos, H * V, 0, BC, V, BV)).to(DT)
+def _wy_block(
+    x, G, beta, out, t0, eos, H, D, DD, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33,
+    BD: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr, DECAY: tl.constexpr,
+):  # fmt: skip
+    """out = X Diag(beta) x (e^G when DECAY) for one BD-wide feature block (W from k, U from v)."""
+    y0 = _wy_in(x, G, beta, t0, eos, H, D, DD, BD, BC, DT, DECAY)
+    y1 = _wy_in(x, G, beta, t0 + BC, eos, H, D, DD, BD, BC, DT, DECAY)
+    y2 = _wy_in(x, G, beta, t0 + 2 * BC, eos, H, D, DD, BD, BC, DT, DECAY)
+    y3 = _wy_in(x, G, beta, t0 + 3 * BC, eos, H, D, DD, BD, BC, DT, DECAY)
+    st = H * D
+    store_tile(out, tl.dot(X00, y0), t0, eos, st, 0, BC, DD, BD)
+    store_tile(out, tl.dot(X10, y0) + tl.dot(X11, y1), t0 + BC, eos, st, 0, BC, DD, BD)
+    o2 = tl.dot(X20, y0) + tl.dot(X21, y1) + tl.dot(X22, y2)
+    store_tile(out, o2, t0 + 2 * BC, eos, st, 0, BC, DD, BD)
+    o3 = tl.dot(X30, y0) + tl.dot(X31, y1) + tl.dot(X32, y2) + tl.dot(X33, y3)
+    store_tile(out, o3, t0 + 3 * BC, eos, st, 0, BC, DD, BD)
 
 
-@triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["H", "K", "V", "STORE_X", "PREC"])
+@triton.jit
+def _wy_in(
+    x, G, beta, tj, eos, H, D, DD, BD: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr, DECAY: tl.constexpr
+):
+    y = load_rows(beta, tj, eos, H, BC)[:, None] * load_tile(x, tj, eos, H * D, 0, BC, DD, BD)
+    if DECAY:
+        y = y * tl.exp2(load_tile(G, tj, eos, H * D, 0, BC, DD, BD))
+    return y.to(DT)
+
+
+@triton.autotune(
+    configs=_configs([{"BK": 32}, {"BK": 64}], [4, 8], [1]), key=["H", "K", "V", "STORE_X", "PREC"]
+)
 @triton.jit
 def _intra_kernel(
     q, k, v, G, beta, Aqk, Ainv, W, U, Qg, Kd, cu_seqlens, chunk_indices, H, K, V,
-    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STORE_X: tl.constexpr,
-    PREC: tl.constexpr,
+    BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STORE_X: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
+    """Aqk and L summed over BK-wide feature blocks (bounded registers), each 16-row sub-tile loaded once
+    per block; its column operand (kn, ge) serves every later row tile. Then (I + L)^-1, then W and U
+    block by block."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
     DT = W.dtype.element_ty
-    q, k, G, v, beta = q + i_h * K, k + i_h * K, G + i_h * K, v + i_h * V, beta + i_h
-    Aqk, Ainv, W, U = Aqk + i_h * BT, Ainv + i_h * BT, W + i_h * K, U + i_h * V
-    Qg, Kd = Qg + i_h * K, Kd + i_h * K
+    Aqk, Ainv, beta = Aqk + i_h * BT, Ainv + i_h * BT, beta + i_h
     t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
-    g_last = load_row(G, tl.minimum(t0 + BT, eos) - 1, H * K, K, BK)
-    # Each 16-row sub-tile is loaded once; its column operand (kn, ge) serves every later row tile.
-    A00, L00, _, _, _, _, _, _, kn0, ge0, xk0 = _row_tile(
-        q, k, G, beta, Qg, Kd, g_last, t0, eos, H, K, BK, BC, DT, PREC
-    )
+    zt = tl.full([BC, BC], 0.0, tl.float32)
+    A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = zt, zt, zt, zt, zt, zt, zt, zt, zt, zt
+    L00, L10, L11, L20, L21, L22, L30, L31, L32, L33 = zt, zt, zt, zt, zt, zt, zt, zt, zt, zt
+    for k0 in range(0, K, BK):
+        KD = K - k0
+        off = i_h * K + k0
+        q_, k_, G_, Qg_, Kd_ = q + off, k + off, G + off, Qg + off, Kd + off
+        g_last = load_row(G_, tl.minimum(t0 + BT, eos) - 1, H * K, KD, BK)
+        # fmt: off
+        a, l, _, _, _, _, _, _, kn0, ge0 = _row_tile(
+            q_, k_, G_, beta, Qg_, Kd_, g_last, t0, eos, H, K, KD, BK, BC, PREC
+        )
+        A00, L00 = A00 + a, L00 + l
+        a, l, qh, ql, kh, kl, b, rs, kn1, ge1 = _row_tile(
+            q_, k_, G_, beta, Qg_, Kd_, g_last, t1, eos, H, K, KD, BK, BC, PREC
+        )
+        A11, L11 = A11 + a, L11 + l
+        a, l = _off(qh, ql, kh, kl, b, rs, kn0, ge0, PREC)
+        A10, L10 = A10 + a, L10 + l
+        a, l, qh, ql, kh, kl, b, rs, kn2, ge2 = _row_tile(
+            q_, k_, G_, beta, Qg_, Kd_, g_last, t2, eos, H, K, KD, BK, BC, PREC
+        )
+        A22, L22 = A22 + a, L22 + l
+        a, l = _off(qh, ql, kh, kl, b, rs, kn0, ge0, PREC)
+        A20, L20 = A20 + a, L20 + l
+        a, l = _off(qh, ql, kh, kl, b, rs, kn1, ge1, PREC)
+        A21, L21 = A21 + a, L21 + l
+        a, l, qh, ql, kh, kl, b, rs, _, _ = _row_tile(
+            q_, k_, G_, beta, Qg_, Kd_, g_last, t3, eos, H, K, KD, BK, BC, PREC
+        )
+        A33, L33 = A33 + a, L33 + l
+        a, l = _off(qh, ql, kh, kl, b, rs, kn0, ge0, PREC)
+        A30, L30 = A30 + a, L30 + l
+        a, l = _off(qh, ql, kh, kl, b, rs, kn1, ge1, PREC)
+        A31, L31 = A31 + a, L31 + l
+        a, l = _off(qh, ql, kh, kl, b, rs, kn2, ge2, PREC)
+        A32, L32 = A32 + a, L32 + l
+        # fmt: on
     _store_sq(Aqk, A00, t0, eos, 0, H, BT, BC)
-    A11, L11, qh, ql, kh, kl, b1, rs, kn1, ge1, xk1 = _row_tile(
-        q, k, G, beta, Qg, Kd, g_last, t1, eos, H, K, BK, BC, DT, PREC
-    )
-    A10, L10 = _off(qh, ql, kh, kl, b1, rs, kn0, ge0, PREC)
     _store_sq(Aqk, A10, t1, eos, 0, H, BT, BC)
     _store_sq(Aqk, A11, t1, eos, 1, H, BT, BC)
-    A22, L22, qh, ql, kh, kl, b2, rs, kn2, ge2, xk2 = _row_tile(
-        q, k, G, beta, Qg, Kd, g_last, t2, eos, H, K, BK, BC, DT, PREC
-    )
-    A20, L20 = _off(qh, ql, kh, kl, b2, rs, kn0, ge0, PREC)
-    A21, L21 = _off(qh, ql, kh, kl, b2, rs, kn1, ge1, PREC)
     _store_sq(Aqk, A20, t2, eos, 0, H, BT, BC)
     _store_sq(Aqk, A21, t2, eos, 1, H, BT, BC)
     _store_sq(Aqk, A22, t2, eos, 2, H, BT, BC)
-    A33, L33, qh, ql, kh, kl, b3, rs, _, _, xk3 = _row_tile(
-        q, k, G, beta, Qg, Kd, g_last, t3, eos, H, K, BK, BC, DT, PREC
-    )
-    A30, L30 = _off(qh, ql, kh, kl, b3, rs, kn0, ge0, PREC)
-    A31, L31 = _off(qh, ql, kh, kl, b3, rs, kn1, ge1, PREC)
-    A32, L32 = _off(qh, ql, kh, kl, b3, rs, kn2, ge2, PREC)
     _store_sq(Aqk, A30, t3, eos, 0, H, BT, BC)
     _store_sq(Aqk, A31, t3, eos, 1, H, BT, BC)
     _store_sq(Aqk, A32, t3, eos, 2, H, BT, BC)
@@ -203,24 +244,20 @@ def _intra_kernel(
         _store_sq(Ainv, X31, t3, eos, 1, H, BT, BC)
         _store_sq(Ainv, X32, t3, eos, 2, H, BT, BC)
         _store_sq(Ainv, X33, t3, eos, 3, H, BT, BC)
-    yv0 = _yv(v, beta, t0, eos, H, V, BV, BC, DT)
-    yv1 = _yv(v, beta, t1, eos, H, V, BV, BC, DT)
-    yv2 = _yv(v, beta, t2, eos, H, V, BV, BC, DT)
-    yv3 = _yv(v, beta, t3, eos, H, V, BV, BC, DT)
     X00, X10, X11, X20, X21 = X00.to(DT), X10.to(DT), X11.to(DT), X20.to(DT), X21.to(DT)
     X22, X30, X31, X32, X33 = X22.to(DT), X30.to(DT), X31.to(DT), X32.to(DT), X33.to(DT)
-    store_tile(W, tl.dot(X00, xk0), t0, eos, H * K, 0, BC, K, BK)
-    store_tile(U, tl.dot(X00, yv0), t0, eos, H * V, 0, BC, V, BV)
-    store_tile(W, tl.dot(X10, xk0) + tl.dot(X11, xk1), t1, eos, H * K, 0, BC, K, BK)
-    store_tile(U, tl.dot(X10, yv0) + tl.dot(X11, yv1), t1, eos, H * V, 0, BC, V, BV)
-    w2 = tl.dot(X20, xk0) + tl.dot(X21, xk1) + tl.dot(X22, xk2)
-    u2 = tl.dot(X20, yv0) + tl.dot(X21, yv1) + tl.dot(X22, yv2)
-    store_tile(W, w2, t2, eos, H * K, 0, BC, K, BK)
-    store_tile(U, u2, t2, eos, H * V, 0, BC, V, BV)
-    w3 = tl.dot(X30, xk0) + tl.dot(X31, xk1) + tl.dot(X32, xk2) + tl.dot(X33, xk3)
-    u3 = tl.dot(X30, yv0) + tl.dot(X31, yv1) + tl.dot(X32, yv2) + tl.dot(X33, yv3)
-    store_tile(W, w3, t3, eos, H * K, 0, BC, K, BK)
-    store_tile(U, u3, t3, eos, H * V, 0, BC, V, BV)
+    for k0 in range(0, K, BK):
+        off = i_h * K + k0
+        _wy_block(
+            k + off, G + off, beta, W + off, t0, eos, H, K, K - k0,
+            X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, BK, BC, DT, True,
+        )  # fmt: skip
+    for v0 in range(0, V, BK):
+        off = i_h * V + v0
+        _wy_block(
+            v + off, v, beta, U + off, t0, eos, H, V, V - v0,
+            X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, BK, BC, DT, False,
+        )  # fmt: skip
 
 
 @triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [4], [2, 3]), key=["H", "K", "V"])
@@ -286,7 +323,7 @@ def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool,
     T, H, K = q.shape
     V = v.shape[-1]
     NC, N = plan.num_chunks, plan.num_seqs
-    BK, BV = block_size(K), block_size(V)
+    BK = block_size(K)
     dt = q.dtype
     dev = q.device
     G = torch.empty(T, H, K, device=dev, dtype=torch.float32)
@@ -318,8 +355,6 @@ def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool,
             H,
             K,
             V,
-            BK=BK,
-            BV=BV,
             BT=BT,
             BC=BC,
             STORE_X=store_x,
