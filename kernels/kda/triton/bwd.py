@@ -280,7 +280,7 @@ def _cols_bwd(
     return carry + rsum(dG_i, 0), qn_h, qn_l, kn_h, kn_l, ref_s
 
 
-@triton.autotune(configs=_configs([{"BK": 32}, {"BK": 64}], [4, 8], [1]), key=["H", "K", "PREC"])
+@triton.autotune(configs=_configs([{"BK": 32}], [8], [1]), key=["H", "K", "PREC"])
 @triton.jit
 def _intra_bwd_kernel(
     q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dGl, dq, dk, dg, dbeta, cu_seqlens, chunk_indices,

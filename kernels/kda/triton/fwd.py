@@ -158,9 +158,7 @@ def _wy_in(
     return y.to(DT)
 
 
-@triton.autotune(
-    configs=_configs([{"BK": 32}, {"BK": 64}], [4, 8], [1]), key=["H", "K", "V", "STORE_X", "PREC"]
-)
+@triton.autotune(configs=_configs([{"BK": 32}], [8], [1]), key=["H", "K", "V", "STORE_X", "PREC"])
 @triton.jit
 def _intra_kernel(
     q, k, v, G, beta, Aqk, Ainv, W, U, Qg, Kd, cu_seqlens, chunk_indices, H, K, V,
