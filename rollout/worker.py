@@ -234,12 +234,8 @@ class RolloutWorker:
             self._close_resident(keep=set())
             self.llm.reset_prefix_cache()
         self.version = int(version)
-        return {
-            "version": self.version,
-            "tensors": count,
-            "adapter_only": is_adapter,
-            "seconds": time.perf_counter() - t0,
-        }
+        seconds = time.perf_counter() - t0
+        return {"version": self.version, "tensors": count, "adapter_only": is_adapter, "seconds": seconds}
 
     def _load_full(self, weights: str | os.PathLike | dict[str, Any]) -> int:
         from rollout.adapters import rebase_inplace
