@@ -347,11 +347,12 @@ class Learner:
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
 
     def save_pretrained(self, out_dir: str) -> str:
-        """A standalone HF checkpoint of the (merged, if LoRA) policy: what ``model.init_from`` loads."""
-        model = self.policy.merge_and_unload() if self.cfg.lora.enabled else self.base_model
-        model.save_pretrained(out_dir, safe_serialization=True)
-        if self.cfg.lora.enabled:  # merge_and_unload removed the adapters: wrap a fresh copy again
-            self.policy = self._wrap_lora(model)
+        """A standalone HF checkpoint of the (merged, if LoRA) policy: what ``model.init_from`` loads.
+        Out of place: with LoRA the policy keeps its adapters, so the optimizer and training go on."""
+        if self.cfg.lora.enabled:
+            self._save_merged(Path(out_dir))
+        else:
+            self.base_model.save_pretrained(out_dir, safe_serialization=True)
         return out_dir
 
     def state_dict(self) -> dict:

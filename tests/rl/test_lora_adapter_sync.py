@@ -51,3 +51,22 @@ def test_adapter_sync_cannot_ship_an_updated_balancing_bias(tmp_path):
     c = make_cfg()
     with pytest.raises(ValueError, match="LoRA"):
         Learner(c.model, c.learner, c.algorithm).export_base_weights(str(tmp_path))
+
+
+def test_save_pretrained_with_lora_leaves_training_untouched(tmp_path):
+    """The merged checkpoint loads to the policy's function, and the optimizer still owns the adapters."""
+    from model import HybridForCausalLM
+
+    c = make_cfg("learner.lora.enabled=true", "learner.lora.r=4")
+    learner = Learner(c.model, c.learner, c.algorithm)
+    learner.train_step(batches_for(learner, c, make_group(seed=0)))
+    policy, trainable = learner.policy, [p for p in learner.policy.parameters() if p.requires_grad]
+    out = learner.save_pretrained(str(tmp_path / "ckpt"))
+    assert learner.policy is policy
+    optimized = {id(p) for group in learner.optimizer.param_groups for p in group["params"]}
+    assert trainable and all(id(p) in optimized for p in trainable)
+    ids = torch.randint(1, 128, (1, 12))
+    with torch.no_grad():
+        expected = learner.policy(input_ids=ids).logits
+        loaded = HybridForCausalLM.from_pretrained(out).eval()(input_ids=ids).logits
+    torch.testing.assert_close(loaded, expected, rtol=1e-5, atol=1e-5)
