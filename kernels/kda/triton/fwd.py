@@ -17,7 +17,9 @@ Deviation from the issue text: by default those sub-tile products are "bf16x3" (
 bf16 hi + lo, three bf16 tensor-core products, about 16 mantissa bits), not single bf16 operands,
 because L feeds (I + L)^-1: single bf16 rounding there made o and dv errors ~1.5x larger (interpreter,
 D = 64, vs float64). LONGHORIZON_KDA_INTRA_PREC=bf16|tf32|bf16x3 selects (common.intra_precision).
-(I + L)^-1 is built from forward substitution on the four diagonal 16 x 16 blocks and block back-substitution for the six blocks below them.
+(I + L)^-1 is built from forward substitution on the four diagonal 16 x 16 blocks and block
+back-substitution for the six blocks below them. `_intra` loads each 16-row sub-tile once per BK-wide
+feature block and sums Aqk and L over the blocks (BK autotuned; see bench/RESULTS.md for what was measured).
 
 Kernels: `_cumsum` (G), `_intra` (Aqk, X, W, U), `_state` (sequential over chunks: per-chunk states
 and Vn), `_output` (O, parallel over chunks).
