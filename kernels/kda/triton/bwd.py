@@ -31,10 +31,8 @@ from kernels.kda.triton.common import (
     load_rows,
     load_tile,
     pdot,
-    psplit,
     rcumsum,
     rsum,
-    sdot,
     store_tile,
 )
 from kernels.kda.triton.fwd import _configs
@@ -174,203 +172,224 @@ def _main_bwd_kernel(
 
 
 @triton.jit
-def _tile_in(q, k, G, beta, ti, eos, H, K, KD, BK: tl.constexpr, BC: tl.constexpr):
-    """Sub-tile i (q, k, G, beta) and G at its first, middle and last rows (the reference exponents)."""
-    st = H * K
-    q_i = load_tile(q, ti, eos, st, 0, BC, KD, BK)
-    k_i = load_tile(k, ti, eos, st, 0, BC, KD, BK)
-    G_i = load_tile(G, ti, eos, st, 0, BC, KD, BK)
+def _row_side(
+    k,
+    G,
+    dAqk,
+    dAkk,
+    ti,
+    tj,
+    ref,
+    eos,
+    H,
+    K,
+    BK: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Sub-tile (i, j) seen from its rows: dAqk_ij (k_j e^(ref - G_j)) and the same for dL."""
+    kc = load_tile(k, tj, eos, H * K, 0, BC, K, BK) * decay_factor(
+        load_tile(G, tj, eos, H * K, 0, BC, K, BK), ref, tj, eos, BC, -1.0
+    )
+    dAq = load_tile(dAqk, ti, eos, H * BT, 0, BC, BC, BC)
+    dAk = load_tile(dAkk, ti, eos, H * BT, 0, BC, BC, BC)
+    return pdot(dAq, kc, PREC), pdot(dAk, kc, PREC)
+
+
+@triton.jit
+def _col_side(
+    q,
+    k,
+    G,
+    beta,
+    dAqk,
+    dAkk,
+    tj,
+    ref,
+    eos,
+    H,
+    K,
+    BK: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Sub-tile (j, i) seen from its columns: dAqk_ji^T (q_j e^(G_j - ref)) + dL_ji^T (beta k_j e^(G_j - ref))."""
+    f = decay_factor(load_tile(G, tj, eos, H * K, 0, BC, K, BK), ref, tj, eos, BC, 1.0)
+    qf = load_tile(q, tj, eos, H * K, 0, BC, K, BK) * f
+    b = load_rows(beta, tj, eos, H, BC)
+    kf = b[:, None] * load_tile(k, tj, eos, H * K, 0, BC, K, BK) * f
+    dAq = load_tile(dAqk, tj, eos, H * BT, 0, BC, BC, BC)
+    dAk = load_tile(dAkk, tj, eos, H * BT, 0, BC, BC, BC)
+    return pdot(tl.trans(dAq), qf, PREC) + pdot(tl.trans(dAk), kf, PREC)
+
+
+@triton.jit
+def _intra_bwd_block(
+    q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dq, dk, dg, dbeta, carry, t0, eos, H, K,
+    I: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    stk = H * K
+    ti = t0 + I * BC
+    q_i = load_tile(q, ti, eos, stk, 0, BC, K, BK)
+    k_i = load_tile(k, ti, eos, stk, 0, BC, K, BK)
+    G_i = load_tile(G, ti, eos, stk, 0, BC, K, BK)
     b_i = load_rows(beta, ti, eos, H, BC)
-    ref_s = load_row(G, tl.minimum(ti, eos - 1), st, KD, BK)
-    ref_m = load_row(G, tl.minimum(ti + BC // 2, eos - 1), st, KD, BK)
-    ref_e = load_row(G, tl.minimum(ti + BC - 1, eos - 1), st, KD, BK)
-    return q_i, k_i, G_i, b_i, ref_s, ref_m, ref_e
-
-
-@triton.jit
-def _dA_tile(dA, ti, eos, H, BT: tl.constexpr, BC: tl.constexpr, TRANS: tl.constexpr, PREC: tl.constexpr):
-    x = load_tile(dA, ti, eos, H * BT, 0, BC, BC, BC)
-    if TRANS:
-        x = tl.trans(x)
-    return psplit(x, PREC)
-
-
-@triton.jit
-def _row_off(
-    dAqk, dAkk, ti, eos, H, kn_h, kn_l, ge_j, ref_s, acc_q, acc_p, BT: tl.constexpr, BC: tl.constexpr,
-    PREC: tl.constexpr,
-):  # fmt: skip
-    """Tile (i, j < i) seen from its rows: dAqk_ij (k_j e^(ref_s - G_j)) and the same for dL, with
-    k_j e^(ref_s - G_j) = kn_j e^(ref_s - G_e(j)): the per-feature factor scales the product's columns.
-    dAqk / dAkk point at column block j."""
-    f = tl.exp2(ref_s - ge_j)[None, :]
-    a_h, a_l = _dA_tile(dAqk, ti, eos, H, BT, BC, False, PREC)
-    acc_q += sdot(a_h, a_l, kn_h, kn_l, PREC) * f
-    a_h, a_l = _dA_tile(dAkk, ti, eos, H, BT, BC, False, PREC)
-    acc_p += sdot(a_h, a_l, kn_h, kn_l, PREC) * f
-    return acc_q, acc_p
-
-
-@triton.jit
-def _rows_bwd(
-    q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, dq, ti, eos, H, K, KD, I: tl.constexpr, acc_q, acc_p,
-    ref_s, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
-    """Row side of sub-tile row I (acc_q, acc_p = its off-diagonal sums, referred to ref_s): dq is final;
-    the dk and dG partials are updated in place for the column pass. Returns the column operand
-    k e^(G_e - G) (split) and G_e for the later row tiles, and this K block's share of dbeta."""
-    stk = H * K
-    q_i, k_i, G_i, b_i, _, ref_m, ref_e = _tile_in(q, k, G, beta, ti, eos, H, K, KD, BK, BC)
-    kc_h, kc_l = psplit(k_i * decay_factor(G_i, ref_m, ti, eos, BC, -1.0), PREC)
-    a_h, a_l = _dA_tile(dAqk + I * BC, ti, eos, H, BT, BC, False, PREC)
-    a = sdot(a_h, a_l, kc_h, kc_l, PREC)
-    a_h, a_l = _dA_tile(dAkk + I * BC, ti, eos, H, BT, BC, False, PREC)
-    p = sdot(a_h, a_l, kc_h, kc_l, PREC)
-    f_o = decay_factor(G_i, ref_s, ti, eos, BC, 1.0)
+    # rows of sub-tile row I, off-diagonal columns referred to the tile's first row
+    ref_o = load_row(G, tl.minimum(ti, eos - 1), stk, K, BK)
+    dq_o = tl.full([BC, BK], 0.0, tl.float32)
+    P_o = tl.full([BC, BK], 0.0, tl.float32)
+    for j in tl.static_range(I):
+        a, p = _row_side(
+            k, G, dAqk + j * BC, dAkk + j * BC, ti, t0 + j * BC, ref_o, eos, H, K, BK, BT, BC, PREC
+        )
+        dq_o += a
+        P_o += p
+    f_o = decay_factor(G_i, ref_o, ti, eos, BC, 1.0)
+    ref_m = load_row(G, tl.minimum(ti + BC // 2, eos - 1), stk, K, BK)
     f_m = decay_factor(G_i, ref_m, ti, eos, BC, 1.0)
-    dq_i = acc_q * f_o + a * f_m
-    P = acc_p * f_o + p * f_m
+    a, p = _row_side(k, G, dAqk + I * BC, dAkk + I * BC, ti, ti, ref_m, eos, H, K, BK, BT, BC, PREC)
+    dq_i = dq_o * f_o + a * f_m
+    P = P_o * f_o + p * f_m
+    # columns of sub-tile column I, later rows referred to the tile's last row
+    ref_c = load_row(G, tl.minimum(ti + BC - 1, eos - 1), stk, K, BK)
+    dkc_o = tl.full([BC, BK], 0.0, tl.float32)
+    for j in tl.static_range(I + 1, BT // BC):
+        dkc_o += _col_side(
+            q, k, G, beta, dAqk + I * BC, dAkk + I * BC, t0 + j * BC, ref_c, eos, H, K, BK, BT, BC, PREC
+        )
+    dkc = dkc_o * decay_factor(G_i, ref_c, ti, eos, BC, -1.0)
+    d = _col_side(q, k, G, beta, dAqk + I * BC, dAkk + I * BC, ti, ref_m, eos, H, K, BK, BT, BC, PREC)
+    dkc += d * decay_factor(G_i, ref_m, ti, eos, BC, -1.0)
     dk_row = b_i[:, None] * P
-    store_tile(dq, dq_i + load_tile(dq_p, ti, eos, stk, 0, BC, KD, BK), ti, eos, stk, 0, BC, KD, BK)
-    store_tile(dk_p, dk_row + load_tile(dk_p, ti, eos, stk, 0, BC, KD, BK), ti, eos, stk, 0, BC, KD, BK)
-    dG_i = q_i * dq_i + k_i * dk_row + load_tile(dG_p, ti, eos, stk, 0, BC, KD, BK)
-    store_tile(dG_p, dG_i, ti, eos, stk, 0, BC, KD, BK)
-    kn_h, kn_l = psplit(k_i * decay_factor(G_i, ref_e, ti, eos, BC, -1.0), PREC)
-    return kn_h, kn_l, ref_e, rsum(k_i * P, 1)
+    dG_i = q_i * dq_i + k_i * (dk_row - dkc) + load_tile(dG_p, ti, eos, stk, 0, BC, K, BK)
+    store_tile(dq, dq_i + load_tile(dq_p, ti, eos, stk, 0, BC, K, BK), ti, eos, stk, 0, BC, K, BK)
+    store_tile(dk, dk_row + dkc + load_tile(dk_p, ti, eos, stk, 0, BC, K, BK), ti, eos, stk, 0, BC, K, BK)
+    db = rsum(k_i * P, 1) + load_rows(db_p, ti, eos, H, BC)
+    store_tile(dbeta, db[:, None], ti, eos, H, 0, BC, 1, 1)
+    store_tile(dg, rcumsum(dG_i, 0, True) + carry[None, :], ti, eos, stk, 0, BC, K, BK)
+    return carry + rsum(dG_i, 0)
 
 
-@triton.jit
-def _col_off(
-    dAqk, dAkk, tj, eos, H, qn_h, qn_l, kn_h, kn_l, gs_j, ref_e, acc, BT: tl.constexpr, BC: tl.constexpr,
-    PREC: tl.constexpr,
-):  # fmt: skip
-    """Tile (j > i, i) seen from its columns: dAqk_ji^T (q_j e^(G_j - ref_e)) + dL_ji^T (beta k_j ...),
-    with q_j e^(G_j - ref_e) = qn_j e^(G_s(j) - ref_e). dAqk / dAkk point at column block i."""
-    a_h, a_l = _dA_tile(dAqk, tj, eos, H, BT, BC, True, PREC)
-    d = sdot(a_h, a_l, qn_h, qn_l, PREC)
-    a_h, a_l = _dA_tile(dAkk, tj, eos, H, BT, BC, True, PREC)
-    d += sdot(a_h, a_l, kn_h, kn_l, PREC)
-    return acc + d * tl.exp2(gs_j - ref_e)[None, :]
-
-
-@triton.jit
-def _cols_bwd(
-    q, k, G, beta, dAqk, dAkk, dk_p, dG_p, dk, dg, carry, ti, eos, H, K, KD, I: tl.constexpr, acc,
-    ref_e, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
-    """Column side of sub-tile column I (acc = its off-diagonal sum, referred to ref_e), final dk
-    and dg = reverse cumsum of dG within the chunk plus the carry. Returns the carry and the row operands
-    q e^(G - G_s), beta k e^(G - G_s) (split) with G_s for the earlier column tiles."""
-    stk = H * K
-    q_i, k_i, G_i, b_i, ref_s, ref_m, _ = _tile_in(q, k, G, beta, ti, eos, H, K, KD, BK, BC)
-    f_m = decay_factor(G_i, ref_m, ti, eos, BC, 1.0)
-    x_h, x_l = psplit(q_i * f_m, PREC)
-    a_h, a_l = _dA_tile(dAqk + I * BC, ti, eos, H, BT, BC, True, PREC)
-    d = sdot(a_h, a_l, x_h, x_l, PREC)
-    x_h, x_l = psplit(b_i[:, None] * k_i * f_m, PREC)
-    a_h, a_l = _dA_tile(dAkk + I * BC, ti, eos, H, BT, BC, True, PREC)
-    d += sdot(a_h, a_l, x_h, x_l, PREC)
-    dkc = acc * decay_factor(G_i, ref_e, ti, eos, BC, -1.0) + d * decay_factor(G_i, ref_m, ti, eos, BC, -1.0)
-    store_tile(dk, dkc + load_tile(dk_p, ti, eos, stk, 0, BC, KD, BK), ti, eos, stk, 0, BC, KD, BK)
-    dG_i = load_tile(dG_p, ti, eos, stk, 0, BC, KD, BK) - k_i * dkc
-    store_tile(dg, rcumsum(dG_i, 0, True) + carry[None, :], ti, eos, stk, 0, BC, KD, BK)
-    f_s = decay_factor(G_i, ref_s, ti, eos, BC, 1.0)
-    qn_h, qn_l = psplit(q_i * f_s, PREC)
-    kn_h, kn_l = psplit(b_i[:, None] * k_i * f_s, PREC)
-    return carry + rsum(dG_i, 0), qn_h, qn_l, kn_h, kn_l, ref_s
-
-
-# BK = 32 at 8 warps spills least in ptxas (sm_90, bf16x3) but measured slower on the H200 than the
-# previous unsplit kernels (bench/RESULTS.md); BK = 128 (one feature block) is offered to the autotuner.
-@triton.autotune(configs=_configs([{"BK": 32}, {"BK": 128}], [8, 4], [1]), key=["H", "K", "PREC"])
+@triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["H", "K", "PREC"])
 @triton.jit
 def _intra_bwd_kernel(
     q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dGl, dq, dk, dg, dbeta, cu_seqlens, chunk_indices,
     H, K, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """Every term here is elementwise in the feature axis except dbeta (a sum over it), so the chunk is
-    walked in BK-wide feature blocks (bounded registers), each in two passes over the four sub-tiles, each
-    tile loaded once per pass: rows ascending (dq and the row-side partials, which need the column
-    operands of earlier tiles), then columns descending (dk, and dg's reverse cumsum, which needs the row
-    operands of later tiles and the carry)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
-    t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
-    stk = H * K
+    q, k, G, beta = q + i_h * K, k + i_h * K, G + i_h * K, beta + i_h
     dAqk, dAkk = dAqk + i_h * BT, dAkk + i_h * BT
-    db0 = tl.full([BC], 0.0, tl.float32)
-    db1, db2, db3 = db0, db0, db0
-    z = tl.full([BC, BK], 0.0, tl.float32)
+    dq_p, dk_p, dG_p, db_p = dq_p + i_h * K, dk_p + i_h * K, dG_p + i_h * K, db_p + i_h
+    dq, dk, dg, dbeta = dq + i_h * K, dk + i_h * K, dg + i_h * K, dbeta + i_h
     rk = tl.arange(0, BK)
-    for k0 in range(0, K, BK):
-        KD = K - k0
-        off = i_h * K + k0
-        q_, k_, G_, beta_ = q + off, k + off, G + off, beta + i_h
-        dq_p_, dk_p_, dG_p_ = dq_p + off, dk_p + off, dG_p + off
-        dq_, dk_, dg_ = dq + off, dk + off, dg + off
-        # fmt: off
-        r0 = load_row(G_, tl.minimum(t0, eos - 1), stk, KD, BK)
-        n0_h, n0_l, e0, b = _rows_bwd(
-            q_, k_, G_, beta_, dAqk, dAkk, dq_p_, dk_p_, dG_p_, dq_, t0, eos, H, K, KD, 0, z, z, r0,
-            BK, BT, BC, PREC,
-        )
-        db0 += b
-        r1 = load_row(G_, tl.minimum(t1, eos - 1), stk, KD, BK)
-        aq, ap = _row_off(dAqk, dAkk, t1, eos, H, n0_h, n0_l, e0, r1, z, z, BT, BC, PREC)
-        n1_h, n1_l, e1, b = _rows_bwd(
-            q_, k_, G_, beta_, dAqk, dAkk, dq_p_, dk_p_, dG_p_, dq_, t1, eos, H, K, KD, 1, aq, ap, r1,
-            BK, BT, BC, PREC,
-        )
-        db1 += b
-        r2 = load_row(G_, tl.minimum(t2, eos - 1), stk, KD, BK)
-        aq, ap = _row_off(dAqk, dAkk, t2, eos, H, n0_h, n0_l, e0, r2, z, z, BT, BC, PREC)
-        aq, ap = _row_off(dAqk + BC, dAkk + BC, t2, eos, H, n1_h, n1_l, e1, r2, aq, ap, BT, BC, PREC)
-        n2_h, n2_l, e2, b = _rows_bwd(
-            q_, k_, G_, beta_, dAqk, dAkk, dq_p_, dk_p_, dG_p_, dq_, t2, eos, H, K, KD, 2, aq, ap, r2,
-            BK, BT, BC, PREC,
-        )
-        db2 += b
-        r3 = load_row(G_, tl.minimum(t3, eos - 1), stk, KD, BK)
-        aq, ap = _row_off(dAqk, dAkk, t3, eos, H, n0_h, n0_l, e0, r3, z, z, BT, BC, PREC)
-        aq, ap = _row_off(dAqk + BC, dAkk + BC, t3, eos, H, n1_h, n1_l, e1, r3, aq, ap, BT, BC, PREC)
-        aq, ap = _row_off(dAqk + 2 * BC, dAkk + 2 * BC, t3, eos, H, n2_h, n2_l, e2, r3, aq, ap, BT, BC, PREC)
-        _, _, e3, b = _rows_bwd(
-            q_, k_, G_, beta_, dAqk, dAkk, dq_p_, dk_p_, dG_p_, dq_, t3, eos, H, K, KD, 3, aq, ap, r3,
-            BK, BT, BC, PREC,
-        )
-        db3 += b
-        tl.debug_barrier()  # the column pass reads the partials other threads just wrote
-        carry = tl.load(dGl + (i_c.to(tl.int64) * H + i_h) * K + k0 + rk, mask=rk < KD, other=0.0)
-        carry, q3_h, q3_l, k3_h, k3_l, s3 = _cols_bwd(
-            q_, k_, G_, beta_, dAqk, dAkk, dk_p_, dG_p_, dk_, dg_, carry, t3, eos, H, K, KD, 3, z, e3,
-            BK, BT, BC, PREC,
-        )
-        d = _col_off(
-            dAqk + 2 * BC, dAkk + 2 * BC, t3, eos, H, q3_h, q3_l, k3_h, k3_l, s3, e2, z, BT, BC, PREC
-        )
-        carry, q2_h, q2_l, k2_h, k2_l, s2 = _cols_bwd(
-            q_, k_, G_, beta_, dAqk, dAkk, dk_p_, dG_p_, dk_, dg_, carry, t2, eos, H, K, KD, 2, d, e2,
-            BK, BT, BC, PREC,
-        )
-        d = _col_off(dAqk + BC, dAkk + BC, t3, eos, H, q3_h, q3_l, k3_h, k3_l, s3, e1, z, BT, BC, PREC)
-        d = _col_off(dAqk + BC, dAkk + BC, t2, eos, H, q2_h, q2_l, k2_h, k2_l, s2, e1, d, BT, BC, PREC)
-        carry, q1_h, q1_l, k1_h, k1_l, s1 = _cols_bwd(
-            q_, k_, G_, beta_, dAqk, dAkk, dk_p_, dG_p_, dk_, dg_, carry, t1, eos, H, K, KD, 1, d, e1,
-            BK, BT, BC, PREC,
-        )
-        d = _col_off(dAqk, dAkk, t3, eos, H, q3_h, q3_l, k3_h, k3_l, s3, e0, z, BT, BC, PREC)
-        d = _col_off(dAqk, dAkk, t2, eos, H, q2_h, q2_l, k2_h, k2_l, s2, e0, d, BT, BC, PREC)
-        d = _col_off(dAqk, dAkk, t1, eos, H, q1_h, q1_l, k1_h, k1_l, s1, e0, d, BT, BC, PREC)
-        _cols_bwd(
-            q_, k_, G_, beta_, dAqk, dAkk, dk_p_, dG_p_, dk_, dg_, carry, t0, eos, H, K, KD, 0, d, e0,
-            BK, BT, BC, PREC,
-        )
-        # fmt: on
-    db_p, dbeta = db_p + i_h, dbeta + i_h
-    store_tile(dbeta, (db0 + load_rows(db_p, t0, eos, H, BC))[:, None], t0, eos, H, 0, BC, 1, 1)
-    store_tile(dbeta, (db1 + load_rows(db_p, t1, eos, H, BC))[:, None], t1, eos, H, 0, BC, 1, 1)
-    store_tile(dbeta, (db2 + load_rows(db_p, t2, eos, H, BC))[:, None], t2, eos, H, 0, BC, 1, 1)
-    store_tile(dbeta, (db3 + load_rows(db_p, t3, eos, H, BC))[:, None], t3, eos, H, 0, BC, 1, 1)
+    carry = tl.load(dGl + (i_c.to(tl.int64) * H + i_h) * K + rk, mask=rk < K, other=0.0)
+    carry = _intra_bwd_block(
+        q,
+        k,
+        G,
+        beta,
+        dAqk,
+        dAkk,
+        dq_p,
+        dk_p,
+        dG_p,
+        db_p,
+        dq,
+        dk,
+        dg,
+        dbeta,
+        carry,
+        t0,
+        eos,
+        H,
+        K,
+        3,
+        BK,
+        BT,
+        BC,
+        PREC,
+    )
+    carry = _intra_bwd_block(
+        q,
+        k,
+        G,
+        beta,
+        dAqk,
+        dAkk,
+        dq_p,
+        dk_p,
+        dG_p,
+        db_p,
+        dq,
+        dk,
+        dg,
+        dbeta,
+        carry,
+        t0,
+        eos,
+        H,
+        K,
+        2,
+        BK,
+        BT,
+        BC,
+        PREC,
+    )
+    carry = _intra_bwd_block(
+        q,
+        k,
+        G,
+        beta,
+        dAqk,
+        dAkk,
+        dq_p,
+        dk_p,
+        dG_p,
+        db_p,
+        dq,
+        dk,
+        dg,
+        dbeta,
+        carry,
+        t0,
+        eos,
+        H,
+        K,
+        1,
+        BK,
+        BT,
+        BC,
+        PREC,
+    )
+    carry = _intra_bwd_block(
+        q,
+        k,
+        G,
+        beta,
+        dAqk,
+        dAkk,
+        dq_p,
+        dk_p,
+        dG_p,
+        db_p,
+        dq,
+        dk,
+        dg,
+        dbeta,
+        carry,
+        t0,
+        eos,
+        H,
+        K,
+        0,
+        BK,
+        BT,
+        BC,
+        PREC,
+    )
 
 
 def kda_bwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, saved: dict, do, dht):
@@ -406,6 +425,6 @@ def kda_bwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, saved: dict, do
         )  # fmt: skip
         _intra_bwd_kernel[(NC, H)](
             q, k, saved["G"], beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dGl, dq, dk, dg, dbeta, cu, ci,
-            H, K, BT=BT, BC=BC, PREC=prec,
+            H, K, BK=BK, BT=BT, BC=BC, PREC=prec,
         )  # fmt: skip
     return dq, dk, dv, dg, dbeta, dh0

@@ -17,9 +17,7 @@ Deviation from the issue text: by default those sub-tile products are "bf16x3" (
 bf16 hi + lo, three bf16 tensor-core products, about 16 mantissa bits), not single bf16 operands,
 because L feeds (I + L)^-1: single bf16 rounding there made o and dv errors ~1.5x larger (interpreter,
 D = 64, vs float64). LONGHORIZON_KDA_INTRA_PREC=bf16|tf32|bf16x3 selects (common.intra_precision).
-(I + L)^-1 is built from forward substitution on the four diagonal 16 x 16 blocks and block
-back-substitution for the six blocks below them. `_intra` loads each 16-row sub-tile once per BK-wide
-feature block and sums Aqk and L over the blocks (BK autotuned; see bench/RESULTS.md for what was measured).
+(I + L)^-1 is built from forward substitution on the four diagonal 16 x 16 blocks and block back-substitution for the six blocks below them.
 
 Kernels: `_cumsum` (G), `_intra` (Aqk, X, W, U), `_state` (sequential over chunks: per-chunk states
 and Vn), `_output` (O, parallel over chunks).
@@ -44,10 +42,9 @@ from kernels.kda.triton.common import (
     load_row,
     load_rows,
     load_tile,
-    psplit,
+    pdot,
     rcumsum,
     rsum,
-    sdot,
     store_tile,
 )
 
@@ -67,46 +64,45 @@ def _cumsum_kernel(g, G, cu_seqlens, chunk_indices, H, K, BK: tl.constexpr, BT: 
 
 
 @triton.jit
-def _row_tile(
-    q, k, G, beta, Qg, Kd, g_last, ti, eos, H, K, KD, BK: tl.constexpr, BC: tl.constexpr,
+def _pair(
+    q,
+    k,
+    G,
+    beta,
+    ti,
+    tj,
+    eos,
+    H,
+    K,
+    BK: tl.constexpr,
+    BC: tl.constexpr,
+    DIAG: tl.constexpr,
     PREC: tl.constexpr,
-):  # fmt: skip
-    """Everything sub-tile i's rows give, from one load of q, k, G, beta: the diagonal tile (Aqk_ii, L_ii)
-    referred to the tile midpoint; the row operands of the off-diagonal tiles (i, j < i), referred to the
-    tile's first row and split once; the column operand for later rows (k e^(G_e - G), G_e = the tile's
-    last row); Diag(beta)(k e^G) for W; and q e^G, k e^(G_C - G) stored for the state and output passes."""
+):
+    """Sub-tile (i, j) of Aqk and L, rows ti.., columns tj.. (fp32, masked)."""
     st = H * K
-    q_i = load_tile(q, ti, eos, st, 0, BC, KD, BK)
-    k_i = load_tile(k, ti, eos, st, 0, BC, KD, BK)
-    G_i = load_tile(G, ti, eos, st, 0, BC, KD, BK)
+    q_i = load_tile(q, ti, eos, st, 0, BC, K, BK)
+    k_i = load_tile(k, ti, eos, st, 0, BC, K, BK)
+    G_i = load_tile(G, ti, eos, st, 0, BC, K, BK)
+    k_j = load_tile(k, tj, eos, st, 0, BC, K, BK)
+    G_j = load_tile(G, tj, eos, st, 0, BC, K, BK)
     b_i = load_rows(beta, ti, eos, H, BC)
-    ref_s = load_row(G, tl.minimum(ti, eos - 1), st, KD, BK)
-    ref_m = load_row(G, tl.minimum(ti + BC // 2, eos - 1), st, KD, BK)
-    ref_e = load_row(G, tl.minimum(ti + BC - 1, eos - 1), st, KD, BK)
-    f_m = decay_factor(G_i, ref_m, ti, eos, BC, 1.0)
-    kc_h, kc_l = psplit(tl.trans(k_i * decay_factor(G_i, ref_m, ti, eos, BC, -1.0)), PREC)
-    a_h, a_l = psplit(q_i * f_m, PREC)
-    A_ii = sdot(a_h, a_l, kc_h, kc_l, PREC)
-    a_h, a_l = psplit(k_i * f_m, PREC)
-    L_ii = sdot(a_h, a_l, kc_h, kc_l, PREC) * b_i[:, None]
-    r = tl.arange(0, BC)
-    A_ii = tl.where(r[:, None] >= r[None, :], A_ii, 0.0)
-    L_ii = tl.where(r[:, None] > r[None, :], L_ii, 0.0)
-    f_s = decay_factor(G_i, ref_s, ti, eos, BC, 1.0)
-    qs_h, qs_l = psplit(q_i * f_s, PREC)
-    ks_h, ks_l = psplit(k_i * f_s, PREC)
-    kn_i = k_i * decay_factor(G_i, ref_e, ti, eos, BC, -1.0)
-    store_tile(Qg, q_i * tl.exp2(G_i), ti, eos, st, 0, BC, KD, BK)
-    store_tile(Kd, k_i * decay_factor(G_i, g_last, ti, eos, BC, -1.0), ti, eos, st, 0, BC, KD, BK)
-    return A_ii, L_ii, qs_h, qs_l, ks_h, ks_l, b_i, ref_s, kn_i, ref_e
-
-
-@triton.jit
-def _off(qs_h, qs_l, ks_h, ks_l, b_i, ref_s, kn_j, ge_j, PREC: tl.constexpr):
-    """Off-diagonal tile (i, j < i) of Aqk and L, both factors referred to row i's first row:
-    k_j e^(ref_s - G_j) = kn_j e^(ref_s - G_e(j)), a per-feature factor <= 1 on a tile already <= 1."""
-    kc_h, kc_l = psplit(tl.trans(kn_j * tl.exp2(ref_s - ge_j)[None, :]), PREC)
-    return sdot(qs_h, qs_l, kc_h, kc_l, PREC), sdot(ks_h, ks_l, kc_h, kc_l, PREC) * b_i[:, None]
+    if DIAG:
+        ref_t = tl.minimum(ti + BC // 2, eos - 1)
+    else:
+        ref_t = tl.minimum(ti, eos - 1)
+    ref = load_row(G, ref_t, st, K, BK)
+    f_i = decay_factor(G_i, ref, ti, eos, BC, 1.0)
+    # fp32 operands with split-tf32 products: L feeds (I + L)^-1, and bf16 rounding here costs a
+    # factor ~1.5 in the error of o and dv at D = 64 (interpreter experiment against float64).
+    kc_j = k_j * decay_factor(G_j, ref, tj, eos, BC, -1.0)
+    A_qk = pdot(q_i * f_i, tl.trans(kc_j), PREC)
+    L = pdot(k_i * f_i, tl.trans(kc_j), PREC) * b_i[:, None]
+    if DIAG:
+        r = tl.arange(0, BC)
+        A_qk = tl.where(r[:, None] >= r[None, :], A_qk, 0.0)
+        L = tl.where(r[:, None] > r[None, :], L, 0.0)
+    return A_qk, L
 
 
 @triton.jit
@@ -132,90 +128,50 @@ def _store_sq(ptr, x, ti, eos, j, H, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _wy_block(
-    x, G, beta, out, t0, eos, H, D, DD, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33,
-    BD: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr, DECAY: tl.constexpr,
-):  # fmt: skip
-    """out = X Diag(beta) x (e^G when DECAY) for one BD-wide feature block (W from k, U from v)."""
-    y0 = _wy_in(x, G, beta, t0, eos, H, D, DD, BD, BC, DT, DECAY)
-    y1 = _wy_in(x, G, beta, t0 + BC, eos, H, D, DD, BD, BC, DT, DECAY)
-    y2 = _wy_in(x, G, beta, t0 + 2 * BC, eos, H, D, DD, BD, BC, DT, DECAY)
-    y3 = _wy_in(x, G, beta, t0 + 3 * BC, eos, H, D, DD, BD, BC, DT, DECAY)
-    st = H * D
-    store_tile(out, tl.dot(X00, y0), t0, eos, st, 0, BC, DD, BD)
-    store_tile(out, tl.dot(X10, y0) + tl.dot(X11, y1), t0 + BC, eos, st, 0, BC, DD, BD)
-    o2 = tl.dot(X20, y0) + tl.dot(X21, y1) + tl.dot(X22, y2)
-    store_tile(out, o2, t0 + 2 * BC, eos, st, 0, BC, DD, BD)
-    o3 = tl.dot(X30, y0) + tl.dot(X31, y1) + tl.dot(X32, y2) + tl.dot(X33, y3)
-    store_tile(out, o3, t0 + 3 * BC, eos, st, 0, BC, DD, BD)
+def _wy_in(
+    k, v, G, beta, tj, eos, H, K, V, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr
+):
+    """Diag(beta)(k e^G) and Diag(beta) v for sub-tile j, in the dot dtype."""
+    b = load_rows(beta, tj, eos, H, BC)[:, None]
+    k_j = load_tile(k, tj, eos, H * K, 0, BC, K, BK)
+    G_j = load_tile(G, tj, eos, H * K, 0, BC, K, BK)
+    v_j = load_tile(v, tj, eos, H * V, 0, BC, V, BV)
+    return (b * k_j * tl.exp2(G_j)).to(DT), (b * v_j).to(DT)
 
 
 @triton.jit
-def _wy_in(
-    x, G, beta, tj, eos, H, D, DD, BD: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr, DECAY: tl.constexpr
-):
-    y = load_rows(beta, tj, eos, H, BC)[:, None] * load_tile(x, tj, eos, H * D, 0, BC, DD, BD)
-    if DECAY:
-        y = y * tl.exp2(load_tile(G, tj, eos, H * D, 0, BC, DD, BD))
-    return y.to(DT)
+def _decayed_qk(q, k, G, Qg, Kd, ti, eos, g_last, H, K, BK: tl.constexpr, BC: tl.constexpr):
+    """q e^G and k e^(G_C - G) of sub-tile i, stored in the dot dtype for the state and output passes."""
+    G_i = load_tile(G, ti, eos, H * K, 0, BC, K, BK)
+    store_tile(Qg, load_tile(q, ti, eos, H * K, 0, BC, K, BK) * tl.exp2(G_i), ti, eos, H * K, 0, BC, K, BK)
+    kd = load_tile(k, ti, eos, H * K, 0, BC, K, BK) * decay_factor(G_i, g_last, ti, eos, BC, -1.0)
+    store_tile(Kd, kd, ti, eos, H * K, 0, BC, K, BK)
 
 
-# BK = 32 at 8 warps spills least in ptxas (sm_90, bf16x3) but measured slower on the H200 than the
-# previous unsplit kernels (bench/RESULTS.md); BK = 128 (one feature block) is offered to the autotuner.
-@triton.autotune(
-    configs=_configs([{"BK": 32}, {"BK": 128}], [8, 4], [1]), key=["H", "K", "V", "STORE_X", "PREC"]
-)
+@triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["H", "K", "V", "STORE_X", "PREC"])
 @triton.jit
 def _intra_kernel(
     q, k, v, G, beta, Aqk, Ainv, W, U, Qg, Kd, cu_seqlens, chunk_indices, H, K, V,
-    BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STORE_X: tl.constexpr, PREC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STORE_X: tl.constexpr,
+    PREC: tl.constexpr,
 ):  # fmt: skip
-    """Aqk and L summed over BK-wide feature blocks (bounded registers), each 16-row sub-tile loaded once
-    per block; its column operand (kn, ge) serves every later row tile. Then (I + L)^-1, then W and U
-    block by block."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
     DT = W.dtype.element_ty
-    Aqk, Ainv, beta = Aqk + i_h * BT, Ainv + i_h * BT, beta + i_h
+    q, k, G, v, beta = q + i_h * K, k + i_h * K, G + i_h * K, v + i_h * V, beta + i_h
+    Aqk, Ainv, W, U = Aqk + i_h * BT, Ainv + i_h * BT, W + i_h * K, U + i_h * V
+    Qg, Kd = Qg + i_h * K, Kd + i_h * K
     t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
-    zt = tl.full([BC, BC], 0.0, tl.float32)
-    A00, A10, A11, A20, A21, A22, A30, A31, A32, A33 = zt, zt, zt, zt, zt, zt, zt, zt, zt, zt
-    L00, L10, L11, L20, L21, L22, L30, L31, L32, L33 = zt, zt, zt, zt, zt, zt, zt, zt, zt, zt
-    for k0 in range(0, K, BK):
-        KD = K - k0
-        off = i_h * K + k0
-        q_, k_, G_, Qg_, Kd_ = q + off, k + off, G + off, Qg + off, Kd + off
-        g_last = load_row(G_, tl.minimum(t0 + BT, eos) - 1, H * K, KD, BK)
-        # fmt: off
-        a, l, _, _, _, _, _, _, kn0, ge0 = _row_tile(
-            q_, k_, G_, beta, Qg_, Kd_, g_last, t0, eos, H, K, KD, BK, BC, PREC
-        )
-        A00, L00 = A00 + a, L00 + l
-        a, l, qh, ql, kh, kl, b, rs, kn1, ge1 = _row_tile(
-            q_, k_, G_, beta, Qg_, Kd_, g_last, t1, eos, H, K, KD, BK, BC, PREC
-        )
-        A11, L11 = A11 + a, L11 + l
-        a, l = _off(qh, ql, kh, kl, b, rs, kn0, ge0, PREC)
-        A10, L10 = A10 + a, L10 + l
-        a, l, qh, ql, kh, kl, b, rs, kn2, ge2 = _row_tile(
-            q_, k_, G_, beta, Qg_, Kd_, g_last, t2, eos, H, K, KD, BK, BC, PREC
-        )
-        A22, L22 = A22 + a, L22 + l
-        a, l = _off(qh, ql, kh, kl, b, rs, kn0, ge0, PREC)
-        A20, L20 = A20 + a, L20 + l
-        a, l = _off(qh, ql, kh, kl, b, rs, kn1, ge1, PREC)
-        A21, L21 = A21 + a, L21 + l
-        a, l, qh, ql, kh, kl, b, rs, _, _ = _row_tile(
-            q_, k_, G_, beta, Qg_, Kd_, g_last, t3, eos, H, K, KD, BK, BC, PREC
-        )
-        A33, L33 = A33 + a, L33 + l
-        a, l = _off(qh, ql, kh, kl, b, rs, kn0, ge0, PREC)
-        A30, L30 = A30 + a, L30 + l
-        a, l = _off(qh, ql, kh, kl, b, rs, kn1, ge1, PREC)
-        A31, L31 = A31 + a, L31 + l
-        a, l = _off(qh, ql, kh, kl, b, rs, kn2, ge2, PREC)
-        A32, L32 = A32 + a, L32 + l
-        # fmt: on
+    A00, L00 = _pair(q, k, G, beta, t0, t0, eos, H, K, BK, BC, True, PREC)
+    A10, L10 = _pair(q, k, G, beta, t1, t0, eos, H, K, BK, BC, False, PREC)
+    A11, L11 = _pair(q, k, G, beta, t1, t1, eos, H, K, BK, BC, True, PREC)
+    A20, L20 = _pair(q, k, G, beta, t2, t0, eos, H, K, BK, BC, False, PREC)
+    A21, L21 = _pair(q, k, G, beta, t2, t1, eos, H, K, BK, BC, False, PREC)
+    A22, L22 = _pair(q, k, G, beta, t2, t2, eos, H, K, BK, BC, True, PREC)
+    A30, L30 = _pair(q, k, G, beta, t3, t0, eos, H, K, BK, BC, False, PREC)
+    A31, L31 = _pair(q, k, G, beta, t3, t1, eos, H, K, BK, BC, False, PREC)
+    A32, L32 = _pair(q, k, G, beta, t3, t2, eos, H, K, BK, BC, False, PREC)
+    A33, L33 = _pair(q, k, G, beta, t3, t3, eos, H, K, BK, BC, True, PREC)
     _store_sq(Aqk, A00, t0, eos, 0, H, BT, BC)
     _store_sq(Aqk, A10, t1, eos, 0, H, BT, BC)
     _store_sq(Aqk, A11, t1, eos, 1, H, BT, BC)
@@ -248,20 +204,29 @@ def _intra_kernel(
         _store_sq(Ainv, X31, t3, eos, 1, H, BT, BC)
         _store_sq(Ainv, X32, t3, eos, 2, H, BT, BC)
         _store_sq(Ainv, X33, t3, eos, 3, H, BT, BC)
+    xk0, yv0 = _wy_in(k, v, G, beta, t0, eos, H, K, V, BK, BV, BC, DT)
+    xk1, yv1 = _wy_in(k, v, G, beta, t1, eos, H, K, V, BK, BV, BC, DT)
+    xk2, yv2 = _wy_in(k, v, G, beta, t2, eos, H, K, V, BK, BV, BC, DT)
+    xk3, yv3 = _wy_in(k, v, G, beta, t3, eos, H, K, V, BK, BV, BC, DT)
     X00, X10, X11, X20, X21 = X00.to(DT), X10.to(DT), X11.to(DT), X20.to(DT), X21.to(DT)
     X22, X30, X31, X32, X33 = X22.to(DT), X30.to(DT), X31.to(DT), X32.to(DT), X33.to(DT)
-    for k0 in range(0, K, BK):
-        off = i_h * K + k0
-        _wy_block(
-            k + off, G + off, beta, W + off, t0, eos, H, K, K - k0,
-            X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, BK, BC, DT, True,
-        )  # fmt: skip
-    for v0 in range(0, V, BK):
-        off = i_h * V + v0
-        _wy_block(
-            v + off, v, beta, U + off, t0, eos, H, V, V - v0,
-            X00, X10, X11, X20, X21, X22, X30, X31, X32, X33, BK, BC, DT, False,
-        )  # fmt: skip
+    store_tile(W, tl.dot(X00, xk0), t0, eos, H * K, 0, BC, K, BK)
+    store_tile(U, tl.dot(X00, yv0), t0, eos, H * V, 0, BC, V, BV)
+    store_tile(W, tl.dot(X10, xk0) + tl.dot(X11, xk1), t1, eos, H * K, 0, BC, K, BK)
+    store_tile(U, tl.dot(X10, yv0) + tl.dot(X11, yv1), t1, eos, H * V, 0, BC, V, BV)
+    w2 = tl.dot(X20, xk0) + tl.dot(X21, xk1) + tl.dot(X22, xk2)
+    u2 = tl.dot(X20, yv0) + tl.dot(X21, yv1) + tl.dot(X22, yv2)
+    store_tile(W, w2, t2, eos, H * K, 0, BC, K, BK)
+    store_tile(U, u2, t2, eos, H * V, 0, BC, V, BV)
+    w3 = tl.dot(X30, xk0) + tl.dot(X31, xk1) + tl.dot(X32, xk2) + tl.dot(X33, xk3)
+    u3 = tl.dot(X30, yv0) + tl.dot(X31, yv1) + tl.dot(X32, yv2) + tl.dot(X33, yv3)
+    store_tile(W, w3, t3, eos, H * K, 0, BC, K, BK)
+    store_tile(U, u3, t3, eos, H * V, 0, BC, V, BV)
+    g_last = load_row(G, tl.minimum(t0 + BT, eos) - 1, H * K, K, BK)
+    _decayed_qk(q, k, G, Qg, Kd, t0, eos, g_last, H, K, BK, BC)
+    _decayed_qk(q, k, G, Qg, Kd, t1, eos, g_last, H, K, BK, BC)
+    _decayed_qk(q, k, G, Qg, Kd, t2, eos, g_last, H, K, BK, BC)
+    _decayed_qk(q, k, G, Qg, Kd, t3, eos, g_last, H, K, BK, BC)
 
 
 @triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [4], [2, 3]), key=["H", "K", "V"])
@@ -327,7 +292,7 @@ def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool,
     T, H, K = q.shape
     V = v.shape[-1]
     NC, N = plan.num_chunks, plan.num_seqs
-    BK = block_size(K)
+    BK, BV = block_size(K), block_size(V)
     dt = q.dtype
     dev = q.device
     G = torch.empty(T, H, K, device=dev, dtype=torch.float32)
@@ -359,6 +324,8 @@ def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool,
             H,
             K,
             V,
+            BK=BK,
+            BV=BV,
             BT=BT,
             BC=BC,
             STORE_X=store_x,
