@@ -209,29 +209,3 @@ def pdot(a, b, PREC: tl.constexpr):
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
-
-@triton.jit
-def psplit(x, PREC: tl.constexpr):
-    """An fp32 tile as the (hi, lo) operand pair of `sdot` at the chosen precision, so a tile used in
-    several products is converted once (lo is unused, and removed by the compiler, except for bf16x3)."""
-    if PREC == 0:
-        h = x.to(tl.bfloat16)
-        return h, h
-    elif PREC == 2:
-        return _split_bf16(x.to(tl.float32))
-    else:
-        f = x.to(tl.float32)
-        return f, f
-
-
-@triton.jit
-def sdot(a_hi, a_lo, b_hi, b_lo, PREC: tl.constexpr):
-    """`pdot` on operands already split by `psplit`."""
-    if PREC == 0:
-        return tl.dot(a_hi, b_hi)
-    elif PREC == 1:
-        return tl.dot(a_hi, b_hi, input_precision="tf32")
-    elif PREC == 2:
-        return tl.dot(a_hi, b_hi) + tl.dot(a_hi, b_lo) + tl.dot(a_lo, b_hi)
-    else:
-        return tl.dot(a_hi, b_hi, input_precision="ieee")
