@@ -208,4 +208,3 @@ def pdot(a, b, PREC: tl.constexpr):
         return tl.dot(a_hi, b_hi) + tl.dot(a_hi, b_lo) + tl.dot(a_lo, b_hi)
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-
