@@ -62,7 +62,9 @@ def test_gymnasium_make_finds_builtin_envs_without_importing_envs():
 
 
 def test_importing_envs_first_registers_quietly():
-    code = "import envs, gymnasium\nprint(type(gymnasium.make('longhorizon/Countdown-v0').unwrapped).__name__)"
+    code = (
+        "import envs, gymnasium\nprint(type(gymnasium.make('longhorizon/Countdown-v0').unwrapped).__name__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "CountdownEnv"
