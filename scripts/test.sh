@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
+ruff check --quiet .
 exec python -m pytest -q "$@"
