@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kda.naive import _check_inputs
+from kernels.kda.naive import _check_inputs, check_gate
 from kernels.kda.recurrent import fused_recurrent_kda
 
 CHUNK = 64
@@ -207,16 +207,6 @@ def state_pass(
         return empty, U_NcHCV[:0], final_NHKV
     chunk_order = torch.argsort(step_chunks)
     return torch.cat(h_steps)[chunk_order], torch.cat(vt_steps)[chunk_order], final_NHKV
-
-
-def check_gate(g: torch.Tensor, lower_bound: float) -> None:
-    """Raise if any log-decay lies below the bound the sub-tiled numerics rely on."""
-    g_min = float(g.detach().min()) if g.numel() else 0.0
-    if not g_min >= lower_bound:
-        raise ValueError(
-            f"chunk_kda: gate contract g >= {lower_bound} violated, min(g) = {g_min:.4g} "
-            f"(bound the decay, e.g. g = g_min * sigmoid(...), or pass lower_bound=)"
-        )
 
 
 def chunk_kda(

@@ -43,6 +43,17 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> int:
     return N
 
 
+def check_gate(g: torch.Tensor, lower_bound: float) -> None:
+    """Raise if any log-decay lies below the bound every chunked path relies on (a device sync on GPU,
+    so the fast paths call it only in check mode)."""
+    low = float(g.detach().min()) if g.numel() else 0.0
+    if not low >= lower_bound:
+        raise ValueError(
+            f"KDA gate contract g >= {lower_bound} violated, min(g) = {low:.4g}: the 16-token diagonal "
+            f"tiles would overflow (bound the decay, e.g. g = g_min * sigmoid(...), or pass lower_bound=)"
+        )
+
+
 def sequence_bounds(B: int, T: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int, int]]:
     """(batch row, start, end) of every sequence, in state order."""
     if cu_seqlens is None:

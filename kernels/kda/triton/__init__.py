@@ -11,7 +11,6 @@ import importlib
 
 _EXPORTS = {
     "chunk_kda_triton": "kernels.kda.triton.chunk",
-    "check_gate": "kernels.kda.triton.chunk",
     "fused_recurrent_kda_triton": "kernels.kda.triton.decode",
 }
 

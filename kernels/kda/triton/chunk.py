@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kda.naive import _check_inputs
+from kernels.kda.naive import _check_inputs, check_gate
 from kernels.kda.triton.bwd import kda_bwd
 from kernels.kda.triton.common import G_MIN, debug_enabled, plan_chunks
 from kernels.kda.triton.fwd import kda_fwd
@@ -52,16 +52,6 @@ class ChunkKDAFunction(torch.autograd.Function):
         return unflat(dq), unflat(dk), unflat(dv), unflat(dg), unflat(dbeta), None, dh0, None, None
 
 
-def check_gate(g: torch.Tensor, g_min: float = G_MIN) -> None:
-    """The kernels' contract; costs a device sync, so only in debug mode or when asked."""
-    low = float(g.min()) if g.numel() else 0.0
-    if low < g_min:
-        raise ValueError(
-            f"chunk_kda_triton needs log-decay g >= {g_min} (bounded gate); got min(g) = {low:.3f}. "
-            "The 16-token diagonal tiles would overflow; use the bounded gate or the PyTorch path."
-        )
-
-
 def chunk_kda_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -89,6 +79,6 @@ def chunk_kda_triton(
     if K > 256 or V > 256:
         raise ValueError(f"head dims up to 256 are supported, got K = {K}, V = {V}")
     if debug_enabled():
-        check_gate(g)
+        check_gate(g, G_MIN)
     scale = K**-0.5 if scale is None else float(scale)
     return ChunkKDAFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.naive import _check_inputs
-from kernels.kda.triton.common import block_size, debug_enabled, rsum
+from kernels.kda.naive import _check_inputs, check_gate
+from kernels.kda.triton.common import G_MIN, block_size, debug_enabled, rsum
 
 
 @triton.jit
@@ -84,8 +84,8 @@ def fused_recurrent_kda_triton(
             raise ValueError(
                 f"state_indices must have one entry per sequence ({N}), got {tuple(state_indices.shape)}"
             )
-    if debug_enabled() and g.numel() and float(g.min()) < -5.0:
-        raise ValueError(f"log-decay g must be >= -5 (bounded gate), got min {float(g.min()):.3f}")
+    if debug_enabled():
+        check_gate(g, G_MIN)
     scale = K**-0.5 if scale is None else float(scale)
     if cu_seqlens is None:
         cu = torch.arange(0, (B + 1) * T, T, device=q.device, dtype=torch.int32)[: B + 1]
