@@ -101,11 +101,14 @@ def impl_fn(name: str):
     if name.startswith("ours"):
         from kernels.kda.triton import chunk_kda_triton
 
-        # ours = the default (bf16x3 intra sub-tile products); ours_bf16 / ours_tf32: other precisions
-        prec = name.split("_")[1] if "_" in name else "bf16x3"
+        # ours = the default intra precision; ours_bf16 / ours_tf32 / ours_bf16x3: that precision
+        prec = name.split("_")[1] if "_" in name else None
 
         def ours(q, k, v, g, b, h0, fs, cu):
-            os.environ["LONGHORIZON_KDA_INTRA_PREC"] = prec
+            if prec is None:
+                os.environ.pop("LONGHORIZON_KDA_INTRA_PREC", None)
+            else:
+                os.environ["LONGHORIZON_KDA_INTRA_PREC"] = prec
             return chunk_kda_triton(q, k, v, g, b, initial_state=h0, output_final_state=fs, cu_seqlens=cu)
 
         return ours
@@ -210,15 +213,16 @@ def time_shape(report: Report, shape: Shape, impls: list[str], bw: float) -> Non
     for name in impls:
         t0 = time.time()
         h0 = torch.zeros(N, shape.H, shape.D, shape.D, device=DEVICE, requires_grad=True)
-        outs[name] = run_fwd_bwd(impl_fn(name), ins, cu, h0) if name in ("ours", "fla_safe") else None
+        checked = name.startswith("ours") or name == "fla_safe"
+        outs[name] = run_fwd_bwd(impl_fn(name), ins, cu, h0) if checked else None
         o, _ = impl_fn(name)(*ins, None, False, cu)
         torch.autograd.grad(o, ins, torch.randn_like(o))
         sync()
         first_s[name] = time.time() - t0
-    if outs.get("ours") and outs.get("fla_safe"):
-        errs = {key: rel_errors(outs["ours"][key], outs["fla_safe"][key]) for key in outs["ours"]}
-        report.checks.append({"kind": "vs FLA safe", "shape": shape.label(), "errors": errs})
-        print(f"[check] ours vs fla_safe {shape.label()}: "
+    for name in [n for n in impls if n.startswith("ours") and outs.get("fla_safe")]:
+        errs = {key: rel_errors(outs[name][key], outs["fla_safe"][key]) for key in outs[name]}
+        report.checks.append({"kind": "vs FLA safe", "impl": name, "shape": shape.label(), "errors": errs})
+        print(f"[check] {name} vs fla_safe {shape.label()}: "
               + " ".join(f"{k}={e['rms_rel']:.1e}/{e['max_rel']:.1e}" for k, e in errs.items()), flush=True)  # fmt: skip
     del outs
     for name in impls:
@@ -297,20 +301,6 @@ def wait_warm(procs: dict, t0: float, limit_s: float) -> dict:
     return done
 
 
-def _table_row(shape: str, by: dict) -> str:
-    cell = lambda n, k: f"{by[n][k]:.3f} ms" if n in by else "-"
-    ratio = lambda k: (
-        f"{by['fla_safe'][k] / by['ours'][k]:.2f}x" if "ours" in by and "fla_safe" in by else "-"
-    )
-    ours = by.get("ours")
-    tail = f"{ours['fwd_tflops']:.1f} | {ours['roofline_frac_fwd']:.3f}" if ours else "- | -"
-    return (
-        f"| {shape} | {cell('ours', 'fwd_ms')} | {cell('ours', 'fwd_bwd_ms')} | {cell('fla_safe', 'fwd_ms')} | "
-        f"{cell('fla_safe', 'fwd_bwd_ms')} | {cell('fla_unb', 'fwd_ms')} | {cell('fla_unb', 'fwd_bwd_ms')} | "
-        f"{ratio('fwd_ms')} | {ratio('fwd_bwd_ms')} | {tail} |"
-    )
-
-
 def profile(report: Report, shape: Shape, name: str = "ours", steps: int = 5) -> None:
     """GPU time per kernel of forward + backward (torch.profiler), averaged over `steps`."""
     ins, cu = make_inputs(shape)
@@ -342,16 +332,23 @@ def profile(report: Report, shape: Shape, name: str = "ours", steps: int = 5) ->
 
 
 def markdown(report: Report) -> str:
+    """One row per (shape, implementation); ratios are FLA safe time / this time (> 1: faster)."""
     rows = {}
     for r in report.timings:
         rows.setdefault(r["shape"], {})[r["impl"]] = r
     lines = [
-        "| shape | ours fwd | ours fwd+bwd | FLA safe fwd | FLA safe fwd+bwd | FLA unb. fwd | FLA unb. fwd+bwd | "
-        "ratio fwd (safe) | ratio fwd+bwd (safe) | ours TFLOP/s fwd | ours roofline fwd |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | impl | fwd | fwd+bwd | ratio fwd (vs FLA safe) | ratio fwd+bwd (vs FLA safe) | "
+        "fwd TFLOP/s | fwd roofline |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for shape, by in rows.items():
-        lines.append(_table_row(shape, by))
+        peer = by.get("fla_safe")
+        for name, r in by.items():
+            ratio = lambda k: f"{peer[k] / r[k]:.2f}x" if peer else "-"  # noqa: B023 (used at once)
+            lines.append(
+                f"| {shape} | {name} | {r['fwd_ms']:.3f} ms | {r['fwd_bwd_ms']:.3f} ms | {ratio('fwd_ms')} | "
+                f"{ratio('fwd_bwd_ms')} | {r['fwd_tflops']:.1f} | {r['roofline_frac_fwd']:.3f} |"
+            )
     return "\n".join(lines)
 
 
@@ -398,10 +395,11 @@ def main() -> None:
     print(f"[env] {report.env}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     procs = start_warm(shapes, impls, args.out) if args.warm else {}
-    if "ours" in impls:  # while the others compile: ours against float64 at a head count not timed below
+    ours = [n for n in impls if n.startswith("ours")]
+    if ours:  # while the others compile: ours against float64 at a head count not timed below
         for T, varlen in ((512, False), (300, True)):
             check_against_reference(
-                report, ["ours"], 8 if DEVICE == "cuda" else 2, T if DEVICE == "cuda" else 80, varlen
+                report, ours, 8 if DEVICE == "cuda" else 2, T if DEVICE == "cuda" else 80, varlen
             )
         report.save(args.out)
     if procs:

@@ -272,7 +272,7 @@ def _intra_bwd_block(
     return carry + rsum(dG_i, 0)
 
 
-@triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["H", "K", "PREC"])
+@triton.autotune(configs=_configs([{}], [4, 8, 2], [1]), key=["H", "K", "PREC"])
 @triton.jit
 def _intra_bwd_kernel(
     q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dGl, dq, dk, dg, dbeta, cu_seqlens, chunk_indices,

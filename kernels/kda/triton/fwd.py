@@ -148,7 +148,7 @@ def _decayed_qk(q, k, G, Qg, Kd, ti, eos, g_last, H, K, BK: tl.constexpr, BC: tl
     store_tile(Kd, kd, ti, eos, H * K, 0, BC, K, BK)
 
 
-@triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["H", "K", "V", "STORE_X", "PREC"])
+@triton.autotune(configs=_configs([{}], [4, 8, 2], [1]), key=["H", "K", "V", "STORE_X", "PREC"])
 @triton.jit
 def _intra_kernel(
     q, k, v, G, beta, Aqk, Ainv, W, U, Qg, Kd, cu_seqlens, chunk_indices, H, K, V,
