@@ -123,11 +123,16 @@ class GatedMLA(nn.Module):
             outs.append((b, start, end, o_HTV.transpose(0, 1)))
         return _scatter_rows(outs, (*q_nope.shape[:3], self.v_dim), q_nope)
 
-    def _attend_absorbed(self, q_nope, q_pe, c_kv, k_pe, layout: SeqLayout, past: int) -> torch.Tensor:
+    def absorbed_weights(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, R] and W_UV [H, v_dim, R] (dtype/device of ``like``): kv_b_proj's effective
+        weight, read by applying the module to an identity so wrappers (LoRA) stay exact."""
         R, H = self.kv_lora_rank, self.num_heads
-        eye_RR = torch.eye(R, device=c_kv.device, dtype=c_kv.dtype)
+        eye_RR = torch.eye(R, device=like.device, dtype=like.dtype)
         w_HXR = self.kv_b_proj(eye_RR).transpose(0, 1).reshape(H, self.nope + self.v_dim, R)
-        w_uk_HNR, w_uv_HVR = w_HXR[:, : self.nope], w_HXR[:, self.nope :]
+        return w_HXR[:, : self.nope], w_HXR[:, self.nope :]
+
+    def _attend_absorbed(self, q_nope, q_pe, c_kv, k_pe, layout: SeqLayout, past: int) -> torch.Tensor:
+        w_uk_HNR, w_uv_HVR = self.absorbed_weights(c_kv)
         q_lat_BTHR = torch.einsum("bthn,hnr->bthr", q_nope, w_uk_HNR)
         outs = []
         for b, start, end in layout.bounds:

@@ -3,16 +3,31 @@
 * ``KDAStateLayer`` is a vLLM ``MambaBase`` recurrent-state layer. It reuses vLLM's gated-delta-net
   attention metadata (``mamba_type`` GDN_ATTN: decodes first, then prefills, per-request state slots,
   ``has_initial_state``) but computes with ``model.kda.KimiDeltaAttention`` itself (its projections,
-  gate, short convs and the ``kernels.kda`` chunked / recurrent kernels), so rollout and learner
-  run the same code. Per slot it keeps four states: the q, k and v conv states [C, K-1] (the layout
-  of ``model.layers.ShortConvolution``) and the fp32 recurrent state [H, K, V].
-* ``MLAPagedAttention`` runs ``model.mla.GatedMLA``'s projections and vLLM's paged attention in the
-  expanded per-head form: K = [k_nope_h ; k_pe] and V = v_h per head, zero-padded to a CPU paged
-  attention head size. Zero padding changes no dot product and the padded V columns are dropped, so
-  this is the same function as the learner's expanded SDPA. Deviation from the latent-cache form:
-  the cache holds H * 2 * head_size values per token instead of kv_lora_rank + rope; vLLM's CPU MLA
-  backend cannot share a block size with recurrent layers and is only ~1e-2 accurate (see
-  /work/shared/reference/vllm-cpu.md), so on CPU this is the form that works exactly.
+  gate, short convs and the ``kernels.kda`` chunked kernel for prefills), so rollout and learner run
+  the same code. Decode steps update the states in place by slot with our kernels: the pool step
+  ``kernels.kda.kda_decode_step_`` (PyTorch) on CPU, the Triton step recurrence on CUDA. Per slot it
+  keeps four states: the q, k and v conv states [C, K-1] (the layout of
+  ``model.layers.ShortConvolution``) and the fp32 recurrent state [H, K, V].
+* Gated MLA through vLLM's paged attention, in one of two cache forms picked by the HF config field
+  ``mla_cache_form`` (``rollout.vllm_plugin.MLA_CACHE_FORMS``; set it in config.json or through
+  vLLM's ``hf_overrides`` / ``WorkerConfig.mla_cache_form``; an unknown value is a ValueError):
+
+  - "expanded" (default; ``MLAPagedAttention``): K = [k_nope_h ; k_pe] and V = v_h per head,
+    zero-padded to a CPU paged-attention head size. Zero padding changes no dot product and the
+    padded V columns are dropped, so this is the same function as the learner's expanded SDPA. The
+    cache holds H * 2 * head_size values per token and layer.
+  - "latent" (``MLALatentPagedAttention``): the absorbed form as multi-query attention over the
+    latent (``GatedMLA._attend_absorbed`` in vLLM's pages): ONE KV head with K = [c_kv ; k_pe] and
+    V = c_kv, queries [q_nope_h W_UK_h ; q_pe_h], the model's own softmax scale, then W_UV_h per
+    head on the latent output. The cache holds 2 * latent_head_size values per token and layer
+    (kv_lora_rank + qk_rope rounded up to a head size, stored twice because vLLM's paged attention
+    keeps separate K and V pages): about 2x the single-latent cache of vLLM's GPU MLA backends
+    (kv_lora_rank + rope, once), but H times fewer KV heads than the expanded form.
+
+  Deviation: vLLM's own MLA backends (their own layer class and weight layout) are not used. Its
+  CPU MLA backend cannot share a block size with recurrent layers and is only ~1e-2 accurate (see
+  /work/shared/reference/vllm-cpu.md); both forms here run on vLLM's generic paged attention, on CPU
+  and GPU alike, and are tested on CPU (no vLLM GPU engine was available to this project).
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+from kernels.kda import kda_decode_step_
 from model.cache import KDAState
 from model.layers import l2_normalize, seq_layout
 
@@ -113,25 +129,47 @@ class KDAStateLayer(nn.Module, MambaBase):
 
     def _decode(self, x_ND: torch.Tensor, slots_N: torch.Tensor) -> torch.Tensor:
         """One token per sequence, states updated in place: the learner's projections, gate and norms
-        with a lean single-step conv and delta-rule update (the generic paths cost ~5x more per step
-        on tiny batches; tests hold this path to the learner's full-sequence logprobs)."""
+        with a lean single-step conv and our in-place pool step for the delta rule (the generic
+        paths cost ~5x more per step on tiny batches; tests hold this path to the learner's
+        full-sequence logprobs)."""
         kda = self._kda[0]
         conv_q, conv_k, conv_v, rec = self.kv_cache
         N, H, D = x_ND.shape[0], kda.num_heads, kda.head_dim
         q = _conv_step(kda.q_conv1d, kda.q_proj(x_ND), conv_q, slots_N)
         k = _conv_step(kda.k_conv1d, kda.k_proj(x_ND), conv_k, slots_N)
         v = _conv_step(kda.v_conv1d, kda.v_proj(x_ND), conv_v, slots_N)
-        q_NHK = l2_normalize(q.view(N, H, D)).float() * D**-0.5
+        # the kernels' conventions are the learner's: unscaled L2-normed q (scale passed), log-space
+        # gate g (decay first, then the delta-rule write), fp32 state pool [P, H, K, V] by slot index
+        q_NHK = l2_normalize(q.view(N, H, D)).float()
         k_NHK = l2_normalize(k.view(N, H, D)).float()
         beta_NH = torch.sigmoid(kda.b_proj(x_ND).float())
         g_NHK = kda.log_decay(x_ND[:, None])[:, 0]
-        S_NHKV = rec[slots_N] * g_NHK.exp()[..., None]  # decay first, then the delta-rule write
-        residual_NHV = v.view(N, H, D).float() - torch.einsum("nhk,nhkv->nhv", k_NHK, S_NHKV)
-        S_NHKV = S_NHKV + (beta_NH[..., None] * k_NHK)[..., None] * residual_NHV[..., None, :]
-        rec[slots_N] = S_NHKV
-        o_NHV = torch.einsum("nhk,nhkv->nhv", q_NHK, S_NHKV).to(x_ND.dtype)
-        o_NHV = kda.o_norm(o_NHV) * torch.sigmoid(kda.g_proj(x_ND)).view(N, H, D)
+        o_NHV = kda_pool_step_(q_NHK, k_NHK, v.view(N, H, D).float(), g_NHK, beta_NH, rec, slots_N, D**-0.5)
+        o_NHV = kda.o_norm(o_NHV.to(x_ND.dtype)) * torch.sigmoid(kda.g_proj(x_ND)).view(N, H, D)
         return kda.o_proj(o_NHV.reshape(N, H * D))
+
+
+@torch.no_grad()
+def kda_pool_step_(q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scale: float) -> torch.Tensor:
+    """One KDA decode step for N sequences whose states live in ``pool_PHKV`` at ``slots_N``, in place.
+
+    CPU: ``kernels.kda.kda_decode_step_``. CUDA: the Triton step recurrence on the gathered states,
+    scattered back (vLLM's state views share a page with the conv states, so the pool is not the
+    contiguous [P, H, K, V] tensor the Triton kernel's own by-index mode needs)."""
+    if not pool_PHKV.is_cuda:
+        return kda_decode_step_(q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scale=scale)
+    from kernels.kda.triton import fused_recurrent_kda_triton
+
+    live_N = slots_N >= 0  # vLLM's PAD_SLOT_ID entries (padded batches) get zero output, no state write
+    slots = slots_N[live_N].long()
+    q, k, v, g, beta = (t[live_N][:, None] for t in (q_NHK, k_NHK, v_NHV, g_NHK, beta_NH))
+    o_L1HV, S_LHKV = fused_recurrent_kda_triton(
+        q, k, v, g, beta, scale=scale, initial_state=pool_PHKV[slots].float(), output_final_state=True
+    )
+    pool_PHKV[slots] = S_LHKV.to(pool_PHKV.dtype)
+    o_NHV = torch.zeros_like(v_NHV)
+    o_NHV[live_N] = o_L1HV[:, 0].to(o_NHV.dtype)
+    return o_NHV
 
 
 def _conv_step(
@@ -177,4 +215,47 @@ class MLAPagedAttention(nn.Module):
             self._pad(q_THQ).reshape(T, -1), self._pad(k_THQ).reshape(T, -1), self._pad(v[0]).reshape(T, -1)
         )
         attn_THV = out.view(T, H, self.head_size)[..., : mla.v_dim]
+        return mla._output(x_1TD, attn_THV[None])[0]
+
+
+class MLALatentPagedAttention(nn.Module):
+    """Gated MLA in the absorbed form: multi-query attention over one latent KV head in vLLM's pages.
+
+    Cache per token and layer: 2 * head_size values (K = [c_kv ; k_pe], V = c_kv, both padded),
+    against H * 2 * expanded head size for ``MLAPagedAttention`` and kv_lora_rank + qk_rope (one copy)
+    for vLLM's GPU MLA backends. W_UK / W_UV are read from kv_b_proj on every call, so in-place
+    weight updates (and LoRA folds) take effect with no cached copy to refresh."""
+
+    def __init__(self, mla: nn.Module, head_size: int, cache_config, prefix: str) -> None:
+        super().__init__()
+        self._mla = [mla]
+        self.num_heads, self.head_size = mla.num_heads, head_size
+        self.latent_dim = mla.kv_lora_rank + mla.rope
+        if head_size < self.latent_dim:
+            raise ValueError(f"latent head size {head_size} < kv_lora_rank + qk_rope = {self.latent_dim}")
+        self.attn = Attention(
+            num_heads=mla.num_heads,
+            head_size=head_size,
+            scale=mla.scale,  # the expanded form's scale: q_lat . c_kv == q_nope . k_nope exactly
+            num_kv_heads=1,
+            cache_config=cache_config,
+            prefix=f"{prefix}.attn",
+        )
+
+    def _pad(self, t_TX: torch.Tensor) -> torch.Tensor:
+        return F.pad(t_TX, (0, self.head_size - t_TX.shape[-1]))
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        mla = self._mla[0]
+        x_1TD = x_TD[None]
+        q_nope, q_pe = mla._queries(x_1TD)
+        c_kv, k_pe = mla._latents(x_1TD)
+        w_uk_HNR, w_uv_HVR = mla.absorbed_weights(c_kv)
+        T, H, R = x_TD.shape[0], self.num_heads, mla.kv_lora_rank
+        q_lat_THR = torch.einsum("thn,hnr->thr", q_nope[0], w_uk_HNR)
+        q_THL = torch.cat([q_lat_THR, q_pe[0]], dim=-1)
+        k_TL = torch.cat([c_kv[0], k_pe[0]], dim=-1)
+        out = self.attn(self._pad(q_THL).reshape(T, -1), self._pad(k_TL), self._pad(c_kv[0]))
+        lat_THR = out.view(T, H, self.head_size)[..., :R]  # attention-weighted c_kv per head
+        attn_THV = torch.einsum("thr,hvr->thv", lat_THR, w_uv_HVR)
         return mla._output(x_1TD, attn_THV[None])[0]

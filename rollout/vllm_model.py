@@ -4,7 +4,9 @@ The module tree *is* the learner's (``model.modeling.HybridModel`` + ``lm_head``
 names map 1:1 and every token-wise part (embeddings, norms, Block AttnRes, MoE router with its
 frozen bias, experts, LM head) runs the learner's code. Only the sequence mixers are swapped for
 vLLM-aware wrappers (``rollout.vllm_layers``): KDA keeps its state in vLLM's recurrent-state pages,
-gated MLA attends over vLLM's paged KV cache in the expanded per-head form.
+gated MLA attends over vLLM's paged KV cache in the form the HF config's ``mla_cache_form`` names:
+"expanded" per-head K/V (default) or the "latent" one-head absorbed form (``hf_overrides=
+{"mla_cache_form": "latent"}``, or ``WorkerConfig.mla_cache_form``).
 
 Deviations from a stock vLLM model, on purpose:
 * plain ``torch.nn`` layers instead of vLLM's parallel linears: single-rank only (tensor parallel
@@ -27,12 +29,13 @@ from model.config import HybridConfig
 from model.modeling import HybridModel
 from rollout.vllm_layers import (
     KDAStateLayer,
+    MLALatentPagedAttention,
     MLAPagedAttention,
     kda_state_copy_funcs,
     kda_state_dtypes,
     kda_state_shapes,
 )
-from rollout.vllm_plugin import padded_head_size
+from rollout.vllm_plugin import mla_cache_form, mla_kv_layout
 
 
 class _PagedHybridModel(HybridModel):
@@ -57,16 +60,16 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        head_size = padded_head_size(config)
+        # the layout the plugin's arch convertor reported to vLLM (block sizing) is the one we build
+        mla_cls = MLALatentPagedAttention if mla_cache_form(config) == "latent" else MLAPagedAttention
+        head_size = mla_kv_layout(config)[1]
         mixers = []
         for i, layer in enumerate(self.model.layers):
             name = f"{prefix + '.' if prefix else ''}model.layers.{i}.self_attn"
             if layer.is_kda:
                 mixers.append(KDAStateLayer(layer.self_attn, config, prefix=name))
             else:
-                mixers.append(
-                    MLAPagedAttention(layer.self_attn, head_size, vllm_config.cache_config, prefix=name)
-                )
+                mixers.append(mla_cls(layer.self_attn, head_size, vllm_config.cache_config, prefix=name))
         self.paged_mixers = nn.ModuleList(mixers)
         self.model.paged_mixers = list(mixers)  # plain list: registered once, under paged_mixers
         # inference only: MoE routing statistics (balancer input) are a training-time thing, and the

@@ -2,9 +2,10 @@
 vLLM process (main, engine core, workers).
 
 It registers the HF config under its ``model_type``, a model-arch convertor that tells vLLM the KV
-head size and head count of our MLA layers *as we store them* (expanded per-head K/V, padded to a
-CPU-supported head size; see ``rollout.vllm_model``), and the model class, lazily by string so the
-plugin stays import-light.
+head size and head count of our MLA layers *as we store them* (``mla_kv_layout``: per the config's
+``mla_cache_form``, "expanded" per-head K/V or one "latent" KV head, padded to a CPU-supported head
+size; see ``rollout.vllm_layers``), and the model class, lazily by string so the plugin stays
+import-light. vLLM sizes the attention block from this layout so that one block holds a KDA state page.
 """
 
 from __future__ import annotations
@@ -15,15 +16,43 @@ MODEL_CLASS = "rollout.vllm_model:VllmHybridForCausalLM"
 CPU_ATTN_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def padded_head_size(config) -> int:
-    """Head size of the expanded MLA K/V pages: max(qk_nope + qk_rope, v_head_dim) rounded up."""
-    need = max(int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim), int(config.v_head_dim))
+# How MLA layers keep K/V in vLLM's paged cache (HF config field ``mla_cache_form``, settable through
+# vLLM's ``hf_overrides``): "expanded" = per-head K/V (exact on CPU, the default); "latent" = one
+# shared KV head holding [c_kv ; k_pe] with absorbed queries (multi-query attention over the latent).
+MLA_CACHE_FORMS = ("expanded", "latent")
+
+
+def mla_cache_form(config) -> str:
+    form = getattr(config, "mla_cache_form", None) or "expanded"
+    if form not in MLA_CACHE_FORMS:
+        raise ValueError(f"mla_cache_form must be one of {MLA_CACHE_FORMS}, got {form!r}")
+    return form
+
+
+def _round_up_head_size(need: int, what: str) -> int:
     for size in CPU_ATTN_HEAD_SIZES:
         if size >= need:
             return size
-    raise ValueError(
-        f"MLA head size {need} exceeds the largest paged-attention head size {CPU_ATTN_HEAD_SIZES[-1]}"
-    )
+    raise ValueError(f"{what} {need} exceeds the largest paged-attention head size {CPU_ATTN_HEAD_SIZES[-1]}")
+
+
+def padded_head_size(config) -> int:
+    """Head size of the expanded MLA K/V pages: max(qk_nope + qk_rope, v_head_dim) rounded up."""
+    need = max(int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim), int(config.v_head_dim))
+    return _round_up_head_size(need, "MLA head size")
+
+
+def latent_head_size(config) -> int:
+    """Head size of the latent MLA pages: kv_lora_rank + qk_rope rounded up (V = c_kv fits inside)."""
+    need = int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
+    return _round_up_head_size(need, "MLA latent size (kv_lora_rank + qk_rope_head_dim)")
+
+
+def mla_kv_layout(config) -> tuple[int, int]:
+    """(KV heads, head size) of one MLA layer's paged cache under the configured ``mla_cache_form``."""
+    if mla_cache_form(config) == "latent":
+        return 1, latent_head_size(config)
+    return int(config.num_attention_heads), padded_head_size(config)
 
 
 def _register_arch_convertor(model_type: str) -> None:
@@ -31,10 +60,10 @@ def _register_arch_convertor(model_type: str) -> None:
 
     class HybridArchConvertor(mac.ModelArchConfigConvertorBase):
         def get_head_size(self) -> int:
-            return padded_head_size(self.hf_text_config)
+            return mla_kv_layout(self.hf_text_config)[1]
 
         def get_total_num_kv_heads(self) -> int:
-            return int(self.hf_text_config.num_attention_heads)
+            return mla_kv_layout(self.hf_text_config)[0]
 
     mac.MODEL_ARCH_CONFIG_CONVERTORS[model_type] = HybridArchConvertor
 

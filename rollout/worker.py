@@ -59,10 +59,15 @@ class WorkerConfig:
     policy_version: int = 0
     stall_steps: int = 200  # engine steps without progress before idle sessions are force-closed
     in_process: bool = True  # engine core in this process (fast start; a Ray actor is a process already)
+    mla_cache_form: str | None = None  # "expanded" | "latent" (rollout.vllm_layers); None: the checkpoint's
 
     def __post_init__(self) -> None:
+        from rollout.vllm_plugin import MLA_CACHE_FORMS
+
         if self.reuse not in REUSE_MODES:
             raise ValueError(f"reuse must be one of {REUSE_MODES}, got {self.reuse!r}")
+        if self.mla_cache_form is not None and self.mla_cache_form not in MLA_CACHE_FORMS:
+            raise ValueError(f"mla_cache_form must be one of {MLA_CACHE_FORMS}, got {self.mla_cache_form!r}")
         if not Path(self.model_path, "config.json").is_file():
             raise FileNotFoundError(f"model_path {self.model_path!r} has no config.json")
 
@@ -168,6 +173,8 @@ class RolloutWorker:
             kwargs["block_size"] = c.block_size
         if c.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = c.max_num_batched_tokens
+        if c.mla_cache_form:
+            kwargs["hf_overrides"] = {"mla_cache_form": c.mla_cache_form}
         return LLM(**kwargs)
 
     def _resident_budget(self) -> int:

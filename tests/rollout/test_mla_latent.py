@@ -1,0 +1,117 @@
+"""The latent-cache MLA form (``mla_cache_form="latent"``) in a real vLLM engine (CPU, fp32): the same
+function as the learner and as the expanded form, with a smaller KV page. One extra engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_vllm_engine import LOGPROB_TOL, _prompt, learner_logprobs
+
+from rollout.worker import RolloutWorker, TurnRequest, WorkerConfig
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def latent_worker(tiny_ckpt):
+    path, _ = tiny_ckpt
+    w = RolloutWorker(
+        dict(
+            model_path=str(path),
+            reuse="session",
+            max_model_len=768,
+            max_num_seqs=8,
+            kv_cache_memory_bytes=32 << 20,
+            mla_cache_form="latent",
+        )
+    )
+    yield w
+    w.shutdown()
+
+
+def _mla_layout(worker) -> list[tuple[str, int, int, int]]:
+    """(layer class, KV heads, head size, KV bytes per token) of every MLA layer in the engine's model."""
+
+    def read(w):
+        out = []
+        for m in w.model_runner.get_model().paged_mixers:
+            if hasattr(m, "attn"):
+                spec = m.attn.get_kv_cache_spec(w.vllm_config)
+                out.append(
+                    (
+                        type(m).__name__,
+                        m.attn.num_kv_heads,
+                        m.attn.head_size,
+                        spec.page_size_bytes // spec.block_size,
+                    )
+                )
+        return out
+
+    return worker.llm.collective_rpc(read)[0]
+
+
+def test_latent_form_cache_is_one_kv_head_and_smaller(latent_worker, session_worker, tiny_ckpt):
+    _, model = tiny_ckpt
+    cfg = model.config
+    latent, expanded = _mla_layout(latent_worker), _mla_layout(session_worker)
+    assert latent and len(latent) == len(expanded)
+    (name_l, heads_l, size_l, bytes_l), (name_e, heads_e, size_e, bytes_e) = latent[0], expanded[0]
+    assert (name_l, name_e) == ("MLALatentPagedAttention", "MLAPagedAttention")
+    assert heads_l == 1 and heads_e == cfg.num_attention_heads
+    assert size_l >= cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    fp32 = 4  # K and V pages, fp32 cache
+    assert bytes_l == 2 * heads_l * size_l * fp32 and bytes_e == 2 * heads_e * size_e * fp32
+    assert bytes_l < bytes_e, (bytes_l, bytes_e)
+
+
+def test_latent_form_greedy_equals_expanded_form_and_generate(latent_worker, session_worker, tiny_ckpt):
+    _, model = tiny_ckpt
+    prompts = {"lg0": _prompt(40, 50), "lg1": _prompt(41, 90)}
+    reqs = [TurnRequest(s, p, max_tokens=12, temperature=0.0) for s, p in prompts.items()]
+    latent, expanded = latent_worker.generate(reqs), session_worker.generate(reqs)
+    for a, b in zip(latent, expanded):
+        ref = model.generate(torch.tensor([prompts[a.session_id]]), max_new_tokens=12)[0, -12:].tolist()
+        assert a.token_ids == b.token_ids == ref
+        diff = (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max().item()
+        assert diff < LOGPROB_TOL, diff
+    latent_worker.end_sessions(list(prompts))
+    session_worker.end_sessions(list(prompts))
+
+
+def test_latent_form_sampled_logprobs_equal_learner_logprobs(latent_worker, tiny_ckpt):
+    _, model = tiny_ckpt
+    prompt = _prompt(42, 60)
+    o = latent_worker.generate([TurnRequest("llp", prompt, max_tokens=24, temperature=1.0)])[0]
+    assert len(o.token_ids) == len(o.logprobs) == 24
+    ref = learner_logprobs(model, prompt + o.token_ids)[len(prompt) - 1 :]
+    diff = (torch.tensor(o.logprobs) - ref).abs().max().item()
+    assert diff < LOGPROB_TOL, diff
+    latent_worker.end_sessions(["llp"])
+
+
+def test_latent_form_session_reuse_second_turn(latent_worker, tiny_ckpt):
+    _, model = tiny_ckpt
+    first, second = _prompt(43, 70), _prompt(44, 15)
+    o1 = latent_worker.generate([TurnRequest("lr", first, max_tokens=8, temperature=1.0)])[0]
+    o2 = latent_worker.generate([TurnRequest("lr", second, max_tokens=8, temperature=0.0)])[0]
+    latent_worker.end_sessions(["lr"])
+    assert o2.reused_session and o2.num_computed_prompt_tokens == len(second) + 1  # + turn 1's last token
+    history = first + o1.token_ids + second
+    assert o2.token_ids == model.generate(torch.tensor([history]), max_new_tokens=8)[0, -8:].tolist()
+    ref = learner_logprobs(model, history + o2.token_ids)[len(history) - 1 :]
+    diff = (torch.tensor(o2.logprobs) - ref).abs().max().item()
+    assert diff < LOGPROB_TOL, diff
+
+
+def test_unknown_mla_cache_form_is_rejected(tiny_ckpt):
+    from model.config import HybridConfig
+    from rollout.vllm_plugin import mla_cache_form, mla_kv_layout
+
+    path, _ = tiny_ckpt
+    with pytest.raises(ValueError, match="mla_cache_form"):
+        WorkerConfig(model_path=str(path), mla_cache_form="compressed")
+    cfg = HybridConfig.from_pretrained(str(path))
+    assert mla_cache_form(cfg) == "expanded"
+    cfg.mla_cache_form = "dense"
+    with pytest.raises(ValueError, match="mla_cache_form"):
+        mla_kv_layout(cfg)
