@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import build_checkpoint
 from test_vllm_engine import LOGPROB_TOL, _prompt, learner_logprobs
 
 from rollout.worker import RolloutWorker, TurnRequest, WorkerConfig
@@ -12,21 +13,57 @@ from rollout.worker import RolloutWorker, TurnRequest, WorkerConfig
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def latent_worker(tiny_ckpt):
-    path, _ = tiny_ckpt
-    w = RolloutWorker(
+def _engine(path, form: str) -> RolloutWorker:
+    return RolloutWorker(
         dict(
             model_path=str(path),
             reuse="session",
             max_model_len=768,
             max_num_seqs=8,
             kv_cache_memory_bytes=32 << 20,
-            mla_cache_form="latent",
+            mla_cache_form=form,
         )
     )
-    yield w
-    w.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sharp_ckpt(tmp_path_factory):
+    """The tiny checkpoint with MLA attention logits x16 and MLA output x2: at random init the MLA
+    scores are near zero (attention almost uniform), where a wrong softmax scale moves logprobs by
+    only ~4e-5; here by ~5e-3, far above the tolerance."""
+    path = tmp_path_factory.mktemp("tiny_sharp_mla")
+    model = build_checkpoint(path)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if not layer.is_kda:
+                mla = layer.self_attn
+                for w in (
+                    mla.q_proj.weight,
+                    mla.kv_b_proj.weight,
+                    mla.kv_a_proj_with_mqa.weight[mla.kv_lora_rank :],
+                ):
+                    w.mul_(4.0)
+                mla.o_proj.weight.mul_(2.0)
+    model.save_pretrained(str(path))
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def engines(sharp_ckpt):
+    path, _ = sharp_ckpt
+    made = {}
+    try:
+        for form in ("latent", "expanded"):
+            made[form] = _engine(path, form)
+        yield made
+    finally:
+        for w in made.values():
+            w.shutdown()
+
+
+@pytest.fixture(scope="module")
+def latent_worker(engines):
+    return engines["latent"]
 
 
 def _mla_layout(worker) -> list[tuple[str, int, int, int]]:
@@ -50,10 +87,10 @@ def _mla_layout(worker) -> list[tuple[str, int, int, int]]:
     return worker.llm.collective_rpc(read)[0]
 
 
-def test_latent_form_cache_is_one_kv_head_and_smaller(latent_worker, session_worker, tiny_ckpt):
-    _, model = tiny_ckpt
+def test_latent_form_cache_is_one_kv_head_and_smaller(engines, sharp_ckpt):
+    _, model = sharp_ckpt
     cfg = model.config
-    latent, expanded = _mla_layout(latent_worker), _mla_layout(session_worker)
+    latent, expanded = _mla_layout(engines["latent"]), _mla_layout(engines["expanded"])
     assert latent and len(latent) == len(expanded)
     (name_l, heads_l, size_l, bytes_l), (name_e, heads_e, size_e, bytes_e) = latent[0], expanded[0]
     assert (name_l, name_e) == ("MLALatentPagedAttention", "MLAPagedAttention")
@@ -64,22 +101,23 @@ def test_latent_form_cache_is_one_kv_head_and_smaller(latent_worker, session_wor
     assert bytes_l < bytes_e, (bytes_l, bytes_e)
 
 
-def test_latent_form_greedy_equals_expanded_form_and_generate(latent_worker, session_worker, tiny_ckpt):
-    _, model = tiny_ckpt
+def test_latent_form_greedy_equals_expanded_form_and_generate(engines, sharp_ckpt):
+    _, model = sharp_ckpt
+    latent_worker, expanded_worker = engines["latent"], engines["expanded"]
     prompts = {"lg0": _prompt(40, 50), "lg1": _prompt(41, 90)}
     reqs = [TurnRequest(s, p, max_tokens=12, temperature=0.0) for s, p in prompts.items()]
-    latent, expanded = latent_worker.generate(reqs), session_worker.generate(reqs)
+    latent, expanded = latent_worker.generate(reqs), expanded_worker.generate(reqs)
     for a, b in zip(latent, expanded):
         ref = model.generate(torch.tensor([prompts[a.session_id]]), max_new_tokens=12)[0, -12:].tolist()
         assert a.token_ids == b.token_ids == ref
         diff = (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max().item()
         assert diff < LOGPROB_TOL, diff
     latent_worker.end_sessions(list(prompts))
-    session_worker.end_sessions(list(prompts))
+    expanded_worker.end_sessions(list(prompts))
 
 
-def test_latent_form_sampled_logprobs_equal_learner_logprobs(latent_worker, tiny_ckpt):
-    _, model = tiny_ckpt
+def test_latent_form_sampled_logprobs_equal_learner_logprobs(latent_worker, sharp_ckpt):
+    _, model = sharp_ckpt
     prompt = _prompt(42, 60)
     o = latent_worker.generate([TurnRequest("llp", prompt, max_tokens=24, temperature=1.0)])[0]
     assert len(o.token_ids) == len(o.logprobs) == 24
@@ -89,8 +127,8 @@ def test_latent_form_sampled_logprobs_equal_learner_logprobs(latent_worker, tiny
     latent_worker.end_sessions(["llp"])
 
 
-def test_latent_form_session_reuse_second_turn(latent_worker, tiny_ckpt):
-    _, model = tiny_ckpt
+def test_latent_form_session_reuse_second_turn(latent_worker, sharp_ckpt):
+    _, model = sharp_ckpt
     first, second = _prompt(43, 70), _prompt(44, 15)
     o1 = latent_worker.generate([TurnRequest("lr", first, max_tokens=8, temperature=1.0)])[0]
     o2 = latent_worker.generate([TurnRequest("lr", second, max_tokens=8, temperature=0.0)])[0]
@@ -103,11 +141,11 @@ def test_latent_form_session_reuse_second_turn(latent_worker, tiny_ckpt):
     assert diff < LOGPROB_TOL, diff
 
 
-def test_unknown_mla_cache_form_is_rejected(tiny_ckpt):
+def test_unknown_mla_cache_form_is_rejected(sharp_ckpt):
     from model.config import HybridConfig
     from rollout.vllm_plugin import mla_cache_form, mla_kv_layout
 
-    path, _ = tiny_ckpt
+    path, _ = sharp_ckpt
     with pytest.raises(ValueError, match="mla_cache_form"):
         WorkerConfig(model_path=str(path), mla_cache_form="compressed")
     cfg = HybridConfig.from_pretrained(str(path))
