@@ -127,11 +127,14 @@ class _Pending:
 class RolloutWorker:
     """One vLLM engine; see the module docstring. Not thread-safe: one call at a time."""
 
+    _live_in_process = 0  # in-process engines alive in this process (they share its vLLM dist groups)
+
     def __init__(self, config: WorkerConfig | dict[str, Any]) -> None:
         self.config = config if isinstance(config, WorkerConfig) else WorkerConfig(**config)
         self.version = self.config.policy_version
         self.sessions: OrderedDict[str, _Session] = OrderedDict()  # LRU order: oldest first
         self.llm = self._start_engine()
+        RolloutWorker._live_in_process += int(self.config.in_process)
         from rollout.engine_hooks import install_step_recorder
         from rollout.sessions import SessionEngine
 
@@ -295,11 +298,29 @@ class RolloutWorker:
         if llm is not None:
             engine_core = getattr(llm.llm_engine, "engine_core", None)
             if engine_core is not None and hasattr(engine_core, "shutdown"):
-                engine_core.shutdown()
+                self._shutdown_engine_core(engine_core)
             del llm
         import gc
 
         gc.collect()
+
+    def _shutdown_engine_core(self, engine_core) -> None:
+        """An in-process EngineCore's shutdown tears down the process's vLLM distributed groups, which
+        every other in-process engine here still uses; only the last one alive may do that."""
+        if not self.config.in_process:
+            engine_core.shutdown()
+            return
+        RolloutWorker._live_in_process -= 1
+        if RolloutWorker._live_in_process <= 0:
+            engine_core.shutdown()
+            return
+        import vllm.v1.engine.core as core_mod
+
+        teardown, core_mod.cleanup_dist_env_and_memory = core_mod.cleanup_dist_env_and_memory, lambda: None
+        try:
+            engine_core.shutdown()
+        finally:
+            core_mod.cleanup_dist_env_and_memory = teardown
 
     # --- turns ----------------------------------------------------------------------------------------
     def _start_turn(self, r: TurnRequest, protected: set[str]) -> _Pending | TurnOutput:
