@@ -153,3 +153,29 @@ def test_unknown_mla_cache_form_is_rejected(sharp_ckpt):
     cfg.mla_cache_form = "dense"
     with pytest.raises(ValueError, match="mla_cache_form"):
         mla_kv_layout(cfg)
+
+
+def test_latent_form_follows_an_in_place_weight_update(latent_worker, sharp_ckpt):
+    """W_UK / W_UV are read from kv_b_proj on every call: a weight update must reach the absorbed
+    queries and the latent-to-value map (a cached copy would keep the old ones). Runs last: it
+    leaves the latent engine on new weights."""
+    import copy
+
+    _, model = sharp_ckpt
+    new = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for layer in new.model.layers:
+            if not layer.is_kda:
+                w = layer.self_attn.kv_b_proj.weight
+                w.copy_(w.std() * 4.0 * torch.randn(w.shape, generator=g))
+    latent_worker.update_weights(new.state_dict(), version=1)
+    prompt = _prompt(45, 60)
+    o = latent_worker.generate([TurnRequest("lw", prompt, max_tokens=16, temperature=1.0)])[0]
+    latent_worker.end_sessions(["lw"])
+    assert o.policy_version == 1
+    ref = learner_logprobs(new, prompt + o.token_ids)[len(prompt) - 1 :]
+    old = learner_logprobs(model, prompt + o.token_ids)[len(prompt) - 1 :]
+    assert (ref - old).abs().max().item() > 100 * LOGPROB_TOL  # the update changes the function
+    diff = (torch.tensor(o.logprobs) - ref).abs().max().item()
+    assert diff < LOGPROB_TOL, diff
