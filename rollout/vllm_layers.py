@@ -22,7 +22,9 @@
     head on the latent output. The cache holds 2 * latent_head_size values per token and layer
     (kv_lora_rank + qk_rope rounded up to a head size, stored twice because vLLM's paged attention
     keeps separate K and V pages): about 2x the single-latent cache of vLLM's GPU MLA backends
-    (kv_lora_rank + rope, once), but H times fewer KV heads than the expanded form.
+    (kv_lora_rank + rope, once), but H times fewer KV heads than the expanded form. The latent
+    size must fit a paged-attention head size (at most 512 on CPU): K3's 512 + 64 = 576 does not and
+    is rejected with a ValueError; at that size vLLM's own MLA backends are the route.
 
   Deviation: vLLM's own MLA backends (their own layer class and weight layout) are not used. Its
   CPU MLA backend cannot share a block size with recurrent layers and is only ~1e-2 accurate (see
