@@ -141,7 +141,7 @@ def test_latent_form_session_reuse_second_turn(latent_worker, sharp_ckpt):
     assert diff < LOGPROB_TOL, diff
 
 
-def test_unknown_mla_cache_form_is_rejected(sharp_ckpt):
+def test_unknown_cache_form_and_oversized_latent_are_rejected(sharp_ckpt):
     from model.config import HybridConfig
     from rollout.vllm_plugin import mla_cache_form, mla_kv_layout
 
@@ -152,6 +152,11 @@ def test_unknown_mla_cache_form_is_rejected(sharp_ckpt):
     assert mla_cache_form(cfg) == "expanded"
     cfg.mla_cache_form = "dense"
     with pytest.raises(ValueError, match="mla_cache_form"):
+        mla_kv_layout(cfg)
+    cfg.mla_cache_form = "latent"
+    assert mla_kv_layout(cfg) == (1, 64)  # kv_lora_rank 32 + rope 16 -> head size 64
+    cfg.kv_lora_rank, cfg.qk_rope_head_dim = 512, 64  # K3's latent: no paged-attention head size fits
+    with pytest.raises(ValueError, match="576 exceeds"):
         mla_kv_layout(cfg)
 
 
