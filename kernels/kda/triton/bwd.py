@@ -225,27 +225,36 @@ def _col_side(
     return pdot(tl.trans(dAq), qf, PREC) + pdot(tl.trans(dAk), kf, PREC)
 
 
+@triton.autotune(configs=_configs([{}], [4, 8, 2], [1]), key=["H", "K", "PREC"])
 @triton.jit
-def _intra_bwd_block(
-    q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dq, dk, dg, dbeta, carry, t0, eos, H, K,
-    I: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+def _intra_bwd_kernel(
+    q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG, db_p, dq, dk, dbeta, cu_seqlens, chunk_indices,
+    H, K, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    stk = H * K
+    """Sub-tile row I of a chunk (program axis 2): the Aqk and L terms of dq, dk, dbeta, and dG before
+    the within-chunk reverse cumulative sum (`_dg_kernel`), written over the partial dG in place. One
+    program per sub-tile rather than per chunk: four times the programs, a quarter of the live tiles."""
+    i_c, i_h, I = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
     ti = t0 + I * BC
-    q_i = load_tile(q, ti, eos, stk, 0, BC, K, BK)
-    k_i = load_tile(k, ti, eos, stk, 0, BC, K, BK)
-    G_i = load_tile(G, ti, eos, stk, 0, BC, K, BK)
-    b_i = load_rows(beta, ti, eos, H, BC)
+    if ti >= eos:
+        return
+    q, k, G, beta = q + i_h * K, k + i_h * K, G + i_h * K, beta + i_h
+    dAqk, dAkk = dAqk + i_h * BT, dAkk + i_h * BT
+    dq_p, dk_p, dG, db_p = dq_p + i_h * K, dk_p + i_h * K, dG + i_h * K, db_p + i_h
+    dq, dk, dbeta = dq + i_h * K, dk + i_h * K, dbeta + i_h
+    stk = H * K
     # rows of sub-tile row I, off-diagonal columns referred to the tile's first row
-    ref_o = load_row(G, tl.minimum(ti, eos - 1), stk, K, BK)
+    ref_o = load_row(G, ti, stk, K, BK)
     dq_o = tl.full([BC, BK], 0.0, tl.float32)
     P_o = tl.full([BC, BK], 0.0, tl.float32)
-    for j in tl.static_range(I):
+    for j in range(0, I):
         a, p = _row_side(
             k, G, dAqk + j * BC, dAkk + j * BC, ti, t0 + j * BC, ref_o, eos, H, K, BK, BT, BC, PREC
         )
         dq_o += a
         P_o += p
+    G_i = load_tile(G, ti, eos, stk, 0, BC, K, BK)
     f_o = decay_factor(G_i, ref_o, ti, eos, BC, 1.0)
     ref_m = load_row(G, tl.minimum(ti + BC // 2, eos - 1), stk, K, BK)
     f_m = decay_factor(G_i, ref_m, ti, eos, BC, 1.0)
@@ -255,42 +264,35 @@ def _intra_bwd_block(
     # columns of sub-tile column I, later rows referred to the tile's last row
     ref_c = load_row(G, tl.minimum(ti + BC - 1, eos - 1), stk, K, BK)
     dkc_o = tl.full([BC, BK], 0.0, tl.float32)
-    for j in tl.static_range(I + 1, BT // BC):
+    for j in range(I + 1, BT // BC):
         dkc_o += _col_side(
             q, k, G, beta, dAqk + I * BC, dAkk + I * BC, t0 + j * BC, ref_c, eos, H, K, BK, BT, BC, PREC
         )
     dkc = dkc_o * decay_factor(G_i, ref_c, ti, eos, BC, -1.0)
     d = _col_side(q, k, G, beta, dAqk + I * BC, dAkk + I * BC, ti, ref_m, eos, H, K, BK, BT, BC, PREC)
     dkc += d * decay_factor(G_i, ref_m, ti, eos, BC, -1.0)
+    q_i = load_tile(q, ti, eos, stk, 0, BC, K, BK)
+    k_i = load_tile(k, ti, eos, stk, 0, BC, K, BK)
+    b_i = load_rows(beta, ti, eos, H, BC)
     dk_row = b_i[:, None] * P
-    dG_i = q_i * dq_i + k_i * (dk_row - dkc) + load_tile(dG_p, ti, eos, stk, 0, BC, K, BK)
+    dG_i = q_i * dq_i + k_i * (dk_row - dkc) + load_tile(dG, ti, eos, stk, 0, BC, K, BK)
+    store_tile(dG, dG_i, ti, eos, stk, 0, BC, K, BK)
     store_tile(dq, dq_i + load_tile(dq_p, ti, eos, stk, 0, BC, K, BK), ti, eos, stk, 0, BC, K, BK)
     store_tile(dk, dk_row + dkc + load_tile(dk_p, ti, eos, stk, 0, BC, K, BK), ti, eos, stk, 0, BC, K, BK)
     db = rsum(k_i * P, 1) + load_rows(db_p, ti, eos, H, BC)
     store_tile(dbeta, db[:, None], ti, eos, H, 0, BC, 1, 1)
-    store_tile(dg, rcumsum(dG_i, 0, True) + carry[None, :], ti, eos, stk, 0, BC, K, BK)
-    return carry + rsum(dG_i, 0)
 
 
-@triton.autotune(configs=_configs([{}], [4, 8, 2], [1]), key=["H", "K", "PREC"])
 @triton.jit
-def _intra_bwd_kernel(
-    q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dGl, dq, dk, dg, dbeta, cu_seqlens, chunk_indices,
-    H, K, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
+def _dg_kernel(dG, dGl, dg, cu_seqlens, chunk_indices, H, K, BK: tl.constexpr, BT: tl.constexpr):
+    """dg = reverse cumulative sum of dG within the chunk, plus the carry dGl from the chunk's end:
+    e^(G_C) feeds every position of the chunk."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
-    q, k, G, beta = q + i_h * K, k + i_h * K, G + i_h * K, beta + i_h
-    dAqk, dAkk = dAqk + i_h * BT, dAkk + i_h * BT
-    dq_p, dk_p, dG_p, db_p = dq_p + i_h * K, dk_p + i_h * K, dG_p + i_h * K, db_p + i_h
-    dq, dk, dg, dbeta = dq + i_h * K, dk + i_h * K, dg + i_h * K, dbeta + i_h
     rk = tl.arange(0, BK)
     carry = tl.load(dGl + (i_c.to(tl.int64) * H + i_h) * K + rk, mask=rk < K, other=0.0)
-    # sub-tiles last to first: dg is a reverse cumulative sum, carried from one sub-tile to the next
-    carry = _intra_bwd_block(q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dq, dk, dg, dbeta, carry, t0, eos, H, K, 3, BK, BT, BC, PREC)  # fmt: skip
-    carry = _intra_bwd_block(q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dq, dk, dg, dbeta, carry, t0, eos, H, K, 2, BK, BT, BC, PREC)  # fmt: skip
-    carry = _intra_bwd_block(q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dq, dk, dg, dbeta, carry, t0, eos, H, K, 1, BK, BT, BC, PREC)  # fmt: skip
-    carry = _intra_bwd_block(q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dq, dk, dg, dbeta, carry, t0, eos, H, K, 0, BK, BT, BC, PREC)  # fmt: skip
+    dG_t = load_tile(dG + i_h * K, t0, eos, H * K, 0, BT, K, BK)
+    store_tile(dg + i_h * K, rcumsum(dG_t, 0, True) + carry[None, :], t0, eos, H * K, 0, BT, K, BK)
 
 
 def kda_bwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, saved: dict, do, dht):
@@ -324,8 +326,9 @@ def kda_bwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, saved: dict, do
             q, k, v, saved["G"], beta, saved["Ainv"], saved["Hc"], dHc, saved["Vn"], dVn, do,
             dq_p, dk_p, dG_p, dv, db_p, dAkk, dGl, scale, cu, ci, H, K, V, BK=BK, BT=BT, PREC=prec,
         )  # fmt: skip
-        _intra_bwd_kernel[(NC, H)](
-            q, k, saved["G"], beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dGl, dq, dk, dg, dbeta, cu, ci,
+        _intra_bwd_kernel[(NC, H, BT // BC)](
+            q, k, saved["G"], beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dq, dk, dbeta, cu, ci,
             H, K, BK=BK, BT=BT, BC=BC, PREC=prec,
         )  # fmt: skip
+        _dg_kernel[(NC, H)](dG_p, dGl, dg, cu, ci, H, K, BK=BK, BT=BT)
     return dq, dk, dv, dg, dbeta, dh0

@@ -31,7 +31,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         plan = plan_chunks(B, T, cu_seqlens, q.device)
         h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
         flat = [_flat(x) for x in (q, k, v, g, beta)]
-        out = kda_fwd(*flat, scale, h0, plan, store_ht=output_final_state, store_x=True)
+        out = kda_fwd(*flat, scale, h0, plan, store_ht=output_final_state)
         ctx.save_for_backward(*flat, h0, *(out[name] for name in _SAVED))
         ctx.plan, ctx.scale, ctx.shape = plan, scale, (B, T)
         ctx.h0_dtype = None if initial_state is None else initial_state.dtype

@@ -19,7 +19,7 @@ because L feeds (I + L)^-1: single bf16 rounding there made o and dv errors ~1.5
 D = 64, vs float64). LONGHORIZON_KDA_INTRA_PREC=bf16|tf32|bf16x3 selects (common.intra_precision).
 (I + L)^-1 is built from forward substitution on the four diagonal 16 x 16 blocks and block back-substitution for the six blocks below them.
 
-Kernels: `_cumsum` (G), `_intra` (Aqk, X, W, U), `_state` (sequential over chunks: per-chunk states
+Kernels: `_cumsum` (G), `_intra` (Aqk, X), `_wy` (W, U, q e^G, k e^(G_C - G)), `_state` (sequential over chunks: per-chunk states
 and Vn), `_output` (O, parallel over chunks).
 """
 
@@ -127,61 +127,40 @@ def _store_sq(ptr, x, ti, eos, j, H, BT: tl.constexpr, BC: tl.constexpr):
     store_tile(ptr + j * BC, x, ti, eos, H * BT, 0, BC, BC, BC)
 
 
-@triton.jit
-def _wy_in(
-    k, v, G, beta, tj, eos, H, K, V, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr
-):
-    """Diag(beta)(k e^G) and Diag(beta) v for sub-tile j, in the dot dtype."""
-    b = load_rows(beta, tj, eos, H, BC)[:, None]
-    k_j = load_tile(k, tj, eos, H * K, 0, BC, K, BK)
-    G_j = load_tile(G, tj, eos, H * K, 0, BC, K, BK)
-    v_j = load_tile(v, tj, eos, H * V, 0, BC, V, BV)
-    return (b * k_j * tl.exp2(G_j)).to(DT), (b * v_j).to(DT)
-
-
-@triton.jit
-def _decayed_qk(q, k, G, Qg, Kd, ti, eos, g_last, H, K, BK: tl.constexpr, BC: tl.constexpr):
-    """q e^G and k e^(G_C - G) of sub-tile i, stored in the dot dtype for the state and output passes."""
-    G_i = load_tile(G, ti, eos, H * K, 0, BC, K, BK)
-    store_tile(Qg, load_tile(q, ti, eos, H * K, 0, BC, K, BK) * tl.exp2(G_i), ti, eos, H * K, 0, BC, K, BK)
-    kd = load_tile(k, ti, eos, H * K, 0, BC, K, BK) * decay_factor(G_i, g_last, ti, eos, BC, -1.0)
-    store_tile(Kd, kd, ti, eos, H * K, 0, BC, K, BK)
-
-
-@triton.autotune(configs=_configs([{}], [4, 8, 2], [1]), key=["H", "K", "V", "STORE_X", "PREC"])
+@triton.autotune(configs=_configs([{}], [4, 8, 2], [1]), key=["H", "K", "PREC"])
 @triton.jit
 def _intra_kernel(
-    q, k, v, G, beta, Aqk, Ainv, W, U, Qg, Kd, cu_seqlens, chunk_indices, H, K, V,
-    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, STORE_X: tl.constexpr,
-    PREC: tl.constexpr,
+    q, k, G, beta, Aqk, Ainv, cu_seqlens, chunk_indices, H, K,
+    BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
+    """Aqk and X = (I + L)^-1 of one chunk, from its ten 16 x 16 sub-tile pairs. W, U, Qg and Kd are
+    left to `_wy_kernel`: in one program they kept too many tiles live (register spills)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
-    DT = W.dtype.element_ty
-    q, k, G, v, beta = q + i_h * K, k + i_h * K, G + i_h * K, v + i_h * V, beta + i_h
-    Aqk, Ainv, W, U = Aqk + i_h * BT, Ainv + i_h * BT, W + i_h * K, U + i_h * V
-    Qg, Kd = Qg + i_h * K, Kd + i_h * K
+    q, k, G, beta = q + i_h * K, k + i_h * K, G + i_h * K, beta + i_h
+    Aqk, Ainv = Aqk + i_h * BT, Ainv + i_h * BT
     t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
-    A00, L00 = _pair(q, k, G, beta, t0, t0, eos, H, K, BK, BC, True, PREC)
-    A10, L10 = _pair(q, k, G, beta, t1, t0, eos, H, K, BK, BC, False, PREC)
-    A11, L11 = _pair(q, k, G, beta, t1, t1, eos, H, K, BK, BC, True, PREC)
-    A20, L20 = _pair(q, k, G, beta, t2, t0, eos, H, K, BK, BC, False, PREC)
-    A21, L21 = _pair(q, k, G, beta, t2, t1, eos, H, K, BK, BC, False, PREC)
-    A22, L22 = _pair(q, k, G, beta, t2, t2, eos, H, K, BK, BC, True, PREC)
-    A30, L30 = _pair(q, k, G, beta, t3, t0, eos, H, K, BK, BC, False, PREC)
-    A31, L31 = _pair(q, k, G, beta, t3, t1, eos, H, K, BK, BC, False, PREC)
-    A32, L32 = _pair(q, k, G, beta, t3, t2, eos, H, K, BK, BC, False, PREC)
-    A33, L33 = _pair(q, k, G, beta, t3, t3, eos, H, K, BK, BC, True, PREC)
-    _store_sq(Aqk, A00, t0, eos, 0, H, BT, BC)
-    _store_sq(Aqk, A10, t1, eos, 0, H, BT, BC)
-    _store_sq(Aqk, A11, t1, eos, 1, H, BT, BC)
-    _store_sq(Aqk, A20, t2, eos, 0, H, BT, BC)
-    _store_sq(Aqk, A21, t2, eos, 1, H, BT, BC)
-    _store_sq(Aqk, A22, t2, eos, 2, H, BT, BC)
-    _store_sq(Aqk, A30, t3, eos, 0, H, BT, BC)
-    _store_sq(Aqk, A31, t3, eos, 1, H, BT, BC)
-    _store_sq(Aqk, A32, t3, eos, 2, H, BT, BC)
-    _store_sq(Aqk, A33, t3, eos, 3, H, BT, BC)
+    # each Aqk tile is stored as soon as it exists; only the L tiles stay live for the inverse
+    A, L00 = _pair(q, k, G, beta, t0, t0, eos, H, K, BK, BC, True, PREC)
+    _store_sq(Aqk, A, t0, eos, 0, H, BT, BC)
+    A, L10 = _pair(q, k, G, beta, t1, t0, eos, H, K, BK, BC, False, PREC)
+    _store_sq(Aqk, A, t1, eos, 0, H, BT, BC)
+    A, L11 = _pair(q, k, G, beta, t1, t1, eos, H, K, BK, BC, True, PREC)
+    _store_sq(Aqk, A, t1, eos, 1, H, BT, BC)
+    A, L20 = _pair(q, k, G, beta, t2, t0, eos, H, K, BK, BC, False, PREC)
+    _store_sq(Aqk, A, t2, eos, 0, H, BT, BC)
+    A, L21 = _pair(q, k, G, beta, t2, t1, eos, H, K, BK, BC, False, PREC)
+    _store_sq(Aqk, A, t2, eos, 1, H, BT, BC)
+    A, L22 = _pair(q, k, G, beta, t2, t2, eos, H, K, BK, BC, True, PREC)
+    _store_sq(Aqk, A, t2, eos, 2, H, BT, BC)
+    A, L30 = _pair(q, k, G, beta, t3, t0, eos, H, K, BK, BC, False, PREC)
+    _store_sq(Aqk, A, t3, eos, 0, H, BT, BC)
+    A, L31 = _pair(q, k, G, beta, t3, t1, eos, H, K, BK, BC, False, PREC)
+    _store_sq(Aqk, A, t3, eos, 1, H, BT, BC)
+    A, L32 = _pair(q, k, G, beta, t3, t2, eos, H, K, BK, BC, False, PREC)
+    _store_sq(Aqk, A, t3, eos, 2, H, BT, BC)
+    A, L33 = _pair(q, k, G, beta, t3, t3, eos, H, K, BK, BC, True, PREC)
+    _store_sq(Aqk, A, t3, eos, 3, H, BT, BC)
     # (I + L)^-1 blockwise: X_ii by substitution, X_ij = -X_ii sum_{m=j}^{i-1} L_im X_mj.
     X00 = _inv_unit_lower(L00, BC)
     X11 = _inv_unit_lower(L11, BC)
@@ -193,40 +172,44 @@ def _intra_kernel(
     X20 = -_mm(X22, _mm(L20, X00) + _mm(L21, X10))
     X31 = -_mm(X33, _mm(L31, X11) + _mm(L32, X21))
     X30 = -_mm(X33, _mm(L30, X00) + _mm(L31, X10) + _mm(L32, X20))
-    if STORE_X:
-        _store_sq(Ainv, X00, t0, eos, 0, H, BT, BC)
-        _store_sq(Ainv, X10, t1, eos, 0, H, BT, BC)
-        _store_sq(Ainv, X11, t1, eos, 1, H, BT, BC)
-        _store_sq(Ainv, X20, t2, eos, 0, H, BT, BC)
-        _store_sq(Ainv, X21, t2, eos, 1, H, BT, BC)
-        _store_sq(Ainv, X22, t2, eos, 2, H, BT, BC)
-        _store_sq(Ainv, X30, t3, eos, 0, H, BT, BC)
-        _store_sq(Ainv, X31, t3, eos, 1, H, BT, BC)
-        _store_sq(Ainv, X32, t3, eos, 2, H, BT, BC)
-        _store_sq(Ainv, X33, t3, eos, 3, H, BT, BC)
-    xk0, yv0 = _wy_in(k, v, G, beta, t0, eos, H, K, V, BK, BV, BC, DT)
-    xk1, yv1 = _wy_in(k, v, G, beta, t1, eos, H, K, V, BK, BV, BC, DT)
-    xk2, yv2 = _wy_in(k, v, G, beta, t2, eos, H, K, V, BK, BV, BC, DT)
-    xk3, yv3 = _wy_in(k, v, G, beta, t3, eos, H, K, V, BK, BV, BC, DT)
-    X00, X10, X11, X20, X21 = X00.to(DT), X10.to(DT), X11.to(DT), X20.to(DT), X21.to(DT)
-    X22, X30, X31, X32, X33 = X22.to(DT), X30.to(DT), X31.to(DT), X32.to(DT), X33.to(DT)
-    store_tile(W, tl.dot(X00, xk0), t0, eos, H * K, 0, BC, K, BK)
-    store_tile(U, tl.dot(X00, yv0), t0, eos, H * V, 0, BC, V, BV)
-    store_tile(W, tl.dot(X10, xk0) + tl.dot(X11, xk1), t1, eos, H * K, 0, BC, K, BK)
-    store_tile(U, tl.dot(X10, yv0) + tl.dot(X11, yv1), t1, eos, H * V, 0, BC, V, BV)
-    w2 = tl.dot(X20, xk0) + tl.dot(X21, xk1) + tl.dot(X22, xk2)
-    u2 = tl.dot(X20, yv0) + tl.dot(X21, yv1) + tl.dot(X22, yv2)
-    store_tile(W, w2, t2, eos, H * K, 0, BC, K, BK)
-    store_tile(U, u2, t2, eos, H * V, 0, BC, V, BV)
-    w3 = tl.dot(X30, xk0) + tl.dot(X31, xk1) + tl.dot(X32, xk2) + tl.dot(X33, xk3)
-    u3 = tl.dot(X30, yv0) + tl.dot(X31, yv1) + tl.dot(X32, yv2) + tl.dot(X33, yv3)
-    store_tile(W, w3, t3, eos, H * K, 0, BC, K, BK)
-    store_tile(U, u3, t3, eos, H * V, 0, BC, V, BV)
-    g_last = load_row(G, tl.minimum(t0 + BT, eos) - 1, H * K, K, BK)
-    _decayed_qk(q, k, G, Qg, Kd, t0, eos, g_last, H, K, BK, BC)
-    _decayed_qk(q, k, G, Qg, Kd, t1, eos, g_last, H, K, BK, BC)
-    _decayed_qk(q, k, G, Qg, Kd, t2, eos, g_last, H, K, BK, BC)
-    _decayed_qk(q, k, G, Qg, Kd, t3, eos, g_last, H, K, BK, BC)
+    _store_sq(Ainv, X00, t0, eos, 0, H, BT, BC)
+    _store_sq(Ainv, X10, t1, eos, 0, H, BT, BC)
+    _store_sq(Ainv, X11, t1, eos, 1, H, BT, BC)
+    _store_sq(Ainv, X20, t2, eos, 0, H, BT, BC)
+    _store_sq(Ainv, X21, t2, eos, 1, H, BT, BC)
+    _store_sq(Ainv, X22, t2, eos, 2, H, BT, BC)
+    _store_sq(Ainv, X30, t3, eos, 0, H, BT, BC)
+    _store_sq(Ainv, X31, t3, eos, 1, H, BT, BC)
+    _store_sq(Ainv, X32, t3, eos, 2, H, BT, BC)
+    _store_sq(Ainv, X33, t3, eos, 3, H, BT, BC)
+
+
+@triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["H", "K", "V"])
+@triton.jit
+def _wy_kernel(
+    q, k, v, G, beta, Ainv, W, U, Qg, Kd, cu_seqlens, chunk_indices, H, K, V,
+    BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+):  # fmt: skip
+    """W = X Diag(beta)(k e^G) and U = X Diag(beta) v as whole-chunk 64 x 64 products, and the decayed
+    q e^G and k e^(G_C - G) the state and output passes read."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
+    DT = W.dtype.element_ty
+    stk, stv = H * K, H * V
+    r = tl.arange(0, BT)
+    # blocks above the diagonal of Ainv are never written: mask them
+    X = tl.where(r[:, None] >= r[None, :], load_tile(Ainv + i_h * BT, t0, eos, H * BT, 0, BT, BT, BT), 0.0)
+    X = X.to(DT)
+    b = load_rows(beta + i_h, t0, eos, H, BT)[:, None]
+    v_t = load_tile(v + i_h * V, t0, eos, stv, 0, BT, V, BV)
+    store_tile(U + i_h * V, tl.dot(X, (b * v_t).to(DT)), t0, eos, stv, 0, BT, V, BV)
+    G_t = load_tile(G + i_h * K, t0, eos, stk, 0, BT, K, BK)
+    k_t = load_tile(k + i_h * K, t0, eos, stk, 0, BT, K, BK)
+    store_tile(W + i_h * K, tl.dot(X, (b * k_t * tl.exp2(G_t)).to(DT)), t0, eos, stk, 0, BT, K, BK)
+    g_last = load_row(G + i_h * K, tl.minimum(t0 + BT, eos) - 1, stk, K, BK)
+    store_tile(Kd + i_h * K, k_t * decay_factor(G_t, g_last, t0, eos, BT, -1.0), t0, eos, stk, 0, BT, K, BK)
+    q_t = load_tile(q + i_h * K, t0, eos, stk, 0, BT, K, BK)
+    store_tile(Qg + i_h * K, q_t * tl.exp2(G_t), t0, eos, stk, 0, BT, K, BK)
 
 
 @triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [4], [2, 3]), key=["H", "K", "V"])
@@ -287,7 +270,7 @@ def _output_kernel(
     store_tile(o + i_h * V, out * scale, t0, eos, H * V, v0, BT, V, BV)
 
 
-def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool, store_x: bool):
+def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool):
     """q, k, g [T, H, K], v [T, H, V], beta [T, H] (tokens flattened). Returns a dict of tensors."""
     T, H, K = q.shape
     V = v.shape[-1]
@@ -297,7 +280,7 @@ def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool,
     dev = q.device
     G = torch.empty(T, H, K, device=dev, dtype=torch.float32)
     Aqk = torch.empty(T, H, BT, device=dev, dtype=dt)
-    Ainv = torch.empty(T, H, BT, device=dev, dtype=torch.float32) if store_x else G.new_empty(1)
+    Ainv = torch.empty(T, H, BT, device=dev, dtype=torch.float32)  # _wy_kernel reads it either way
     W, U = torch.empty(T, H, K, device=dev, dtype=dt), torch.empty(T, H, V, device=dev, dtype=dt)
     Qg, Kd = torch.empty(T, H, K, device=dev, dtype=dt), torch.empty(T, H, K, device=dev, dtype=dt)
     Hc = torch.empty(NC, H, K, V, device=dev, dtype=dt)
@@ -308,29 +291,9 @@ def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool,
     if NC > 0:
         _cumsum_kernel[(NC, H)](g, G, cu, ci, H, K, BK=BK, BT=BT)
         _intra_kernel[(NC, H)](
-            q,
-            k,
-            v,
-            G,
-            beta,
-            Aqk,
-            Ainv,
-            W,
-            U,
-            Qg,
-            Kd,
-            cu,
-            ci,
-            H,
-            K,
-            V,
-            BK=BK,
-            BV=BV,
-            BT=BT,
-            BC=BC,
-            STORE_X=store_x,
-            PREC=intra_precision(dt),
-        )
+            q, k, G, beta, Aqk, Ainv, cu, ci, H, K, BK=BK, BT=BT, BC=BC, PREC=intra_precision(dt)
+        )  # fmt: skip
+        _wy_kernel[(NC, H)](q, k, v, G, beta, Ainv, W, U, Qg, Kd, cu, ci, H, K, V, BK=BK, BV=BV, BT=BT)
     h0_arg = h0 if h0 is not None else G.new_empty(1)
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * H)
     _state_kernel[grid](
