@@ -107,7 +107,7 @@ def _kv_tile(ptr, i_c, i_h, H, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
     )
 
 
-@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [8, 4], [2]), key=["H", "K", "V", "PREC"])
+@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [8, 4], [1, 2, 3]), key=["H", "K", "V", "PREC"])
 @triton.jit
 def _main_bwd_kernel(
     q, k, v, G, beta, Ainv, Hc, dHc, Vn, dVn, do, dq, dk, dG, dv, dbeta, dAkk, dGl, scale,
@@ -225,7 +225,8 @@ def _col_side(
     return pdot(tl.trans(dAq), qf, PREC) + pdot(tl.trans(dAk), kf, PREC)
 
 
-@triton.autotune(configs=_configs([{}], [4, 8, 2], [1]), key=["H", "K", "PREC"])
+# restore_value: the kernel adds into dG in place, and autotuning runs it once per config
+@triton.autotune(configs=_configs([{}], [4, 8, 2], [1]), key=["H", "K", "PREC"], restore_value=["dG"])
 @triton.jit
 def _intra_bwd_kernel(
     q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG, db_p, dq, dk, dbeta, cu_seqlens, chunk_indices,
