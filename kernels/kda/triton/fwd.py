@@ -64,45 +64,35 @@ def _cumsum_kernel(g, G, cu_seqlens, chunk_indices, H, K, BK: tl.constexpr, BT: 
 
 
 @triton.jit
-def _pair(
-    q,
-    k,
-    G,
-    beta,
-    ti,
-    tj,
-    eos,
-    H,
-    K,
-    BK: tl.constexpr,
-    BC: tl.constexpr,
-    DIAG: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """Sub-tile (i, j) of Aqk and L, rows ti.., columns tj.. (fp32, masked)."""
+def _row(q, k, G, beta, ti, eos, H, K, BK: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """Row sub-tile i, loaded once: its diagonal pair (Aqk_ii, L_ii, exponents referred to the tile
+    midpoint) and the row operands q_i e^(G_i - G_ti), k_i e^(G_i - G_ti) that every off-diagonal pair
+    of the row shares (referred to the tile's first row, so the factors are <= 1)."""
     st = H * K
     q_i = load_tile(q, ti, eos, st, 0, BC, K, BK)
     k_i = load_tile(k, ti, eos, st, 0, BC, K, BK)
     G_i = load_tile(G, ti, eos, st, 0, BC, K, BK)
-    k_j = load_tile(k, tj, eos, st, 0, BC, K, BK)
-    G_j = load_tile(G, tj, eos, st, 0, BC, K, BK)
     b_i = load_rows(beta, ti, eos, H, BC)
-    if DIAG:
-        ref_t = tl.minimum(ti + BC // 2, eos - 1)
-    else:
-        ref_t = tl.minimum(ti, eos - 1)
-    ref = load_row(G, ref_t, st, K, BK)
-    f_i = decay_factor(G_i, ref, ti, eos, BC, 1.0)
-    # fp32 operands with split-tf32 products: L feeds (I + L)^-1, and bf16 rounding here costs a
-    # factor ~1.5 in the error of o and dv at D = 64 (interpreter experiment against float64).
-    kc_j = k_j * decay_factor(G_j, ref, tj, eos, BC, -1.0)
-    A_qk = pdot(q_i * f_i, tl.trans(kc_j), PREC)
-    L = pdot(k_i * f_i, tl.trans(kc_j), PREC) * b_i[:, None]
-    if DIAG:
-        r = tl.arange(0, BC)
-        A_qk = tl.where(r[:, None] >= r[None, :], A_qk, 0.0)
-        L = tl.where(r[:, None] > r[None, :], L, 0.0)
-    return A_qk, L
+    ref_m = load_row(G, tl.minimum(ti + BC // 2, eos - 1), st, K, BK)
+    f_m = decay_factor(G_i, ref_m, ti, eos, BC, 1.0)
+    kc_i = k_i * decay_factor(G_i, ref_m, ti, eos, BC, -1.0)
+    r = tl.arange(0, BC)
+    A_ii = tl.where(r[:, None] >= r[None, :], pdot(q_i * f_m, tl.trans(kc_i), PREC), 0.0)
+    L_ii = tl.where(r[:, None] > r[None, :], pdot(k_i * f_m, tl.trans(kc_i), PREC) * b_i[:, None], 0.0)
+    ref_o = load_row(G, tl.minimum(ti, eos - 1), st, K, BK)
+    f_o = decay_factor(G_i, ref_o, ti, eos, BC, 1.0)
+    return A_ii, L_ii, q_i * f_o, k_i * f_o, b_i, ref_o
+
+
+@triton.jit
+def _off(qf_i, kf_i, b_i, ref_o, k, G, tj, eos, H, K, BK: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """Off-diagonal pair (i, j < i) of Aqk and L from row i's shared operands. The products run at the
+    intra precision: L feeds (I + L)^-1, and single bf16 rounding here cost a factor ~1.5 in the error
+    of o and dv at D = 64 (interpreter experiment against float64)."""
+    kc_j = load_tile(k, tj, eos, H * K, 0, BC, K, BK) * decay_factor(
+        load_tile(G, tj, eos, H * K, 0, BC, K, BK), ref_o, tj, eos, BC, -1.0
+    )
+    return pdot(qf_i, tl.trans(kc_j), PREC), pdot(kf_i, tl.trans(kc_j), PREC) * b_i[:, None]
 
 
 @triton.jit
@@ -141,26 +131,26 @@ def _intra_kernel(
     Aqk, Ainv = Aqk + i_h * BT, Ainv + i_h * BT
     t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
     # each Aqk tile is stored as soon as it exists; only the L tiles stay live for the inverse
-    A, L00 = _pair(q, k, G, beta, t0, t0, eos, H, K, BK, BC, True, PREC)
+    A, L00, qf, kf, b, ref = _row(q, k, G, beta, t0, eos, H, K, BK, BC, PREC)
     _store_sq(Aqk, A, t0, eos, 0, H, BT, BC)
-    A, L10 = _pair(q, k, G, beta, t1, t0, eos, H, K, BK, BC, False, PREC)
-    _store_sq(Aqk, A, t1, eos, 0, H, BT, BC)
-    A, L11 = _pair(q, k, G, beta, t1, t1, eos, H, K, BK, BC, True, PREC)
+    A, L11, qf, kf, b, ref = _row(q, k, G, beta, t1, eos, H, K, BK, BC, PREC)
     _store_sq(Aqk, A, t1, eos, 1, H, BT, BC)
-    A, L20 = _pair(q, k, G, beta, t2, t0, eos, H, K, BK, BC, False, PREC)
-    _store_sq(Aqk, A, t2, eos, 0, H, BT, BC)
-    A, L21 = _pair(q, k, G, beta, t2, t1, eos, H, K, BK, BC, False, PREC)
-    _store_sq(Aqk, A, t2, eos, 1, H, BT, BC)
-    A, L22 = _pair(q, k, G, beta, t2, t2, eos, H, K, BK, BC, True, PREC)
+    A, L10 = _off(qf, kf, b, ref, k, G, t0, eos, H, K, BK, BC, PREC)
+    _store_sq(Aqk, A, t1, eos, 0, H, BT, BC)
+    A, L22, qf, kf, b, ref = _row(q, k, G, beta, t2, eos, H, K, BK, BC, PREC)
     _store_sq(Aqk, A, t2, eos, 2, H, BT, BC)
-    A, L30 = _pair(q, k, G, beta, t3, t0, eos, H, K, BK, BC, False, PREC)
-    _store_sq(Aqk, A, t3, eos, 0, H, BT, BC)
-    A, L31 = _pair(q, k, G, beta, t3, t1, eos, H, K, BK, BC, False, PREC)
-    _store_sq(Aqk, A, t3, eos, 1, H, BT, BC)
-    A, L32 = _pair(q, k, G, beta, t3, t2, eos, H, K, BK, BC, False, PREC)
-    _store_sq(Aqk, A, t3, eos, 2, H, BT, BC)
-    A, L33 = _pair(q, k, G, beta, t3, t3, eos, H, K, BK, BC, True, PREC)
+    A, L20 = _off(qf, kf, b, ref, k, G, t0, eos, H, K, BK, BC, PREC)
+    _store_sq(Aqk, A, t2, eos, 0, H, BT, BC)
+    A, L21 = _off(qf, kf, b, ref, k, G, t1, eos, H, K, BK, BC, PREC)
+    _store_sq(Aqk, A, t2, eos, 1, H, BT, BC)
+    A, L33, qf, kf, b, ref = _row(q, k, G, beta, t3, eos, H, K, BK, BC, PREC)
     _store_sq(Aqk, A, t3, eos, 3, H, BT, BC)
+    A, L30 = _off(qf, kf, b, ref, k, G, t0, eos, H, K, BK, BC, PREC)
+    _store_sq(Aqk, A, t3, eos, 0, H, BT, BC)
+    A, L31 = _off(qf, kf, b, ref, k, G, t1, eos, H, K, BK, BC, PREC)
+    _store_sq(Aqk, A, t3, eos, 1, H, BT, BC)
+    A, L32 = _off(qf, kf, b, ref, k, G, t2, eos, H, K, BK, BC, PREC)
+    _store_sq(Aqk, A, t3, eos, 2, H, BT, BC)
     # (I + L)^-1 blockwise: X_ii by substitution, X_ij = -X_ii sum_{m=j}^{i-1} L_im X_mj.
     X00 = _inv_unit_lower(L00, BC)
     X11 = _inv_unit_lower(L11, BC)
