@@ -94,3 +94,27 @@ def test_pool_decode_multi_token_and_errors():
         kda_decode_step_(**inputs, state_pool=pool, state_indices=torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="state_pool"):
         kda_decode_step_(**inputs, state_pool=torch.zeros(3, H, K, V + 1), state_indices=torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pool_decode_one_token_fast_path_equals_generic_path(dtype):
+    """One token and no padding entry takes a direct step; a padding entry forces the generic path.
+    The live sequences' outputs and slots must agree bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+    N = 3
+    q, k, g = (torch.randn(N, H, K, generator=gen) for _ in range(3))
+    k = torch.nn.functional.normalize(k, dim=-1)
+    g = -torch.rand(N, H, K, generator=gen)
+    v, beta = torch.randn(N, H, V, generator=gen), torch.rand(N, H, generator=gen)
+    q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
+    pool = torch.randn(6, H, K, V, generator=gen) * 0.1
+    slots = torch.tensor([4, 0, 2])
+    fast_pool, generic_pool = pool.clone(), pool.clone()
+    o_fast = kda_decode_step_(q, k, v, g, beta, fast_pool, slots)
+    pad = lambda x: torch.cat([x, x[:1]])
+    o_generic = kda_decode_step_(
+        pad(q), pad(k), pad(v), pad(g), pad(beta), generic_pool, torch.cat([slots, torch.tensor([-1])])
+    )
+    assert torch.equal(o_fast, o_generic[:N])
+    assert torch.equal(fast_pool, generic_pool)
+    assert torch.equal(fast_pool[[1, 3, 5]], pool[[1, 3, 5]])
