@@ -7,10 +7,10 @@ Reverse pass over chunks (`_state_bwd`), with dS' the gradient of the state leav
 
 Per chunk (`_main_bwd`, parallel): the inter-chunk terms of dq, dk, the WY terms
 (dW = -dVn S^T, dU = dVn, through X = (I + L)^-1: dL = -X^T (dW Xk^T + dU Yv^T) X^T) and their
-contributions to dbeta, dv and to dG, the gradient wrt the cumulative log-decay. `_intra_bwd` adds
-the terms of Aqk and L, again in 16 x 16 sub-tiles with the reference exponents of the forward, and
-turns dG into dg by a reverse cumulative sum within the chunk; e^(G_C) (the chunk's total decay)
-feeds every position of the chunk, which is the carry that reverse sum starts from.
+contributions to dbeta, dv and to dG, the gradient wrt the cumulative log-decay. `_intra_bwd` (one
+program per 16-row sub-tile) adds the terms of Aqk and L, again in 16 x 16 sub-tiles with the reference
+exponents of the forward; `_dg` turns dG into dg by a reverse cumulative sum within the chunk; e^(G_C)
+(the chunk's total decay) feeds every position of the chunk, which is the carry that sum starts from.
 """
 
 from __future__ import annotations
