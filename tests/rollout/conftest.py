@@ -36,6 +36,10 @@ TINY = dict(
 )
 
 
+# the engine size most rollout tests use: a few short episodes, a 32 MiB KV budget
+SMALL_ENGINE = dict(max_model_len=768, max_num_seqs=8, kv_cache_memory_bytes=32 << 20)
+
+
 def build_checkpoint(path, seed: int = 0, scale_router: float = 20.0):
     """Save a tiny model + the project tokenizer; returns the learner model (eval mode)."""
     from model.config import HybridConfig
@@ -66,14 +70,6 @@ def session_worker(tiny_ckpt):
     from rollout.worker import RolloutWorker
 
     path, _ = tiny_ckpt
-    w = RolloutWorker(
-        dict(
-            model_path=str(path),
-            reuse="session",
-            max_model_len=768,
-            max_num_seqs=8,
-            kv_cache_memory_bytes=32 << 20,
-        )
-    )
+    w = RolloutWorker(dict(model_path=str(path), reuse="session", **SMALL_ENGINE))
     yield w
     w.shutdown()

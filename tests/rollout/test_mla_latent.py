@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_checkpoint
-from test_vllm_engine import LOGPROB_TOL, _prompt, learner_logprobs
+from conftest import SMALL_ENGINE, build_checkpoint
+from test_vllm_engine import LOGPROB_TOL, _prompt, assert_sampled_logprobs_equal_learner, learner_logprobs
 
 from rollout.worker import RolloutWorker, TurnRequest, WorkerConfig
 
@@ -14,16 +14,7 @@ pytestmark = pytest.mark.vllm
 
 
 def _engine(path, form: str) -> RolloutWorker:
-    return RolloutWorker(
-        dict(
-            model_path=str(path),
-            reuse="session",
-            max_model_len=768,
-            max_num_seqs=8,
-            kv_cache_memory_bytes=32 << 20,
-            mla_cache_form=form,
-        )
-    )
+    return RolloutWorker(dict(model_path=str(path), reuse="session", mla_cache_form=form, **SMALL_ENGINE))
 
 
 @pytest.fixture(scope="module")
@@ -117,14 +108,7 @@ def test_latent_form_greedy_equals_expanded_form_and_generate(engines, sharp_ckp
 
 
 def test_latent_form_sampled_logprobs_equal_learner_logprobs(latent_worker, sharp_ckpt):
-    _, model = sharp_ckpt
-    prompt = _prompt(42, 60)
-    o = latent_worker.generate([TurnRequest("llp", prompt, max_tokens=24, temperature=1.0)])[0]
-    assert len(o.token_ids) == len(o.logprobs) == 24
-    ref = learner_logprobs(model, prompt + o.token_ids)[len(prompt) - 1 :]
-    diff = (torch.tensor(o.logprobs) - ref).abs().max().item()
-    assert diff < LOGPROB_TOL, diff
-    latent_worker.end_sessions(["llp"])
+    assert_sampled_logprobs_equal_learner(latent_worker, sharp_ckpt[1], "llp", _prompt(42, 60))
 
 
 def test_latent_form_session_reuse_second_turn(latent_worker, sharp_ckpt):

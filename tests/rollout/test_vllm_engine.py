@@ -46,15 +46,18 @@ def test_greedy_decode_equals_model_generate(worker, tiny_ckpt):
     worker.end_sessions(list(prompts))
 
 
-def test_sampled_logprobs_equal_learner_logprobs(worker, tiny_ckpt):
-    _, model = tiny_ckpt
-    prompt = _prompt(2, 60)
-    o = worker.generate([TurnRequest("lp", prompt, max_tokens=24, temperature=1.0)])[0]
+def assert_sampled_logprobs_equal_learner(worker, model, session_id: str, prompt: list[int]) -> None:
+    """24 sampled tokens: the engine's logprobs against the learner's on the same ids."""
+    o = worker.generate([TurnRequest(session_id, prompt, max_tokens=24, temperature=1.0)])[0]
     assert len(o.token_ids) == len(o.logprobs) == 24
     ref = learner_logprobs(model, prompt + o.token_ids)[len(prompt) - 1 :]
     diff = (torch.tensor(o.logprobs) - ref).abs().max().item()
     assert diff < LOGPROB_TOL, diff
-    worker.end_sessions(["lp"])
+    worker.end_sessions([session_id])
+
+
+def test_sampled_logprobs_equal_learner_logprobs(worker, tiny_ckpt):
+    assert_sampled_logprobs_equal_learner(worker, tiny_ckpt[1], "lp", _prompt(2, 60))
 
 
 def _episode(worker, sid: str, turns: list[list[int]], fresh_each_turn: bool):

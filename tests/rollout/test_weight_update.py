@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import SMALL_ENGINE
 
 from rollout.worker import RolloutWorker, TurnRequest
 
 pytestmark = pytest.mark.vllm
-
-ENGINE = dict(max_model_len=768, max_num_seqs=8, kv_cache_memory_bytes=32 << 20)
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +34,9 @@ def checkpoints(tiny_ckpt, tmp_path_factory):
 def engines(checkpoints):
     path0, path1, _ = checkpoints
     workers = {
-        "session": RolloutWorker(dict(model_path=str(path0), reuse="session", **ENGINE)),
-        "prefix": RolloutWorker(dict(model_path=str(path0), reuse="prefix_cache", **ENGINE)),
-        "fresh": RolloutWorker(dict(model_path=str(path1), reuse="none", policy_version=1, **ENGINE)),
+        "session": RolloutWorker(dict(model_path=str(path0), reuse="session", **SMALL_ENGINE)),
+        "prefix": RolloutWorker(dict(model_path=str(path0), reuse="prefix_cache", **SMALL_ENGINE)),
+        "fresh": RolloutWorker(dict(model_path=str(path1), reuse="none", policy_version=1, **SMALL_ENGINE)),
     }
     yield workers
     for w in workers.values():
