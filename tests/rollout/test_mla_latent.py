@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SMALL_ENGINE, build_checkpoint
+from rollout_cases import SMALL_ENGINE, build_checkpoint
 from test_vllm_engine import LOGPROB_TOL, _prompt, assert_sampled_logprobs_equal_learner, learner_logprobs
 
 from rollout.worker import RolloutWorker, TurnRequest, WorkerConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SMALL_ENGINE
+from rollout_cases import SMALL_ENGINE
 
 from rollout.worker import RolloutWorker, TurnRequest
 
