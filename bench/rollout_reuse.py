@@ -95,6 +95,7 @@ class ModeRun:
                 max_model_len=args.max_model_len,
                 max_num_seqs=max(8, args.episodes + 1),
                 kv_cache_memory_bytes=args.kv_mib << 20,
+                block_size=args.block_size,
             )
         )
         # warm-up (first-call costs of kernels and allocators), not timed; reversed prompts share
@@ -166,7 +167,7 @@ def run_interleaved(modes: list[str], model_dir: Path, chunks, args) -> dict:
 
 def report(results: dict, args) -> str:
     lines = [
-        f"episodes={args.episodes} turns={args.turns} prompt={args.prompt} obs={args.obs} gen={args.gen} repeats={args.repeats}"
+        f"episodes={args.episodes} turns={args.turns} prompt={args.prompt} obs={args.obs} gen={args.gen} repeats={args.repeats} block_size={args.block_size or 'auto'}"
     ]
     base = results["none"]["wall_s"]
     lines.append(
@@ -195,6 +196,13 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-mib", type=int, default=512)
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="KV block size of every engine (default: vLLM's pick, 128 here); prefix caching checkpoints "
+        "the KDA state at block boundaries, so a small block approximates turn-boundary checkpoints",
+    )
     p.add_argument("--preset", type=Path, default=ROOT / "configs/model/cpu_tiny.yaml")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--repeats", type=int, default=2, help="per-turn time = fastest repetition")
