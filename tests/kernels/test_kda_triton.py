@@ -262,3 +262,15 @@ def test_chunk_plan_cached_per_cu_seqlens_and_validated():
         common.plan_chunks(1, 512, torch.tensor([0, 100]), torch.device("cpu"))
     with pytest.raises(ValueError, match="non-decreasing"):
         common.plan_chunks(1, 100, torch.tensor([0, 60, 50, 100]), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("bkf, bv", [(16, 16), (32, 64), (128, 32)])
+def test_every_main_backward_block_shape_matches_reference(bkf, bv, monkeypatch):
+    """The GPU autotuner may pick any feature/value block of the main backward; the interpreter only
+    runs the first, so each shape is pinned here in turn: several feature blocks (K = 48 with 16),
+    a block wider than K (128), value blocks narrower and wider than V, two chunks with a ragged end."""
+    kernel = MODS["bwd"]._main_bwd_kernel
+    monkeypatch.setattr(kernel, "configs", [triton.Config({"BKF": bkf, "BV": bv}, num_warps=4, num_stages=2)])
+    monkeypatch.setattr(kernel, "cache", {})
+    got, want = _run_both(_inputs(100, H=2, K=48, V=40, seed=5))
+    _assert_close(got, want, FP32_TOL)

@@ -99,21 +99,30 @@ def _state_bwd_kernel(
 
 
 @triton.jit
-def _kv_tile(ptr, i_c, i_h, H, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
-    rk, rv = tl.arange(0, BK), v0 + tl.arange(0, BV)
+def _kv_tile(ptr, i_c, i_h, H, K, V, k0, v0, BK: tl.constexpr, BV: tl.constexpr):
+    """Rows k0..k0+BK, columns v0..v0+BV of chunk i_c's [K, V] state tile for head i_h."""
+    rk, rv = k0 + tl.arange(0, BK), v0 + tl.arange(0, BV)
     mask = (rk[:, None] < K) & (rv[None, :] < V)
     return tl.load(
         ptr + (i_c.to(tl.int64) * H + i_h) * K * V + rk[:, None] * V + rv[None, :], mask=mask, other=0.0
     )
 
 
-@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [8, 4], [1, 2, 3]), key=["H", "K", "V", "PREC"])
+@triton.autotune(
+    configs=_configs([{"BKF": 32, "BV": 64}, {"BKF": 64, "BV": 64}, {"BKF": 64, "BV": 32}, {"BKF": 128, "BV": 32},
+                      {"BKF": 128, "BV": 64}], [4, 8], [2]),
+    key=["H", "K", "V", "PREC"],
+)  # fmt: skip
 @triton.jit
 def _main_bwd_kernel(
     q, k, v, G, beta, Ainv, Hc, dHc, Vn, dVn, do, dq, dk, dG, dv, dbeta, dAkk, dGl, scale,
-    cu_seqlens, chunk_indices, H, K, V, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    cu_seqlens, chunk_indices, H, K, V, BKF: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
+    """One chunk, the feature axis in BKF blocks (outer loop) and the value axis in BV blocks (inner):
+    per feature block only three [BT, BKF] accumulators are live (with BKF = 128 this is the single-block
+    kernel measured before). The terms that need no feature index (dv, the dX part from U, dbeta's v
+    part) are taken in the first feature block."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
     DT = Vn.dtype.element_ty
@@ -122,49 +131,53 @@ def _main_bwd_kernel(
     r = tl.arange(0, BT)
     X = tl.where(r[:, None] >= r[None, :], load_tile(Ainv + i_h * BT, t0, eos, H * BT, 0, BT, BT, BT), 0.0)
     Xt = tl.trans(X.to(DT))
-    dqg = tl.full([BT, BK], 0.0, tl.float32)
-    dkd = tl.full([BT, BK], 0.0, tl.float32)
-    dW = tl.full([BT, BK], 0.0, tl.float32)
     dX = tl.full([BT, BT], 0.0, tl.float32)
-    dg_last = tl.full([BK], 0.0, tl.float32)
     db = tl.full([BT], 0.0, tl.float32)
-    for v0 in range(0, V, BV):
-        h = _kv_tile(Hc, i_c, i_h, H, K, V, v0, BK, BV).to(DT)
-        dh = _kv_tile(dHc, i_c, i_h, H, K, V, v0, BK, BV).to(DT)
-        do_t = load_tile(do + i_h * V, t0, eos, stv, v0, BT, V, BV).to(DT)
-        vn = load_tile(Vn + i_h * V, t0, eos, stv, v0, BT, V, BV).to(DT)
-        dvn = load_tile(dVn + i_h * V, t0, eos, stv, v0, BT, V, BV).to(DT)
-        v_t = load_tile(v + i_h * V, t0, eos, stv, v0, BT, V, BV)
-        dqg += tl.dot(do_t, tl.trans(h))
-        dkd += tl.dot(vn, tl.trans(dh))
-        dW -= tl.dot(dvn, tl.trans(h))
-        dg_last += rsum(h.to(tl.float32) * dh.to(tl.float32), 1)
-        dX += tl.dot(dvn, tl.trans((b[:, None] * v_t).to(DT)))
-        dY = tl.dot(Xt, dvn)
-        store_tile(dv + i_h * V, b[:, None] * dY, t0, eos, stv, v0, BT, V, BV)
-        db += rsum(v_t * dY, 1)
-    # The [BT, BK] tiles are loaded only now and consumed one by one, to keep register pressure down.
-    G_t = load_tile(G + i_h * K, t0, eos, stk, 0, BT, K, BK)
-    eG = tl.exp2(G_t)
-    dq_t = scale * dqg * eG
-    store_tile(dq + i_h * K, dq_t, t0, eos, stk, 0, BT, K, BK)
-    dG_t = load_tile(q + i_h * K, t0, eos, stk, 0, BT, K, BK) * dq_t
-    g_last = load_row(G + i_h * K, tl.minimum(t0 + BT, eos) - 1, stk, K, BK)
-    kdf = decay_factor(G_t, g_last, t0, eos, BT, -1.0)
-    k_t = load_tile(k + i_h * K, t0, eos, stk, 0, BT, K, BK)
-    dkd = dkd * kdf
-    kdk = k_t * dkd
-    dG_t -= kdk
-    dg_last = dg_last * tl.exp2(g_last) + rsum(kdk, 0)
-    keG = k_t * eG
-    dX += tl.dot(dW.to(DT), tl.trans((b[:, None] * keG).to(DT)))
-    dXk = tl.dot(Xt, dW.to(DT))
-    store_tile(dk + i_h * K, dkd + b[:, None] * eG * dXk, t0, eos, stk, 0, BT, K, BK)
-    keG_dXk = keG * dXk
-    store_tile(dG + i_h * K, dG_t + b[:, None] * keG_dXk, t0, eos, stk, 0, BT, K, BK)
-    store_tile(dbeta + i_h, (db + rsum(keG_dXk, 1))[:, None], t0, eos, H, 0, BT, 1, 1)
-    rk = tl.arange(0, BK)
-    tl.store(dGl + (i_c.to(tl.int64) * H + i_h) * K + rk, dg_last, mask=rk < K)
+    g_last_row = tl.minimum(t0 + BT, eos) - 1
+    for k0 in range(0, K, BKF):
+        dqg = tl.full([BT, BKF], 0.0, tl.float32)
+        dkd = tl.full([BT, BKF], 0.0, tl.float32)
+        dW = tl.full([BT, BKF], 0.0, tl.float32)
+        dg_last = tl.full([BKF], 0.0, tl.float32)
+        for v0 in range(0, V, BV):
+            h = _kv_tile(Hc, i_c, i_h, H, K, V, k0, v0, BKF, BV).to(DT)
+            dh = _kv_tile(dHc, i_c, i_h, H, K, V, k0, v0, BKF, BV).to(DT)
+            do_t = load_tile(do + i_h * V, t0, eos, stv, v0, BT, V, BV).to(DT)
+            vn = load_tile(Vn + i_h * V, t0, eos, stv, v0, BT, V, BV).to(DT)
+            dvn = load_tile(dVn + i_h * V, t0, eos, stv, v0, BT, V, BV).to(DT)
+            dqg += tl.dot(do_t, tl.trans(h))
+            dkd += tl.dot(vn, tl.trans(dh))
+            dW -= tl.dot(dvn, tl.trans(h))
+            dg_last += rsum(h.to(tl.float32) * dh.to(tl.float32), 1)
+            if k0 == 0:
+                v_t = load_tile(v + i_h * V, t0, eos, stv, v0, BT, V, BV)
+                dX += tl.dot(dvn, tl.trans((b[:, None] * v_t).to(DT)))
+                dY = tl.dot(Xt, dvn)
+                store_tile(dv + i_h * V, b[:, None] * dY, t0, eos, stv, v0, BT, V, BV)
+                db += rsum(v_t * dY, 1)
+        # The [BT, BKF] input tiles are loaded only now and consumed one by one (register pressure).
+        G_t = load_tile(G + i_h * K, t0, eos, stk, k0, BT, K, BKF)
+        eG = tl.exp2(G_t)
+        dq_t = scale * dqg * eG
+        store_tile(dq + i_h * K, dq_t, t0, eos, stk, k0, BT, K, BKF)
+        dG_t = load_tile(q + i_h * K, t0, eos, stk, k0, BT, K, BKF) * dq_t
+        cols = k0 + tl.arange(0, BKF)
+        g_last = tl.load(G + i_h * K + g_last_row * stk + cols, mask=cols < K, other=0.0)
+        kdf = decay_factor(G_t, g_last, t0, eos, BT, -1.0)
+        k_t = load_tile(k + i_h * K, t0, eos, stk, k0, BT, K, BKF)
+        dkd = dkd * kdf
+        kdk = k_t * dkd
+        dG_t -= kdk
+        dg_last = dg_last * tl.exp2(g_last) + rsum(kdk, 0)
+        tl.store(dGl + (i_c.to(tl.int64) * H + i_h) * K + cols, dg_last, mask=cols < K)
+        keG = k_t * eG
+        dX += tl.dot(dW.to(DT), tl.trans((b[:, None] * keG).to(DT)))
+        dXk = tl.dot(Xt, dW.to(DT))
+        store_tile(dk + i_h * K, dkd + b[:, None] * eG * dXk, t0, eos, stk, k0, BT, K, BKF)
+        keG_dXk = keG * dXk
+        store_tile(dG + i_h * K, dG_t + b[:, None] * keG_dXk, t0, eos, stk, k0, BT, K, BKF)
+        db += rsum(keG_dXk, 1)
+    store_tile(dbeta + i_h, db[:, None], t0, eos, H, 0, BT, 1, 1)
     # dL = -X^T dX X^T on its strictly lower part, at the intra precision (X can be large).
     Xf = tl.trans(X)
     dL = -pdot(Xf, pdot(dX, Xf, PREC), PREC)
@@ -325,7 +338,7 @@ def kda_bwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, saved: dict, do
     if NC > 0:
         _main_bwd_kernel[(NC, H)](
             q, k, v, saved["G"], beta, saved["Ainv"], saved["Hc"], dHc, saved["Vn"], dVn, do,
-            dq_p, dk_p, dG_p, dv, db_p, dAkk, dGl, scale, cu, ci, H, K, V, BK=BK, BT=BT, PREC=prec,
+            dq_p, dk_p, dG_p, dv, db_p, dAkk, dGl, scale, cu, ci, H, K, V, BT=BT, PREC=prec,
         )  # fmt: skip
         _intra_bwd_kernel[(NC, H, BT // BC)](
             q, k, saved["G"], beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dq, dk, dbeta, cu, ci,
