@@ -111,8 +111,8 @@ def kda_decode_step_(
         raise ValueError(f"state_indices out of range for a pool of {P} slots: {idx_N.tolist()}")
     if slots.unique().numel() != slots.numel():
         raise ValueError(f"state_indices name a slot twice: {idx_N.tolist()}")
-    _check_inputs(q, k, v, g, beta, None, None)
     if single and slots.numel() == N:  # the rollout engine's decode: one token, no padding entries
+        _check_inputs(q, k, v, g, beta, None, None)  # the generic path checks inside fused_recurrent_kda
         return _pool_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state_pool, slots, scale)
     o = torch.zeros_like(v)
     if slots.numel():
