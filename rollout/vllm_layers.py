@@ -155,23 +155,13 @@ class KDAStateLayer(nn.Module, MambaBase):
 def kda_pool_step_(q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scale: float) -> torch.Tensor:
     """One KDA decode step for N sequences whose states live in ``pool_PHKV`` at ``slots_N``, in place.
 
-    CPU: ``kernels.kda.kda_decode_step_``. CUDA: the Triton step recurrence on the gathered states,
-    scattered back (vLLM's state views share a page with the conv states, so the pool is not the
-    contiguous [P, H, K, V] tensor the Triton kernel's own by-index mode needs)."""
+    CPU: ``kernels.kda.kda_decode_step_``. CUDA: ``kernels.kda.triton.pool_decode_step_triton`` (the
+    Triton step on gathered states: vLLM's state views share a page with the conv states)."""
     if not pool_PHKV.is_cuda:
         return kda_decode_step_(q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scale=scale)
-    from kernels.kda.triton import fused_recurrent_kda_triton
+    from kernels.kda.triton import pool_decode_step_triton
 
-    live_N = slots_N >= 0  # vLLM's PAD_SLOT_ID entries (padded batches) get zero output, no state write
-    slots = slots_N[live_N].long()
-    q, k, v, g, beta = (t[live_N][:, None] for t in (q_NHK, k_NHK, v_NHV, g_NHK, beta_NH))
-    o_L1HV, S_LHKV = fused_recurrent_kda_triton(
-        q, k, v, g, beta, scale=scale, initial_state=pool_PHKV[slots].float(), output_final_state=True
-    )
-    pool_PHKV[slots] = S_LHKV.to(pool_PHKV.dtype)
-    o_NHV = torch.zeros_like(v_NHV)
-    o_NHV[live_N] = o_L1HV[:, 0].to(o_NHV.dtype)
-    return o_NHV
+    return pool_decode_step_triton(q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scale=scale)
 
 
 def _conv_step(

@@ -1,5 +1,6 @@
 """Triton KDA kernels: `chunk_kda_triton` (training/prefill, with backward) and
-`fused_recurrent_kda_triton` (decode, state updated in place by index).
+`fused_recurrent_kda_triton` (decode, state updated in place by index), `pool_decode_step_triton`
+(one decode token on a state pool of any layout).
 
 Import-light: triton and the kernels load on first attribute access, so that setting
 TRITON_INTERPRET before that access is enough to run them in the interpreter.
@@ -12,6 +13,7 @@ import importlib
 _EXPORTS = {
     "chunk_kda_triton": "kernels.kda.triton.chunk",
     "fused_recurrent_kda_triton": "kernels.kda.triton.decode",
+    "pool_decode_step_triton": "kernels.kda.triton.decode",
 }
 
 __all__ = list(_EXPORTS)

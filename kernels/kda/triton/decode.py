@@ -108,3 +108,26 @@ def fused_recurrent_kda_triton(
     )  # fmt: skip
     final = h_out if (store_ht and (output_final_state or state_indices is not None)) else None
     return o.view(B, T, H, V), final
+
+
+@torch.no_grad()
+def pool_decode_step_triton(
+    q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scale=None
+) -> torch.Tensor:
+    """`kernels.kda.kda_decode_step_`'s one-token case on the Triton step kernel, for any pool layout.
+
+    The states are gathered, stepped and scattered back: a rollout engine's state pool is often a view
+    that shares its pages with other state (vLLM keeps the conv states beside it), not the contiguous
+    fp32 [P, H, K, V] tensor the kernel's own by-index mode needs. Negative slots (vLLM's PAD_SLOT_ID)
+    get a zero output and touch no state. No slot validation (no device sync): that is the caller's.
+    """
+    live_N = slots_N >= 0
+    slots = slots_N[live_N].long()
+    q, k, v, g, beta = (t[live_N][:, None] for t in (q_NHK, k_NHK, v_NHV, g_NHK, beta_NH))
+    o_L1HV, S_LHKV = fused_recurrent_kda_triton(
+        q, k, v, g, beta, scale=scale, initial_state=pool_PHKV[slots].float(), output_final_state=True
+    )
+    pool_PHKV[slots] = S_LHKV.to(pool_PHKV.dtype)
+    o_NHV = torch.zeros_like(v_NHV)
+    o_NHV[live_N] = o_L1HV[:, 0].to(o_NHV.dtype)
+    return o_NHV
