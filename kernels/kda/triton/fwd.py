@@ -25,6 +25,8 @@ and Vn), `_output` (O, parallel over chunks).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -117,6 +119,11 @@ def _store_sq(ptr, x, ti, eos, j, H, BT: tl.constexpr, BC: tl.constexpr):
     store_tile(ptr + j * BC, x, ti, eos, H * BT, 0, BC, BC, BC)
 
 
+@triton.jit
+def _load_sq(ptr, ti, eos, j, H, BT: tl.constexpr, BC: tl.constexpr):
+    return load_tile(ptr + j * BC, ti, eos, H * BT, 0, BC, BC, BC)
+
+
 @triton.autotune(configs=_configs([{}], [4, 8, 2], [1]), key=["H", "K", "PREC"])
 @triton.jit
 def _intra_kernel(
@@ -172,6 +179,129 @@ def _intra_kernel(
     _store_sq(Ainv, X31, t3, eos, 1, H, BT, BC)
     _store_sq(Ainv, X32, t3, eos, 2, H, BT, BC)
     _store_sq(Ainv, X33, t3, eos, 3, H, BT, BC)
+
+
+@triton.autotune(configs=_configs([{}], [1, 2, 4], [1]), key=["H", "K", "PREC"])
+@triton.jit
+def _diag_kernel(
+    q, k, G, beta, Aqk, Ainv, cu_seqlens, chunk_indices, H, K,
+    BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Diagonal sub-tile I of a chunk (program axis 2): Aqk_II and L_II with the exponents referred to
+    the tile midpoint, then X_II = (I + L_II)^-1 by forward substitution whose rows of L are read back
+    from global memory (a row load instead of a cross-warp extraction from the register tile)."""
+    i_c, i_h, I = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
+    ti = t0 + I * BC
+    if ti >= eos:
+        return
+    q, k, G, beta = q + i_h * K, k + i_h * K, G + i_h * K, beta + i_h
+    Aqk, Ainv = Aqk + i_h * BT + I * BC, Ainv + i_h * BT + I * BC
+    st = H * K
+    q_i = load_tile(q, ti, eos, st, 0, BC, K, BK)
+    k_i = load_tile(k, ti, eos, st, 0, BC, K, BK)
+    G_i = load_tile(G, ti, eos, st, 0, BC, K, BK)
+    b_i = load_rows(beta, ti, eos, H, BC)
+    ref_m = load_row(G, tl.minimum(ti + BC // 2, eos - 1), st, K, BK)
+    f_m = decay_factor(G_i, ref_m, ti, eos, BC, 1.0)
+    kc_i = k_i * decay_factor(G_i, ref_m, ti, eos, BC, -1.0)
+    r = tl.arange(0, BC)
+    A = tl.where(r[:, None] >= r[None, :], pdot(q_i * f_m, tl.trans(kc_i), PREC), 0.0)
+    store_tile(Aqk, A, ti, eos, H * BT, 0, BC, BC, BC)
+    L = tl.where(r[:, None] > r[None, :], pdot(k_i * f_m, tl.trans(kc_i), PREC) * b_i[:, None], 0.0)
+    store_tile(Ainv, L, ti, eos, H * BT, 0, BC, BC, BC)
+    tl.debug_barrier()
+    # rows of Y = X - I: Y_0 = 0, Y_1 = -L_1, Y_i = -L_i - sum_{j<i} L_ij Y_j
+    Y = -L
+    for i in range(2, tl.minimum(BC, eos - ti)):
+        y = -tl.load(Ainv + (ti + i) * H * BT + r)
+        y = tl.where(r < i, y, 0.0)
+        y += rsum(y[:, None] * Y, 0)
+        Y = tl.where(r[:, None] == i, y[None, :], Y)
+    store_tile(Ainv, Y + tl.where(r[:, None] == r[None, :], 1.0, 0.0), ti, eos, H * BT, 0, BC, BC, BC)
+
+
+@triton.jit
+def _pair(qf_i, kf_i, k, G, ref_i, tj, eos, stk, k0, K, BKO: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    kc_j = load_tile(k, tj, eos, stk, k0, BC, K, BKO) * decay_factor(
+        load_tile(G, tj, eos, stk, k0, BC, K, BKO), ref_i, tj, eos, BC, -1.0
+    )
+    kc_t = tl.trans(kc_j)
+    return pdot(qf_i, kc_t, PREC), pdot(kf_i, kc_t, PREC)
+
+
+@triton.jit
+def _row_ops(q, k, G, ti, eos, stk, k0, K, BKO: tl.constexpr, BC: tl.constexpr):
+    """Row tile i's q and k decayed to the tile's first row (factors <= 1), and that reference."""
+    cols = k0 + tl.arange(0, BKO)
+    ref = tl.load(G + tl.minimum(ti, eos - 1) * stk + cols, mask=cols < K, other=0.0)
+    f = decay_factor(load_tile(G, ti, eos, stk, k0, BC, K, BKO), ref, ti, eos, BC, 1.0)
+    return load_tile(q, ti, eos, stk, k0, BC, K, BKO) * f, load_tile(k, ti, eos, stk, k0, BC, K, BKO) * f, ref
+
+
+@triton.autotune(
+    configs=_configs([{"BKO": 32}, {"BKO": 64}], [1, 2, 4], [1]), key=["H", "K", "PREC"]
+)  # fmt: skip
+@triton.jit
+def _offdiag_kernel(
+    q, k, G, beta, Aqk, Ainv, cu_seqlens, chunk_indices, H, K,
+    BKO: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """The six sub-tile pairs below the diagonal of one chunk: Aqk_ij and L_ij accumulated over feature
+    blocks of BKO (exponents referred to the first row of tile i, so every factor is <= 1), then the
+    blocks of X = (I + L)^-1 below the diagonal from the X_ii of `_diag_kernel`:
+    X_ij = -X_ii sum_{m=j}^{i-1} L_im X_mj."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
+    q, k, G, beta = q + i_h * K, k + i_h * K, G + i_h * K, beta + i_h
+    Aqk, Ainv = Aqk + i_h * BT, Ainv + i_h * BT
+    stk = H * K
+    t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
+    zero = tl.full([BC, BC], 0.0, tl.float32)
+    A10, A20, A21, A30, A31, A32 = zero, zero, zero, zero, zero, zero
+    L10, L20, L21, L30, L31, L32 = zero, zero, zero, zero, zero, zero
+    for k0 in range(0, K, BKO):
+        qf, kf, ref = _row_ops(q, k, G, t1, eos, stk, k0, K, BKO, BC)
+        a, l = _pair(qf, kf, k, G, ref, t0, eos, stk, k0, K, BKO, BC, PREC)
+        A10, L10 = A10 + a, L10 + l
+        qf, kf, ref = _row_ops(q, k, G, t2, eos, stk, k0, K, BKO, BC)
+        a, l = _pair(qf, kf, k, G, ref, t0, eos, stk, k0, K, BKO, BC, PREC)
+        A20, L20 = A20 + a, L20 + l
+        a, l = _pair(qf, kf, k, G, ref, t1, eos, stk, k0, K, BKO, BC, PREC)
+        A21, L21 = A21 + a, L21 + l
+        qf, kf, ref = _row_ops(q, k, G, t3, eos, stk, k0, K, BKO, BC)
+        a, l = _pair(qf, kf, k, G, ref, t0, eos, stk, k0, K, BKO, BC, PREC)
+        A30, L30 = A30 + a, L30 + l
+        a, l = _pair(qf, kf, k, G, ref, t1, eos, stk, k0, K, BKO, BC, PREC)
+        A31, L31 = A31 + a, L31 + l
+        a, l = _pair(qf, kf, k, G, ref, t2, eos, stk, k0, K, BKO, BC, PREC)
+        A32, L32 = A32 + a, L32 + l
+    _store_sq(Aqk, A10, t1, eos, 0, H, BT, BC)
+    _store_sq(Aqk, A20, t2, eos, 0, H, BT, BC)
+    _store_sq(Aqk, A21, t2, eos, 1, H, BT, BC)
+    _store_sq(Aqk, A30, t3, eos, 0, H, BT, BC)
+    _store_sq(Aqk, A31, t3, eos, 1, H, BT, BC)
+    _store_sq(Aqk, A32, t3, eos, 2, H, BT, BC)
+    b1 = load_rows(beta, t1, eos, H, BC)[:, None]
+    b2 = load_rows(beta, t2, eos, H, BC)[:, None]
+    b3 = load_rows(beta, t3, eos, H, BC)[:, None]
+    L10, L20, L21, L30, L31, L32 = L10 * b1, L20 * b2, L21 * b2, L30 * b3, L31 * b3, L32 * b3
+    X00 = _load_sq(Ainv, t0, eos, 0, H, BT, BC)
+    X11 = _load_sq(Ainv, t1, eos, 1, H, BT, BC)
+    X22 = _load_sq(Ainv, t2, eos, 2, H, BT, BC)
+    X33 = _load_sq(Ainv, t3, eos, 3, H, BT, BC)
+    X10 = -_mm(X11, _mm(L10, X00))
+    X21 = -_mm(X22, _mm(L21, X11))
+    X32 = -_mm(X33, _mm(L32, X22))
+    X20 = -_mm(X22, _mm(L20, X00) + _mm(L21, X10))
+    X31 = -_mm(X33, _mm(L31, X11) + _mm(L32, X21))
+    X30 = -_mm(X33, _mm(L30, X00) + _mm(L31, X10) + _mm(L32, X20))
+    _store_sq(Ainv, X10, t1, eos, 0, H, BT, BC)
+    _store_sq(Ainv, X20, t2, eos, 0, H, BT, BC)
+    _store_sq(Ainv, X21, t2, eos, 1, H, BT, BC)
+    _store_sq(Ainv, X30, t3, eos, 0, H, BT, BC)
+    _store_sq(Ainv, X31, t3, eos, 1, H, BT, BC)
+    _store_sq(Ainv, X32, t3, eos, 2, H, BT, BC)
 
 
 @triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["H", "K", "V"])
@@ -280,9 +410,12 @@ def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool)
     cu, ci = plan.cu_seqlens_N1, plan.chunk_indices_C2
     if NC > 0:
         _cumsum_kernel[(NC, H)](g, G, cu, ci, H, K, BK=BK, BT=BT)
-        _intra_kernel[(NC, H)](
-            q, k, G, beta, Aqk, Ainv, cu, ci, H, K, BK=BK, BT=BT, BC=BC, PREC=intra_precision(dt)
-        )  # fmt: skip
+        prec = intra_precision(dt)
+        if os.environ.get("LONGHORIZON_KDA_FWD_INTRA", "split") == "fused":
+            _intra_kernel[(NC, H)](q, k, G, beta, Aqk, Ainv, cu, ci, H, K, BK=BK, BT=BT, BC=BC, PREC=prec)
+        else:
+            _diag_kernel[(NC, H, BT // BC)](q, k, G, beta, Aqk, Ainv, cu, ci, H, K, BK=BK, BT=BT, BC=BC, PREC=prec)
+            _offdiag_kernel[(NC, H)](q, k, G, beta, Aqk, Ainv, cu, ci, H, K, BT=BT, BC=BC, PREC=prec)
         _wy_kernel[(NC, H)](q, k, v, G, beta, Ainv, W, U, Qg, Kd, cu, ci, H, K, V, BK=BK, BV=BV, BT=BT)
     h0_arg = h0 if h0 is not None else G.new_empty(1)
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * H)
