@@ -276,6 +276,19 @@ def test_every_main_backward_block_shape_matches_reference(bkf, bv, monkeypatch)
     _assert_close(got, want, FP32_TOL)
 
 
+@pytest.mark.parametrize("bkb, bko", [(16, 16), (32, 32), (128, 64)])
+def test_every_intra_feature_block_matches_reference(bkb, bko, monkeypatch):
+    """The intra backward (one program per sub-tile row and feature block, dbeta summed over blocks)
+    and the forward's off-diagonal pairs (feature blocks in a loop) at each block width the GPU
+    autotuner may pick: K = 48 gives three blocks of 16, one ragged block of 32 and one wider block."""
+    for name, mod, cfg in (("_intra_bwd_kernel", "bwd", {"BKB": bkb}), ("_offdiag_kernel", "fwd", {"BKO": bko})):
+        kernel = getattr(MODS[mod], name)
+        monkeypatch.setattr(kernel, "configs", [triton.Config(cfg, num_warps=4, num_stages=1)])
+        monkeypatch.setattr(kernel, "cache", {})
+    got, want = _run_both(_inputs(100, H=2, K=48, V=40, seed=6))
+    _assert_close(got, want, FP32_TOL)
+
+
 def test_pool_decode_step_on_a_strided_pool_equals_the_torch_pool_step():
     """The rollout engine's CUDA decode step: states in a non-contiguous view (vLLM keeps conv states in
     the same pages), a padding entry (-1), slots out of order; against kernels.kda.kda_decode_step_."""

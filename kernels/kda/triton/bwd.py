@@ -195,15 +195,16 @@ def _row_side(
     ref,
     eos,
     H,
-    K,
+    stk,
+    D,
     BK: tl.constexpr,
     BT: tl.constexpr,
     BC: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """Sub-tile (i, j) seen from its rows: dAqk_ij (k_j e^(ref - G_j)) and the same for dL."""
-    kc = load_tile(k, tj, eos, H * K, 0, BC, K, BK) * decay_factor(
-        load_tile(G, tj, eos, H * K, 0, BC, K, BK), ref, tj, eos, BC, -1.0
+    kc = load_tile(k, tj, eos, stk, 0, BC, D, BK) * decay_factor(
+        load_tile(G, tj, eos, stk, 0, BC, D, BK), ref, tj, eos, BC, -1.0
     )
     dAq = load_tile(dAqk, ti, eos, H * BT, 0, BC, BC, BC)
     dAk = load_tile(dAkk, ti, eos, H * BT, 0, BC, BC, BC)
@@ -222,91 +223,108 @@ def _col_side(
     ref,
     eos,
     H,
-    K,
+    stk,
+    D,
     BK: tl.constexpr,
     BT: tl.constexpr,
     BC: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """Sub-tile (j, i) seen from its columns: dAqk_ji^T (q_j e^(G_j - ref)) + dL_ji^T (beta k_j e^(G_j - ref))."""
-    f = decay_factor(load_tile(G, tj, eos, H * K, 0, BC, K, BK), ref, tj, eos, BC, 1.0)
-    qf = load_tile(q, tj, eos, H * K, 0, BC, K, BK) * f
+    f = decay_factor(load_tile(G, tj, eos, stk, 0, BC, D, BK), ref, tj, eos, BC, 1.0)
+    qf = load_tile(q, tj, eos, stk, 0, BC, D, BK) * f
     b = load_rows(beta, tj, eos, H, BC)
-    kf = b[:, None] * load_tile(k, tj, eos, H * K, 0, BC, K, BK) * f
+    kf = b[:, None] * load_tile(k, tj, eos, stk, 0, BC, D, BK) * f
     dAq = load_tile(dAqk, tj, eos, H * BT, 0, BC, BC, BC)
     dAk = load_tile(dAkk, tj, eos, H * BT, 0, BC, BC, BC)
     return pdot(tl.trans(dAq), qf, PREC) + pdot(tl.trans(dAk), kf, PREC)
 
 
 # restore_value: the kernel adds into dG in place, and autotuning runs it once per config
-@triton.autotune(configs=_configs([{}], [4, 8, 2], [1]), key=["H", "K", "PREC"], restore_value=["dG"])
+@triton.autotune(
+    configs=_configs([{"BKB": 32}, {"BKB": 64}, {"BKB": 128}], [2, 4, 8], [1]),
+    key=["H", "K", "PREC"],
+    restore_value=["dG"],
+)  # fmt: skip
 @triton.jit
 def _intra_bwd_kernel(
-    q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG, db_p, dq, dk, dbeta, cu_seqlens, chunk_indices,
-    H, K, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+    q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG, db_p, dq, dk, dbk, TH, cu_seqlens, chunk_indices,
+    H, K, BKB: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """Sub-tile row I of a chunk (program axis 2): the Aqk and L terms of dq, dk, dbeta, and dG before
-    the within-chunk reverse cumulative sum (`_dg_kernel`), written over the partial dG in place. One
-    program per sub-tile rather than per chunk: four times the programs, a quarter of the live tiles."""
-    i_c, i_h, I = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Sub-tile row I of a chunk and feature block i_k (program axis 2 = i_k * BT / BC + I): the Aqk
+    and L terms of dq, dk, dbeta, and dG before the within-chunk reverse cumulative sum (`_dg_kernel`),
+    written over the partial dG in place. Every term is separable over features except dbeta, whose
+    per-block partial sums go to dbk[i_k] (summed by `_dg_kernel`)."""
+    i_c, i_h, i_ki = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_k, I = i_ki // (BT // BC), i_ki % (BT // BC)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
     ti = t0 + I * BC
     if ti >= eos:
         return
-    q, k, G, beta = q + i_h * K, k + i_h * K, G + i_h * K, beta + i_h
+    k0 = i_k * BKB
+    Kr = K - k0  # the feature block's columns: pointers offset by k0, masks against K - k0
+    q, k, G, beta = q + i_h * K + k0, k + i_h * K + k0, G + i_h * K + k0, beta + i_h
     dAqk, dAkk = dAqk + i_h * BT, dAkk + i_h * BT
-    dq_p, dk_p, dG, db_p = dq_p + i_h * K, dk_p + i_h * K, dG + i_h * K, db_p + i_h
-    dq, dk, dbeta = dq + i_h * K, dk + i_h * K, dbeta + i_h
+    dq_p, dk_p, dG, db_p = dq_p + i_h * K + k0, dk_p + i_h * K + k0, dG + i_h * K + k0, db_p + i_h
+    dq, dk, dbk = dq + i_h * K + k0, dk + i_h * K + k0, dbk + i_k.to(tl.int64) * TH + i_h
     stk = H * K
     # rows of sub-tile row I, off-diagonal columns referred to the tile's first row
-    ref_o = load_row(G, ti, stk, K, BK)
-    dq_o = tl.full([BC, BK], 0.0, tl.float32)
-    P_o = tl.full([BC, BK], 0.0, tl.float32)
+    ref_o = load_row(G, ti, stk, Kr, BKB)
+    dq_o = tl.full([BC, BKB], 0.0, tl.float32)
+    P_o = tl.full([BC, BKB], 0.0, tl.float32)
     for j in range(0, I):
         a, p = _row_side(
-            k, G, dAqk + j * BC, dAkk + j * BC, ti, t0 + j * BC, ref_o, eos, H, K, BK, BT, BC, PREC
+            k, G, dAqk + j * BC, dAkk + j * BC, ti, t0 + j * BC, ref_o, eos, H, stk, Kr, BKB, BT, BC, PREC
         )
         dq_o += a
         P_o += p
-    G_i = load_tile(G, ti, eos, stk, 0, BC, K, BK)
+    G_i = load_tile(G, ti, eos, stk, 0, BC, Kr, BKB)
     f_o = decay_factor(G_i, ref_o, ti, eos, BC, 1.0)
-    ref_m = load_row(G, tl.minimum(ti + BC // 2, eos - 1), stk, K, BK)
+    ref_m = load_row(G, tl.minimum(ti + BC // 2, eos - 1), stk, Kr, BKB)
     f_m = decay_factor(G_i, ref_m, ti, eos, BC, 1.0)
-    a, p = _row_side(k, G, dAqk + I * BC, dAkk + I * BC, ti, ti, ref_m, eos, H, K, BK, BT, BC, PREC)
+    a, p = _row_side(k, G, dAqk + I * BC, dAkk + I * BC, ti, ti, ref_m, eos, H, stk, Kr, BKB, BT, BC, PREC)
     dq_i = dq_o * f_o + a * f_m
     P = P_o * f_o + p * f_m
     # columns of sub-tile column I, later rows referred to the tile's last row
-    ref_c = load_row(G, tl.minimum(ti + BC - 1, eos - 1), stk, K, BK)
-    dkc_o = tl.full([BC, BK], 0.0, tl.float32)
+    ref_c = load_row(G, tl.minimum(ti + BC - 1, eos - 1), stk, Kr, BKB)
+    dkc_o = tl.full([BC, BKB], 0.0, tl.float32)
     for j in range(I + 1, BT // BC):
         dkc_o += _col_side(
-            q, k, G, beta, dAqk + I * BC, dAkk + I * BC, t0 + j * BC, ref_c, eos, H, K, BK, BT, BC, PREC
+            q, k, G, beta, dAqk + I * BC, dAkk + I * BC, t0 + j * BC, ref_c, eos, H, stk, Kr, BKB, BT, BC, PREC
         )
     dkc = dkc_o * decay_factor(G_i, ref_c, ti, eos, BC, -1.0)
-    d = _col_side(q, k, G, beta, dAqk + I * BC, dAkk + I * BC, ti, ref_m, eos, H, K, BK, BT, BC, PREC)
+    d = _col_side(q, k, G, beta, dAqk + I * BC, dAkk + I * BC, ti, ref_m, eos, H, stk, Kr, BKB, BT, BC, PREC)
     dkc += d * decay_factor(G_i, ref_m, ti, eos, BC, -1.0)
-    q_i = load_tile(q, ti, eos, stk, 0, BC, K, BK)
-    k_i = load_tile(k, ti, eos, stk, 0, BC, K, BK)
+    q_i = load_tile(q, ti, eos, stk, 0, BC, Kr, BKB)
+    k_i = load_tile(k, ti, eos, stk, 0, BC, Kr, BKB)
     b_i = load_rows(beta, ti, eos, H, BC)
     dk_row = b_i[:, None] * P
-    dG_i = q_i * dq_i + k_i * (dk_row - dkc) + load_tile(dG, ti, eos, stk, 0, BC, K, BK)
-    store_tile(dG, dG_i, ti, eos, stk, 0, BC, K, BK)
-    store_tile(dq, dq_i + load_tile(dq_p, ti, eos, stk, 0, BC, K, BK), ti, eos, stk, 0, BC, K, BK)
-    store_tile(dk, dk_row + dkc + load_tile(dk_p, ti, eos, stk, 0, BC, K, BK), ti, eos, stk, 0, BC, K, BK)
-    db = rsum(k_i * P, 1) + load_rows(db_p, ti, eos, H, BC)
-    store_tile(dbeta, db[:, None], ti, eos, H, 0, BC, 1, 1)
+    dG_i = q_i * dq_i + k_i * (dk_row - dkc) + load_tile(dG, ti, eos, stk, 0, BC, Kr, BKB)
+    store_tile(dG, dG_i, ti, eos, stk, 0, BC, Kr, BKB)
+    store_tile(dq, dq_i + load_tile(dq_p, ti, eos, stk, 0, BC, Kr, BKB), ti, eos, stk, 0, BC, Kr, BKB)
+    store_tile(dk, dk_row + dkc + load_tile(dk_p, ti, eos, stk, 0, BC, Kr, BKB), ti, eos, stk, 0, BC, Kr, BKB)
+    db = rsum(k_i * P, 1)
+    if i_k == 0:
+        db += load_rows(db_p, ti, eos, H, BC)
+    store_tile(dbk, db[:, None], ti, eos, H, 0, BC, 1, 1)
 
 
 @triton.jit
-def _dg_kernel(dG, dGl, dg, cu_seqlens, chunk_indices, H, K, BK: tl.constexpr, BT: tl.constexpr):
+def _dg_kernel(
+    dG, dGl, dg, dbk, dbeta, NK, TH, cu_seqlens, chunk_indices, H, K, BK: tl.constexpr, BT: tl.constexpr
+):
     """dg = reverse cumulative sum of dG within the chunk, plus the carry dGl from the chunk's end:
-    e^(G_C) feeds every position of the chunk."""
+    e^(G_C) feeds every position of the chunk. dbeta = the sum of the NK feature blocks' partials."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
     rk = tl.arange(0, BK)
     carry = tl.load(dGl + (i_c.to(tl.int64) * H + i_h) * K + rk, mask=rk < K, other=0.0)
     dG_t = load_tile(dG + i_h * K, t0, eos, H * K, 0, BT, K, BK)
     store_tile(dg + i_h * K, rcumsum(dG_t, 0, True) + carry[None, :], t0, eos, H * K, 0, BT, K, BK)
+    db = load_rows(dbk + i_h, t0, eos, H, BT)
+    for i_k in range(1, NK):
+        db += load_rows(dbk + i_k * TH + i_h, t0, eos, H, BT)
+    store_tile(dbeta + i_h, db[:, None], t0, eos, H, 0, BT, 1, 1)
 
 
 def kda_bwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, saved: dict, do, dht):
@@ -340,9 +358,14 @@ def kda_bwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, saved: dict, do
             q, k, v, saved["G"], beta, saved["Ainv"], saved["Hc"], dHc, saved["Vn"], dVn, do,
             dq_p, dk_p, dG_p, dv, db_p, dAkk, dGl, scale, cu, ci, H, K, V, BT=BT, PREC=prec,
         )  # fmt: skip
-        _intra_bwd_kernel[(NC, H, BT // BC)](
-            q, k, saved["G"], beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dq, dk, dbeta, cu, ci,
-            H, K, BK=BK, BT=BT, BC=BC, PREC=prec,
+        # dbeta partials, one slot per feature block of the narrowest block the autotuner may pick
+        bkb_min = min(c.kwargs["BKB"] for c in _intra_bwd_kernel.configs)
+        dbk = torch.empty(triton.cdiv(K, bkb_min), T, H, device=dev, dtype=f32)
+        grid_i = lambda meta: (NC, H, triton.cdiv(K, meta["BKB"]) * (BT // BC))
+        _intra_bwd_kernel[grid_i](
+            q, k, saved["G"], beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dq, dk, dbk, T * H, cu, ci,
+            H, K, BT=BT, BC=BC, PREC=prec,
         )  # fmt: skip
-        _dg_kernel[(NC, H)](dG_p, dGl, dg, cu, ci, H, K, BK=BK, BT=BT)
+        NK = triton.cdiv(K, _intra_bwd_kernel.best_config.kwargs["BKB"])
+        _dg_kernel[(NC, H)](dG_p, dGl, dg, dbk, dbeta, NK, T * H, cu, ci, H, K, BK=BK, BT=BT)
     return dq, dk, dv, dg, dbeta, dh0
