@@ -59,7 +59,7 @@ def _dav_kernel(
     store_tile(dAqk + i_h * BT, tl.where(causal, dA * scale, 0.0), t0, eos, H * BT, 0, BT, BT, BT)
 
 
-@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [4], [2, 3]), key=["H", "K", "V"])
+@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}, {"BV": 16}], [4, 8], [2, 3]), key=["H", "K", "V"])
 @triton.jit
 def _state_bwd_kernel(
     Qg, Kd, G, W, do, dVi, dht, dHc, dVn, dh0, scale, cu_seqlens, chunk_offsets, H, K, V,
@@ -251,11 +251,14 @@ def _intra_bwd_kernel(
     q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG, db_p, dq, dk, dbk, TH, cu_seqlens, chunk_indices,
     H, K, BKB: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """Sub-tile row I of a chunk and feature block i_k (program axis 2 = i_k * BT / BC + I): the Aqk
+    """Sub-tile row I of a chunk and feature block i_k: the Aqk
     and L terms of dq, dk, dbeta, and dG before the within-chunk reverse cumulative sum (`_dg_kernel`),
     written over the partial dG in place. Every term is separable over features except dbeta, whose
     per-block partial sums go to dbk[i_k] (summed by `_dg_kernel`)."""
-    i_c, i_h, i_ki = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # a chunk's programs are adjacent in launch order (axis 0 = chunk * P + block), so the tiles they
+    # all re-read (k, G of the other sub-tiles) are still in L2
+    P = (K + BKB - 1) // BKB * (BT // BC)
+    i_c, i_ki, i_h = tl.program_id(0) // P, tl.program_id(0) % P, tl.program_id(1)
     i_k, I = i_ki // (BT // BC), i_ki % (BT // BC)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
     ti = t0 + I * BC
@@ -361,7 +364,7 @@ def kda_bwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, saved: dict, do
         # dbeta partials, one slot per feature block of the narrowest block the autotuner may pick
         bkb_min = min(c.kwargs["BKB"] for c in _intra_bwd_kernel.configs)
         dbk = torch.empty(triton.cdiv(K, bkb_min), T, H, device=dev, dtype=f32)
-        grid_i = lambda meta: (NC, H, triton.cdiv(K, meta["BKB"]) * (BT // BC))
+        grid_i = lambda meta: (NC * triton.cdiv(K, meta["BKB"]) * (BT // BC), H)
         _intra_bwd_kernel[grid_i](
             q, k, saved["G"], beta, dAqk, dAkk, dq_p, dk_p, dG_p, db_p, dq, dk, dbk, T * H, cu, ci,
             H, K, BT=BT, BC=BC, PREC=prec,

@@ -187,10 +187,10 @@ def _diag_kernel(
     q, k, G, beta, Aqk, Ainv, cu_seqlens, chunk_indices, H, K,
     BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """Diagonal sub-tile I of a chunk (program axis 2): Aqk_II and L_II with the exponents referred to
+    """Diagonal sub-tile I of a chunk (program axis 0 = chunk * 4 + I): Aqk_II and L_II with the exponents referred to
     the tile midpoint, then X_II = (I + L_II)^-1 by forward substitution whose rows of L are read back
     from global memory (a row load instead of a cross-warp extraction from the register tile)."""
-    i_c, i_h, I = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_c, I, i_h = tl.program_id(0) // (BT // BC), tl.program_id(0) % (BT // BC), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
     ti = t0 + I * BC
     if ti >= eos:
@@ -332,7 +332,7 @@ def _wy_kernel(
     store_tile(Qg + i_h * K, q_t * tl.exp2(G_t), t0, eos, stk, 0, BT, K, BK)
 
 
-@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}], [4], [2, 3]), key=["H", "K", "V"])
+@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}, {"BV": 16}], [4, 8], [2, 3]), key=["H", "K", "V"])
 @triton.jit
 def _state_kernel(
     Kd, G, W, U, h0, Hc, Vn, ht, cu_seqlens, chunk_offsets, H, K, V,
@@ -372,7 +372,8 @@ def _output_kernel(
     Qg, Hc, Aqk, Vn, o, scale, cu_seqlens, chunk_indices, H, K, V,
     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
 ):  # fmt: skip
-    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NV = (V + BV - 1) // BV  # axis 0 = chunk * NV + value block: no 65535 limit on the chunk count
+    i_v, i_c, i_h = tl.program_id(0) % NV, tl.program_id(0) // NV, tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
     DT = Vn.dtype.element_ty
     v0 = i_v * BV
@@ -414,7 +415,7 @@ def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool)
         if os.environ.get("LONGHORIZON_KDA_FWD_INTRA", "split") == "fused":
             _intra_kernel[(NC, H)](q, k, G, beta, Aqk, Ainv, cu, ci, H, K, BK=BK, BT=BT, BC=BC, PREC=prec)
         else:
-            _diag_kernel[(NC, H, BT // BC)](q, k, G, beta, Aqk, Ainv, cu, ci, H, K, BK=BK, BT=BT, BC=BC, PREC=prec)
+            _diag_kernel[(NC * (BT // BC), H)](q, k, G, beta, Aqk, Ainv, cu, ci, H, K, BK=BK, BT=BT, BC=BC, PREC=prec)
             _offdiag_kernel[(NC, H)](q, k, G, beta, Aqk, Ainv, cu, ci, H, K, BT=BT, BC=BC, PREC=prec)
         _wy_kernel[(NC, H)](q, k, v, G, beta, Ainv, W, U, Qg, Kd, cu, ci, H, K, V, BK=BK, BV=BV, BT=BT)
     h0_arg = h0 if h0 is not None else G.new_empty(1)
@@ -424,7 +425,7 @@ def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool)
         BK=BK, BT=BT, HAS_H0=h0 is not None, STORE_HT=store_ht,
     )  # fmt: skip
     if NC > 0:
-        grid_o = lambda meta: (triton.cdiv(V, meta["BV"]), NC, H)
+        grid_o = lambda meta: (triton.cdiv(V, meta["BV"]) * NC, H)
         _output_kernel[grid_o](Qg, Hc, Aqk, Vn, o, scale, cu, ci, H, K, V, BK=BK, BT=BT)
     return {
         "o": o,
