@@ -107,18 +107,14 @@ def impl_fn(name: str):
     if name.startswith("ours"):
         from kernels.kda.triton import chunk_kda_triton
 
-        # ours = the defaults; ours_bf16 / ours_tf32 / ours_bf16x3: that intra precision;
-        # ours_fused: the single-kernel forward intra of the previous version (A/B)
-        suffix = name.split("_")[1] if "_" in name else None
-        env = {"LONGHORIZON_KDA_INTRA_PREC": suffix if suffix not in (None, "fused") else None,
-               "LONGHORIZON_KDA_FWD_INTRA": "fused" if suffix == "fused" else None}  # fmt: skip
+        # ours = the default intra precision; ours_bf16 / ours_tf32 / ours_bf16x3: that precision
+        prec = name.split("_")[1] if "_" in name else None
 
         def ours(q, k, v, g, b, h0, fs, cu):
-            for var, value in env.items():
-                if value is None:
-                    os.environ.pop(var, None)
-                else:
-                    os.environ[var] = value
+            if prec is None:
+                os.environ.pop("LONGHORIZON_KDA_INTRA_PREC", None)
+            else:
+                os.environ["LONGHORIZON_KDA_INTRA_PREC"] = prec
             return chunk_kda_triton(q, k, v, g, b, initial_state=h0, output_final_state=fs, cu_seqlens=cu)
 
         return ours

@@ -281,7 +281,10 @@ def test_every_intra_feature_block_matches_reference(bkb, bko, monkeypatch):
     """The intra backward (one program per sub-tile row and feature block, dbeta summed over blocks)
     and the forward's off-diagonal pairs (feature blocks in a loop) at each block width the GPU
     autotuner may pick: K = 48 gives three blocks of 16, one ragged block of 32 and one wider block."""
-    for name, mod, cfg in (("_intra_bwd_kernel", "bwd", {"BKB": bkb}), ("_offdiag_kernel", "fwd", {"BKO": bko})):
+    for name, mod, cfg in (
+        ("_intra_bwd_kernel", "bwd", {"BKB": bkb}),
+        ("_offdiag_kernel", "fwd", {"BKO": bko}),
+    ):
         kernel = getattr(MODS[mod], name)
         monkeypatch.setattr(kernel, "configs", [triton.Config(cfg, num_warps=4, num_stages=1)])
         monkeypatch.setattr(kernel, "cache", {})

@@ -8,9 +8,10 @@ Reverse pass over chunks (`_state_bwd`), with dS' the gradient of the state leav
 Per chunk (`_main_bwd`, parallel): the inter-chunk terms of dq, dk, the WY terms
 (dW = -dVn S^T, dU = dVn, through X = (I + L)^-1: dL = -X^T (dW Xk^T + dU Yv^T) X^T) and their
 contributions to dbeta, dv and to dG, the gradient wrt the cumulative log-decay. `_intra_bwd` (one
-program per 16-row sub-tile) adds the terms of Aqk and L, again in 16 x 16 sub-tiles with the reference
-exponents of the forward; `_dg` turns dG into dg by a reverse cumulative sum within the chunk; e^(G_C)
-(the chunk's total decay) feeds every position of the chunk, which is the carry that sum starts from.
+program per 16-row sub-tile and feature block, a chunk's programs adjacent in launch order) adds the
+terms of Aqk and L, again in 16 x 16 sub-tiles with the reference exponents of the forward; `_dg` turns
+dG into dg by a reverse cumulative sum within the chunk (e^(G_C), the chunk's total decay, feeds every
+position of the chunk: the carry that sum starts from) and sums dbeta's per-feature-block partials.
 """
 
 from __future__ import annotations
@@ -290,13 +291,14 @@ def _intra_bwd_kernel(
     P = P_o * f_o + p * f_m
     # columns of sub-tile column I, later rows referred to the tile's last row
     ref_c = load_row(G, tl.minimum(ti + BC - 1, eos - 1), stk, Kr, BKB)
+    dAq_I, dAk_I = dAqk + I * BC, dAkk + I * BC
     dkc_o = tl.full([BC, BKB], 0.0, tl.float32)
     for j in range(I + 1, BT // BC):
         dkc_o += _col_side(
-            q, k, G, beta, dAqk + I * BC, dAkk + I * BC, t0 + j * BC, ref_c, eos, H, stk, Kr, BKB, BT, BC, PREC
+            q, k, G, beta, dAq_I, dAk_I, t0 + j * BC, ref_c, eos, H, stk, Kr, BKB, BT, BC, PREC
         )
     dkc = dkc_o * decay_factor(G_i, ref_c, ti, eos, BC, -1.0)
-    d = _col_side(q, k, G, beta, dAqk + I * BC, dAkk + I * BC, ti, ref_m, eos, H, stk, Kr, BKB, BT, BC, PREC)
+    d = _col_side(q, k, G, beta, dAq_I, dAk_I, ti, ref_m, eos, H, stk, Kr, BKB, BT, BC, PREC)
     dkc += d * decay_factor(G_i, ref_m, ti, eos, BC, -1.0)
     q_i = load_tile(q, ti, eos, stk, 0, BC, Kr, BKB)
     k_i = load_tile(k, ti, eos, stk, 0, BC, Kr, BKB)

@@ -17,15 +17,19 @@ Deviation from the issue text: by default those sub-tile products are "bf16x3" (
 bf16 hi + lo, three bf16 tensor-core products, about 16 mantissa bits), not single bf16 operands,
 because L feeds (I + L)^-1: single bf16 rounding there made o and dv errors ~1.5x larger (interpreter,
 D = 64, vs float64). LONGHORIZON_KDA_INTRA_PREC=bf16|tf32|bf16x3 selects (common.intra_precision).
-(I + L)^-1 is built from forward substitution on the four diagonal 16 x 16 blocks and block back-substitution for the six blocks below them.
 
-Kernels: `_cumsum` (G), `_intra` (Aqk, X), `_wy` (W, U, q e^G, k e^(G_C - G)), `_state` (sequential over chunks: per-chunk states
-and Vn), `_output` (O, parallel over chunks).
+Kernels, in launch order:
+- `_cumsum`: G, the in-chunk cumulative log-decay (log2 units).
+- `_diag`: one program per diagonal 16 x 16 sub-tile (four per chunk, adjacent in launch order): Aqk_ii
+  and L_ii, then X_ii = (I + L_ii)^-1 by forward substitution, each row of L read back from memory.
+- `_offdiag`: one program per chunk: the six pairs below the diagonal, Aqk_ij and L_ij accumulated
+  over feature blocks, then X's blocks below the diagonal by block back-substitution from the X_ii.
+- `_wy`: W, U, q e^G and k e^(G_C - G) as whole-chunk 64 x 64 products.
+- `_state`: sequential over a sequence's chunks: the per-chunk states and Vn.
+- `_output`: O, parallel over chunks and value blocks.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -66,50 +70,6 @@ def _cumsum_kernel(g, G, cu_seqlens, chunk_indices, H, K, BK: tl.constexpr, BT: 
 
 
 @triton.jit
-def _row(q, k, G, beta, ti, eos, H, K, BK: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-    """Row sub-tile i, loaded once: its diagonal pair (Aqk_ii, L_ii, exponents referred to the tile
-    midpoint) and the row operands q_i e^(G_i - G_ti), k_i e^(G_i - G_ti) that every off-diagonal pair
-    of the row shares (referred to the tile's first row, so the factors are <= 1)."""
-    st = H * K
-    q_i = load_tile(q, ti, eos, st, 0, BC, K, BK)
-    k_i = load_tile(k, ti, eos, st, 0, BC, K, BK)
-    G_i = load_tile(G, ti, eos, st, 0, BC, K, BK)
-    b_i = load_rows(beta, ti, eos, H, BC)
-    ref_m = load_row(G, tl.minimum(ti + BC // 2, eos - 1), st, K, BK)
-    f_m = decay_factor(G_i, ref_m, ti, eos, BC, 1.0)
-    kc_i = k_i * decay_factor(G_i, ref_m, ti, eos, BC, -1.0)
-    r = tl.arange(0, BC)
-    A_ii = tl.where(r[:, None] >= r[None, :], pdot(q_i * f_m, tl.trans(kc_i), PREC), 0.0)
-    L_ii = tl.where(r[:, None] > r[None, :], pdot(k_i * f_m, tl.trans(kc_i), PREC) * b_i[:, None], 0.0)
-    ref_o = load_row(G, tl.minimum(ti, eos - 1), st, K, BK)
-    f_o = decay_factor(G_i, ref_o, ti, eos, BC, 1.0)
-    return A_ii, L_ii, q_i * f_o, k_i * f_o, b_i, ref_o
-
-
-@triton.jit
-def _off(qf_i, kf_i, b_i, ref_o, k, G, tj, eos, H, K, BK: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-    """Off-diagonal pair (i, j < i) of Aqk and L from row i's shared operands. The products run at the
-    intra precision: L feeds (I + L)^-1, and single bf16 rounding here cost a factor ~1.5 in the error
-    of o and dv at D = 64 (interpreter experiment against float64)."""
-    kc_j = load_tile(k, tj, eos, H * K, 0, BC, K, BK) * decay_factor(
-        load_tile(G, tj, eos, H * K, 0, BC, K, BK), ref_o, tj, eos, BC, -1.0
-    )
-    return pdot(qf_i, tl.trans(kc_j), PREC), pdot(kf_i, tl.trans(kc_j), PREC) * b_i[:, None]
-
-
-@triton.jit
-def _inv_unit_lower(L, BC: tl.constexpr):
-    """(I + L)^-1 for a strictly lower BC x BC tile, by forward substitution in registers."""
-    r = tl.arange(0, BC)
-    X = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    for i in tl.static_range(1, BC):
-        l_i = rsum(tl.where(r[:, None] == i, L, 0.0), 0)
-        upd = rsum(l_i[:, None] * X, 0)
-        X = tl.where(r[:, None] == i, X - upd[None, :], X)
-    return X
-
-
-@triton.jit
 def _mm(a, b):
     return tl.dot(a, b, input_precision="ieee")
 
@@ -122,63 +82,6 @@ def _store_sq(ptr, x, ti, eos, j, H, BT: tl.constexpr, BC: tl.constexpr):
 @triton.jit
 def _load_sq(ptr, ti, eos, j, H, BT: tl.constexpr, BC: tl.constexpr):
     return load_tile(ptr + j * BC, ti, eos, H * BT, 0, BC, BC, BC)
-
-
-@triton.autotune(configs=_configs([{}], [4, 8, 2], [1]), key=["H", "K", "PREC"])
-@triton.jit
-def _intra_kernel(
-    q, k, G, beta, Aqk, Ainv, cu_seqlens, chunk_indices, H, K,
-    BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
-    """Aqk and X = (I + L)^-1 of one chunk, from its ten 16 x 16 sub-tile pairs. W, U, Qg and Kd are
-    left to `_wy_kernel`: in one program they kept too many tiles live (register spills)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
-    q, k, G, beta = q + i_h * K, k + i_h * K, G + i_h * K, beta + i_h
-    Aqk, Ainv = Aqk + i_h * BT, Ainv + i_h * BT
-    t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
-    # each Aqk tile is stored as soon as it exists; only the L tiles stay live for the inverse
-    A, L00, qf, kf, b, ref = _row(q, k, G, beta, t0, eos, H, K, BK, BC, PREC)
-    _store_sq(Aqk, A, t0, eos, 0, H, BT, BC)
-    A, L11, qf, kf, b, ref = _row(q, k, G, beta, t1, eos, H, K, BK, BC, PREC)
-    _store_sq(Aqk, A, t1, eos, 1, H, BT, BC)
-    A, L10 = _off(qf, kf, b, ref, k, G, t0, eos, H, K, BK, BC, PREC)
-    _store_sq(Aqk, A, t1, eos, 0, H, BT, BC)
-    A, L22, qf, kf, b, ref = _row(q, k, G, beta, t2, eos, H, K, BK, BC, PREC)
-    _store_sq(Aqk, A, t2, eos, 2, H, BT, BC)
-    A, L20 = _off(qf, kf, b, ref, k, G, t0, eos, H, K, BK, BC, PREC)
-    _store_sq(Aqk, A, t2, eos, 0, H, BT, BC)
-    A, L21 = _off(qf, kf, b, ref, k, G, t1, eos, H, K, BK, BC, PREC)
-    _store_sq(Aqk, A, t2, eos, 1, H, BT, BC)
-    A, L33, qf, kf, b, ref = _row(q, k, G, beta, t3, eos, H, K, BK, BC, PREC)
-    _store_sq(Aqk, A, t3, eos, 3, H, BT, BC)
-    A, L30 = _off(qf, kf, b, ref, k, G, t0, eos, H, K, BK, BC, PREC)
-    _store_sq(Aqk, A, t3, eos, 0, H, BT, BC)
-    A, L31 = _off(qf, kf, b, ref, k, G, t1, eos, H, K, BK, BC, PREC)
-    _store_sq(Aqk, A, t3, eos, 1, H, BT, BC)
-    A, L32 = _off(qf, kf, b, ref, k, G, t2, eos, H, K, BK, BC, PREC)
-    _store_sq(Aqk, A, t3, eos, 2, H, BT, BC)
-    # (I + L)^-1 blockwise: X_ii by substitution, X_ij = -X_ii sum_{m=j}^{i-1} L_im X_mj.
-    X00 = _inv_unit_lower(L00, BC)
-    X11 = _inv_unit_lower(L11, BC)
-    X22 = _inv_unit_lower(L22, BC)
-    X33 = _inv_unit_lower(L33, BC)
-    X10 = -_mm(X11, _mm(L10, X00))
-    X21 = -_mm(X22, _mm(L21, X11))
-    X32 = -_mm(X33, _mm(L32, X22))
-    X20 = -_mm(X22, _mm(L20, X00) + _mm(L21, X10))
-    X31 = -_mm(X33, _mm(L31, X11) + _mm(L32, X21))
-    X30 = -_mm(X33, _mm(L30, X00) + _mm(L31, X10) + _mm(L32, X20))
-    _store_sq(Ainv, X00, t0, eos, 0, H, BT, BC)
-    _store_sq(Ainv, X10, t1, eos, 0, H, BT, BC)
-    _store_sq(Ainv, X11, t1, eos, 1, H, BT, BC)
-    _store_sq(Ainv, X20, t2, eos, 0, H, BT, BC)
-    _store_sq(Ainv, X21, t2, eos, 1, H, BT, BC)
-    _store_sq(Ainv, X22, t2, eos, 2, H, BT, BC)
-    _store_sq(Ainv, X30, t3, eos, 0, H, BT, BC)
-    _store_sq(Ainv, X31, t3, eos, 1, H, BT, BC)
-    _store_sq(Ainv, X32, t3, eos, 2, H, BT, BC)
-    _store_sq(Ainv, X33, t3, eos, 3, H, BT, BC)
 
 
 @triton.autotune(configs=_configs([{}], [1, 2, 4], [1]), key=["H", "K", "PREC"])
@@ -222,7 +125,9 @@ def _diag_kernel(
 
 
 @triton.jit
-def _pair(qf_i, kf_i, k, G, ref_i, tj, eos, stk, k0, K, BKO: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+def _pair(
+    qf_i, kf_i, k, G, ref_i, tj, eos, stk, k0, K, BKO: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr
+):
     kc_j = load_tile(k, tj, eos, stk, k0, BC, K, BKO) * decay_factor(
         load_tile(G, tj, eos, stk, k0, BC, K, BKO), ref_i, tj, eos, BC, -1.0
     )
@@ -412,11 +317,10 @@ def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool)
     if NC > 0:
         _cumsum_kernel[(NC, H)](g, G, cu, ci, H, K, BK=BK, BT=BT)
         prec = intra_precision(dt)
-        if os.environ.get("LONGHORIZON_KDA_FWD_INTRA", "split") == "fused":
-            _intra_kernel[(NC, H)](q, k, G, beta, Aqk, Ainv, cu, ci, H, K, BK=BK, BT=BT, BC=BC, PREC=prec)
-        else:
-            _diag_kernel[(NC * (BT // BC), H)](q, k, G, beta, Aqk, Ainv, cu, ci, H, K, BK=BK, BT=BT, BC=BC, PREC=prec)
-            _offdiag_kernel[(NC, H)](q, k, G, beta, Aqk, Ainv, cu, ci, H, K, BT=BT, BC=BC, PREC=prec)
+        _diag_kernel[(NC * (BT // BC), H)](
+            q, k, G, beta, Aqk, Ainv, cu, ci, H, K, BK=BK, BT=BT, BC=BC, PREC=prec
+        )
+        _offdiag_kernel[(NC, H)](q, k, G, beta, Aqk, Ainv, cu, ci, H, K, BT=BT, BC=BC, PREC=prec)
         _wy_kernel[(NC, H)](q, k, v, G, beta, Ainv, W, U, Qg, Kd, cu, ci, H, K, V, BK=BK, BV=BV, BT=BT)
     h0_arg = h0 if h0 is not None else G.new_empty(1)
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * H)
