@@ -194,6 +194,41 @@ def do_bench(fn, warmup=25, rep=100) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def check_decode(report: Report, N: int = 64, H: int = 32, D: int = 128) -> None:
+    """`kernels.kda.kda_decode_step_` on the device (the Triton step, in place on a paged pool) against
+    its CPU path, one token per sequence with a padding entry; then timed against the PyTorch step on
+    the same device tensors (what ran there before the dispatch)."""
+    from kernels.kda import kda_decode_step_
+    from kernels.kda.recurrent import _pool_step_
+
+    if DEVICE == "cpu":
+        N, H, D = 3, 2, 16
+    P = N + N // 2
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    rand = lambda *s: torch.randn(*s, generator=gen)
+    q, k = (torch.nn.functional.normalize(rand(N, H, D), dim=-1) for _ in range(2))
+    v, g, beta = rand(N, H, D), -5.0 * torch.sigmoid(rand(N, H, D) + 1), torch.sigmoid(rand(N, H))
+    pages = rand(P, H * D * D + 3 * H * D * 3) * 0.1  # conv states beside each slot's recurrent state
+    slots = torch.randperm(P, generator=gen)[:N]
+    slots[N // 3] = -1
+    ins_cpu = [x.to(DTYPE) for x in (q, k, v)] + [g, beta.to(DTYPE)]
+    ins_dev = [x.to(DEVICE) for x in ins_cpu]
+    pool = lambda pg: pg[:, : H * D * D].view(P, H, D, D)
+    ref_pages, dev_pages = pages.clone(), pages.to(DEVICE)
+    o_ref = kda_decode_step_(*ins_cpu, pool(ref_pages), slots)
+    o = kda_decode_step_(*ins_dev, pool(dev_pages), slots.to(DEVICE))
+    errs = {"o": rel_errors(o.cpu(), o_ref), "pool": rel_errors(dev_pages.cpu(), ref_pages)}
+    live = slots >= 0
+    live_dev, slots_dev = live.to(DEVICE), slots[live].to(DEVICE)
+    t_new = do_bench(lambda: kda_decode_step_(*ins_dev, pool(dev_pages), slots.to(DEVICE)))
+    t_torch = do_bench(lambda: _pool_step_(*(x[live_dev] for x in ins_dev), pool(dev_pages), slots_dev, None))
+    report.checks.append({"kind": "decode step vs CPU", "N": N, "H": H, "errors": errs})
+    report.notes.append({"decode_step": f"N={N} H={H} D={D}", "triton_ms": t_new, "torch_ms": t_torch})
+    print(f"[decode] N={N} H={H} D={D}: o {errs['o']['max_rel']:.1e} pool {errs['pool']['max_rel']:.1e} (max rel "
+          f"vs CPU); Triton in place {t_new * 1e3:.1f} us, PyTorch step {t_torch * 1e3:.1f} us "
+          f"({t_torch / t_new:.1f}x)", flush=True)  # fmt: skip
+
+
 def copy_bandwidth() -> float:
     x = torch.empty(2**30 // 2 if DEVICE == "cuda" else 2**20, device=DEVICE, dtype=torch.bfloat16).normal_()
     y = torch.empty_like(x)
@@ -366,6 +401,7 @@ def main() -> None:
     ap.add_argument("--check", default="ours,fla_safe", help="impls checked against the float64 reference")
     ap.add_argument("--warm", action="store_true", help="compile all combinations in parallel first")
     ap.add_argument("--profile", default="", help="shapes to profile ours on (per-kernel GPU time)")
+    ap.add_argument("--decode", action="store_true", help="check and time the decode step too")
     ap.add_argument("--warm-limit", type=float, default=300.0)
     ap.add_argument("--budget", type=float, default=540.0, help="seconds; no new shape starts after this")
     ap.add_argument("--warm-one", default=None, help=argparse.SUPPRESS)
@@ -411,6 +447,8 @@ def main() -> None:
         report.save(args.out)
     if procs:
         report.env["warm"] = wait_warm(procs, t_start, args.warm_limit)
+    if args.decode:
+        check_decode(report)
     bw = copy_bandwidth()
     report.env["copy_bandwidth_TBps"] = bw / 1e12
     print(f"[env] copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)

@@ -5,7 +5,7 @@
   ``has_initial_state``) but computes with ``model.kda.KimiDeltaAttention`` itself (its projections,
   gate, short convs and the ``kernels.kda`` chunked kernel for prefills), so rollout and learner run
   the same code. Decode steps update the states in place by slot with our kernels: the pool step
-  ``kernels.kda.kda_decode_step_`` (PyTorch) on CPU, the Triton step recurrence on CUDA. Per slot it
+  ``kernels.kda.kda_decode_step_`` (PyTorch on CPU, the Triton step recurrence on CUDA). Per slot it
   keeps four states: the q, k and v conv states [C, K-1] (the layout of
   ``model.layers.ShortConvolution``) and the fp32 recurrent state [H, K, V].
 * Gated MLA through vLLM's paged attention, in one of two cache forms picked by the HF config field
@@ -153,15 +153,10 @@ class KDAStateLayer(nn.Module, MambaBase):
 
 @torch.no_grad()
 def kda_pool_step_(q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scale: float) -> torch.Tensor:
-    """One KDA decode step for N sequences whose states live in ``pool_PHKV`` at ``slots_N``, in place.
-
-    CPU: ``kernels.kda.kda_decode_step_``. CUDA: ``kernels.kda.triton.pool_decode_step_triton`` (the
-    Triton step on gathered states: vLLM's state views share a page with the conv states)."""
-    if not pool_PHKV.is_cuda:
-        return kda_decode_step_(q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scale=scale)
-    from kernels.kda.triton import pool_decode_step_triton
-
-    return pool_decode_step_triton(q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scale=scale)
+    """One KDA decode step for N sequences whose states live in ``pool_PHKV`` at ``slots_N``, in place:
+    ``kernels.kda.kda_decode_step_`` (PyTorch on CPU, the Triton step kernel on CUDA, stepping vLLM's
+    strided state views in place)."""
+    return kda_decode_step_(q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scale=scale)
 
 
 def _conv_step(

@@ -45,8 +45,18 @@ def fused_recurrent_kda(
     """KDA token by token in fp32, same signature and conventions as ``naive_recurrent_kda``.
 
     Cost is sequential in the longest sequence: meant for decoding, prefill uses chunk_kda.
+    CUDA tensors without gradients run the Triton kernel (``fused_recurrent_kda_triton``).
     Padding steps of shorter sequences use g = 0, beta = 0, k = 0, which leaves a state as is.
     """
+    grads = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)
+    )
+    if q.is_cuda and not grads:  # the Triton step kernel (it has no backward)
+        from kernels.kda.triton import fused_recurrent_kda_triton
+
+        return fused_recurrent_kda_triton(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens
+        )
     N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -92,6 +102,10 @@ def kda_decode_step_(
     sequences (or [N, H, K] etc. for one token each). ``state_indices`` [N] names each
     sequence's slot; a negative index is a padding entry (vLLM's PAD_SLOT_ID): its output is
     zero and no slot is touched. Returns o shaped like v.
+
+    CUDA tensors run the Triton step kernel (``kernels.kda.triton.pool_decode_step_triton``); there
+    the slot checks (range, duplicates) would sync the device, so they run only in the debug mode
+    (LONGHORIZON_KDA_DEBUG=1 or LONGHORIZON_KDA_CHECK=1). CPU tensors always check.
     """
     single = q.dim() == 3
     if single:
@@ -105,12 +119,16 @@ def kda_decode_step_(
     idx_N = state_indices.to(device=state_pool.device, dtype=torch.long).reshape(-1)
     if idx_N.numel() != N:
         raise ValueError(f"state_indices must hold one slot per sequence ({N}), got {idx_N.numel()}")
+    if state_pool.is_cuda:  # the Triton step; slot checks sync the device, so only in the debug mode
+        from kernels.kda.triton import pool_decode_step_triton
+        from kernels.kda.triton.common import debug_enabled
+
+        if debug_enabled():
+            _check_slots(idx_N, P)
+        o = pool_decode_step_triton(q, k, v, g, beta, state_pool, idx_N, scale)
+        return o[:, 0] if single else o
     valid_N = idx_N >= 0
-    slots = idx_N[valid_N]
-    if bool((slots >= P).any()):
-        raise ValueError(f"state_indices out of range for a pool of {P} slots: {idx_N.tolist()}")
-    if slots.unique().numel() != slots.numel():
-        raise ValueError(f"state_indices name a slot twice: {idx_N.tolist()}")
+    slots = _check_slots(idx_N, P)
     if single and slots.numel() == N:  # the rollout engine's decode: one token, no padding entries
         _check_inputs(q, k, v, g, beta, None, None)  # the generic path checks inside fused_recurrent_kda
         return _pool_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state_pool, slots, scale)
@@ -123,6 +141,16 @@ def kda_decode_step_(
         o[sel] = o_sel
         state_pool[slots] = state.to(state_pool.dtype)
     return o[:, 0] if single else o
+
+
+def _check_slots(idx_N: torch.Tensor, P: int) -> torch.Tensor:
+    """The live slots of a decode step's state indices (negative: padding), each < P and named once."""
+    slots = idx_N[idx_N >= 0]
+    if bool((slots >= P).any()):
+        raise ValueError(f"state_indices out of range for a pool of {P} slots: {idx_N.tolist()}")
+    if slots.unique().numel() != slots.numel():
+        raise ValueError(f"state_indices name a slot twice: {idx_N.tolist()}")
+    return slots
 
 
 def _pool_step_(q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scale) -> torch.Tensor:

@@ -292,25 +292,33 @@ def test_every_intra_feature_block_matches_reference(bkb, bko, monkeypatch):
     _assert_close(got, want, FP32_TOL)
 
 
-def test_pool_decode_step_on_a_strided_pool_equals_the_torch_pool_step():
-    """The rollout engine's CUDA decode step: states in a non-contiguous view (vLLM keeps conv states in
-    the same pages), a padding entry (-1), slots out of order; against kernels.kda.kda_decode_step_."""
+@pytest.mark.parametrize("tokens", [None, 3])
+@pytest.mark.parametrize("layout", ["paged", "transposed"])
+def test_pool_decode_step_equals_the_torch_pool_step(tokens, layout):
+    """What `kda_decode_step_` runs on CUDA, against its CPU path: one token ([N, H, K]) or three
+    ([N, T, H, K]) per sequence, a padding entry (-1), slots out of order. "paged": fp32 states whose
+    slots are contiguous but strided (vLLM keeps the conv states in the same pages), stepped in place
+    by index; "transposed": slots not contiguous, so gathered, stepped and scattered back."""
     from kernels.kda import kda_decode_step_
 
     gen = torch.Generator().manual_seed(13)
     N, H, K, V, P = 3, 2, 16, 32, 5
-    q, k = (torch.nn.functional.normalize(torch.randn(N, H, K, generator=gen), dim=-1) for _ in range(2))
-    v, g = torch.randn(N, H, V, generator=gen), -torch.rand(N, H, K, generator=gen)
-    beta = torch.rand(N, H, generator=gen)
-    pages = torch.randn(P, H * K * V + 7, generator=gen) * 0.1  # 7 extra values per slot: another state
-    pool = pages[:, : H * K * V].view(P, H, K, V)
-    assert not pool.is_contiguous()
+    lead = (N,) if tokens is None else (N, tokens)
+    q, k = (torch.nn.functional.normalize(torch.randn(*lead, H, K, generator=gen), dim=-1) for _ in range(2))
+    v, g = torch.randn(*lead, H, V, generator=gen), -torch.rand(*lead, H, K, generator=gen)
+    beta = torch.rand(*lead, H, generator=gen)
+    if layout == "paged":
+        pages = torch.randn(P, H * K * V + 7, generator=gen) * 0.1  # 7 extra values per slot: another state
+        pool = pages[:, : H * K * V].view(P, H, K, V)
+        assert not pool.is_contiguous() and MODS["decode"].slot_contiguous_fp32(pool)
+    else:
+        pool = (torch.randn(P, H, V, K, generator=gen) * 0.1).transpose(-1, -2)
+        assert not MODS["decode"].slot_contiguous_fp32(pool)
     slots = torch.tensor([3, -1, 0])
     ref_pool = pool.clone()
-    live = slots >= 0
-    o_ref = kda_decode_step_(q[live], k[live], v[live], g[live], beta[live], ref_pool, slots[live])
+    o_ref = kda_decode_step_(q, k, v, g, beta, ref_pool, slots)
     o = MODS["decode"].pool_decode_step_triton(q, k, v, g, beta, pool, slots)
-    assert torch.equal(o[1], torch.zeros(H, V))
-    torch.testing.assert_close(o[live], o_ref, atol=2e-5, rtol=0)
+    assert o.shape == v.shape and torch.equal(o[1], torch.zeros_like(o[1]))
+    torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=0)
     torch.testing.assert_close(pool, ref_pool, atol=2e-5, rtol=0)
     assert torch.equal(pool[[1, 2, 4]], ref_pool[[1, 2, 4]])  # untouched slots, bit for bit

@@ -1,6 +1,6 @@
 """Triton KDA kernels: `chunk_kda_triton` (training/prefill, with backward) and
 `fused_recurrent_kda_triton` (decode, state updated in place by index), `pool_decode_step_triton`
-(one decode token on a state pool of any layout).
+(decode tokens on a state pool of any layout; what `kernels.kda.kda_decode_step_` runs on CUDA).
 
 Import-light: triton and the kernels load on first attribute access, so that setting
 TRITON_INTERPRET before that access is enough to run them in the interpreter.

@@ -19,7 +19,7 @@ from kernels.kda.triton.common import G_MIN, block_size, debug_enabled, rsum
 
 @triton.jit
 def _decode_kernel(
-    q, k, v, g, beta, o, h_in, h_out, state_indices, cu_seqlens, scale, H, K, V,
+    q, k, v, g, beta, o, h_in, h_out, state_indices, cu_seqlens, scale, stride_slot, H, K, V,
     BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, HAS_IDX: tl.constexpr, STORE_HT: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -32,7 +32,7 @@ def _decode_kernel(
     rk, rv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     mk, mv = rk < K, rv < V
     live_v = (slot + 0 * rv) >= 0  # a vector: the interpreter rejects scalar masks
-    kv_off = (tl.maximum(slot, 0) * H + i_h) * K * V + rk[:, None] * V + rv[None, :]
+    kv_off = tl.maximum(slot, 0) * stride_slot + i_h * K * V + rk[:, None] * V + rv[None, :]
     kv_mask = mk[:, None] & (mv & live_v)[None, :]
     h = tl.full([BK, BV], 0.0, tl.float32)
     if HAS_H0:
@@ -76,8 +76,10 @@ def fused_recurrent_kda_triton(
         N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     else:
         N = _check_inputs(q, k, v, g, beta, None, cu_seqlens)
-        if initial_state is None or initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
-            raise ValueError("state_indices needs initial_state: a contiguous fp32 pool [P, H, K, V]")
+        if initial_state is None or not slot_contiguous_fp32(initial_state):
+            raise ValueError(
+                "state_indices needs initial_state: an fp32 pool [P, H, K, V] whose slots are each contiguous"
+            )
         if tuple(initial_state.shape[1:]) != (H, K, V):
             raise ValueError(f"state pool must be [P, {H}, {K}, {V}], got {tuple(initial_state.shape)}")
         if state_indices.shape != (N,):
@@ -102,32 +104,45 @@ def fused_recurrent_kda_triton(
         h_out = torch.empty(N, H, K, V, device=q.device, dtype=torch.float32) if store_ht else o
     BK, BV = block_size(K), min(block_size(V), 32)
     idx = state_indices.to(device=q.device, dtype=torch.int32) if state_indices is not None else cu
+    stride_slot = h_in.stride(0) if state_indices is not None else H * K * V
     _decode_kernel[(triton.cdiv(V, BV), N * H)](
-        *flat, o, h_in, h_out, idx, cu, scale, H, K, V, BK=BK, BV=BV,
+        *flat, o, h_in, h_out, idx, cu, scale, stride_slot, H, K, V, BK=BK, BV=BV,
         HAS_H0=initial_state is not None, HAS_IDX=state_indices is not None, STORE_HT=store_ht,
     )  # fmt: skip
     final = h_out if (store_ht and (output_final_state or state_indices is not None)) else None
     return o.view(B, T, H, V), final
 
 
-@torch.no_grad()
-def pool_decode_step_triton(
-    q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scale=None
-) -> torch.Tensor:
-    """`kernels.kda.kda_decode_step_`'s one-token case on the Triton step kernel, for any pool layout.
+def slot_contiguous_fp32(pool: torch.Tensor) -> bool:
+    """True if the kernel can step `pool` [P, H, K, V] in place: fp32, each slot's [H, K, V] contiguous
+    (the slot stride is free: vLLM's state views share their pages with the conv states)."""
+    K, V = pool.shape[2:]
+    return pool.dtype == torch.float32 and tuple(pool.stride()[1:]) == (K * V, V, 1)
 
-    The states are gathered, stepped and scattered back: a rollout engine's state pool is often a view
-    that shares its pages with other state (vLLM keeps the conv states beside it), not the contiguous
-    fp32 [P, H, K, V] tensor the kernel's own by-index mode needs. Negative slots (vLLM's PAD_SLOT_ID)
-    get a zero output and touch no state. No slot validation (no device sync): that is the caller's.
+
+@torch.no_grad()
+def pool_decode_step_triton(q, k, v, g, beta, pool_PHKV, slots_N, scale=None) -> torch.Tensor:
+    """`kernels.kda.kda_decode_step_` on the Triton step kernel: q, k, g [N, H, K] (one token) or
+    [N, T, H, K] (T tokens each), v, beta likewise, states in `pool_PHKV` at `slots_N`, in place.
+
+    An fp32 pool whose slots are each contiguous is stepped in place by index: no gather, no scatter,
+    no device sync. Any other pool (another dtype, a layout with strided slots) is gathered, stepped and
+    scattered back. Negative slots (vLLM's PAD_SLOT_ID) get a zero output and touch no state. No slot
+    validation (it would sync the device): that is the caller's.
     """
-    live_N = slots_N >= 0
-    slots = slots_N[live_N].long()
-    q, k, v, g, beta = (t[live_N][:, None] for t in (q_NHK, k_NHK, v_NHV, g_NHK, beta_NH))
-    o_L1HV, S_LHKV = fused_recurrent_kda_triton(
-        q, k, v, g, beta, scale=scale, initial_state=pool_PHKV[slots].float(), output_final_state=True
-    )
-    pool_PHKV[slots] = S_LHKV.to(pool_PHKV.dtype)
-    o_NHV = torch.zeros_like(v_NHV)
-    o_NHV[live_N] = o_L1HV[:, 0].to(o_NHV.dtype)
-    return o_NHV
+    single = q.dim() == 3
+    if single:
+        q, k, v, g, beta = q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None]
+    if slot_contiguous_fp32(pool_PHKV):
+        slots = slots_N.to(device=q.device, dtype=torch.int32)
+        o, _ = fused_recurrent_kda_triton(q, k, v, g, beta, scale, pool_PHKV, True, None, slots)
+    else:
+        live_N = slots_N >= 0
+        slots = slots_N[live_N].long()
+        o_live, S_LHKV = fused_recurrent_kda_triton(
+            *(t[live_N] for t in (q, k, v, g, beta)), scale, pool_PHKV[slots].float(), True
+        )
+        pool_PHKV[slots] = S_LHKV.to(pool_PHKV.dtype)
+        o = torch.zeros_like(v)
+        o[live_N] = o_live
+    return o[:, 0] if single else o
