@@ -84,10 +84,10 @@ def _load_sq(ptr, ti, eos, j, H, BT: tl.constexpr, BC: tl.constexpr):
     return load_tile(ptr + j * BC, ti, eos, H * BT, 0, BC, BC, BC)
 
 
-@triton.autotune(configs=_configs([{}], [1, 2, 4], [1]), key=["H", "K", "PREC"])
+@triton.autotune(configs=_configs([{}], [1, 2, 4], [1, 2]), key=["H", "K", "PREC"])
 @triton.jit
 def _diag_kernel(
-    q, k, G, beta, Aqk, Ainv, cu_seqlens, chunk_indices, H, K,
+    q, k, G, beta, Aqk, Ainv, Qg, cu_seqlens, chunk_indices, H, K,
     BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Diagonal sub-tile I of a chunk (program axis 0 = chunk * 4 + I): Aqk_II and L_II with the exponents referred to
@@ -104,6 +104,7 @@ def _diag_kernel(
     q_i = load_tile(q, ti, eos, st, 0, BC, K, BK)
     k_i = load_tile(k, ti, eos, st, 0, BC, K, BK)
     G_i = load_tile(G, ti, eos, st, 0, BC, K, BK)
+    store_tile(Qg + i_h * K, q_i * tl.exp2(G_i), ti, eos, st, 0, BC, K, BK)  # for the output pass
     b_i = load_rows(beta, ti, eos, H, BC)
     ref_m = load_row(G, tl.minimum(ti + BC // 2, eos - 1), st, K, BK)
     f_m = decay_factor(G_i, ref_m, ti, eos, BC, 1.0)
@@ -145,7 +146,7 @@ def _row_ops(q, k, G, ti, eos, stk, k0, K, BKO: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.autotune(
-    configs=_configs([{"BKO": 32}, {"BKO": 64}], [1, 2, 4], [1]), key=["H", "K", "PREC"]
+    configs=_configs([{"BKO": 32}, {"BKO": 64}], [1, 2, 4], [1, 2, 3]), key=["H", "K", "PREC"]
 )  # fmt: skip
 @triton.jit
 def _offdiag_kernel(
@@ -212,11 +213,11 @@ def _offdiag_kernel(
 @triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["H", "K", "V"])
 @triton.jit
 def _wy_kernel(
-    q, k, v, G, beta, Ainv, W, U, Qg, Kd, cu_seqlens, chunk_indices, H, K, V,
+    k, v, G, beta, Ainv, W, U, Kd, cu_seqlens, chunk_indices, H, K, V,
     BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
 ):  # fmt: skip
     """W = X Diag(beta)(k e^G) and U = X Diag(beta) v as whole-chunk 64 x 64 products, and the decayed
-    q e^G and k e^(G_C - G) the state and output passes read."""
+    k e^(G_C - G) the state pass reads."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
     DT = W.dtype.element_ty
@@ -233,8 +234,6 @@ def _wy_kernel(
     store_tile(W + i_h * K, tl.dot(X, (b * k_t * tl.exp2(G_t)).to(DT)), t0, eos, stk, 0, BT, K, BK)
     g_last = load_row(G + i_h * K, tl.minimum(t0 + BT, eos) - 1, stk, K, BK)
     store_tile(Kd + i_h * K, k_t * decay_factor(G_t, g_last, t0, eos, BT, -1.0), t0, eos, stk, 0, BT, K, BK)
-    q_t = load_tile(q + i_h * K, t0, eos, stk, 0, BT, K, BK)
-    store_tile(Qg + i_h * K, q_t * tl.exp2(G_t), t0, eos, stk, 0, BT, K, BK)
 
 
 @triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}, {"BV": 16}], [4, 8], [2, 3]), key=["H", "K", "V"])
@@ -318,10 +317,10 @@ def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool)
         _cumsum_kernel[(NC, H)](g, G, cu, ci, H, K, BK=BK, BT=BT)
         prec = intra_precision(dt)
         _diag_kernel[(NC * (BT // BC), H)](
-            q, k, G, beta, Aqk, Ainv, cu, ci, H, K, BK=BK, BT=BT, BC=BC, PREC=prec
+            q, k, G, beta, Aqk, Ainv, Qg, cu, ci, H, K, BK=BK, BT=BT, BC=BC, PREC=prec
         )
         _offdiag_kernel[(NC, H)](q, k, G, beta, Aqk, Ainv, cu, ci, H, K, BT=BT, BC=BC, PREC=prec)
-        _wy_kernel[(NC, H)](q, k, v, G, beta, Ainv, W, U, Qg, Kd, cu, ci, H, K, V, BK=BK, BV=BV, BT=BT)
+        _wy_kernel[(NC, H)](k, v, G, beta, Ainv, W, U, Kd, cu, ci, H, K, V, BK=BK, BV=BV, BT=BT)
     h0_arg = h0 if h0 is not None else G.new_empty(1)
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * H)
     _state_kernel[grid](
