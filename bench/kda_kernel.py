@@ -342,6 +342,23 @@ def wait_warm(procs: dict, t0: float, limit_s: float) -> dict:
     return done
 
 
+def autotune_picks(report: Report) -> None:
+    """The config each of our autotuned kernels picked, per autotune key (H, K, V, precision...)."""
+    from triton.runtime.autotuner import Autotuner
+
+    from kernels.kda.triton import bwd, fwd
+
+    picks = {}
+    for mod in (fwd, bwd):
+        for name, obj in vars(mod).items():
+            if isinstance(obj, Autotuner) and obj.cache:
+                picks[name] = {str(key): str(cfg) for key, cfg in obj.cache.items()}
+    report.notes.append({"autotune_picks": picks})
+    for name, by_key in picks.items():
+        for key, cfg in by_key.items():
+            print(f"[picks] {name} {key}: {cfg}", flush=True)
+
+
 def profile(report: Report, shape: Shape, name: str = "ours", steps: int = 5) -> None:
     """GPU time per kernel of forward + backward (torch.profiler), averaged over `steps`."""
     ins, cu = make_inputs(shape)
@@ -458,6 +475,8 @@ def main() -> None:
             break
         time_shape(report, shape, impls, bw)
         report.save(args.out)
+    if any(i.startswith("ours") for i in impls) and DEVICE == "cuda":
+        autotune_picks(report)
     for spec in [s for s in args.profile.split(",") if s]:  # shape[:impl]
         shape_name, _, impl = spec.partition(":")
         profile(report, SHAPES[shape_name], impl or "ours")
