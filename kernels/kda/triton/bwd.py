@@ -60,9 +60,7 @@ def _dav_kernel(
     store_tile(dAqk + i_h * BT, tl.where(causal, dA * scale, 0.0), t0, eos, H * BT, 0, BT, BT, BT)
 
 
-@triton.autotune(
-    configs=_configs([{"BV": 32}, {"BV": 64}, {"BV": 16}], [4, 8, 2], [2, 3]), key=["H", "K", "V"]
-)
+@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}, {"BV": 16}], [4, 8], [2, 3]), key=["H", "K", "V"])
 @triton.jit
 def _state_bwd_kernel(
     Qg, Kd, G, W, do, dVi, dht, dHc, dVn, dh0, scale, cu_seqlens, chunk_offsets, H, K, V,
@@ -113,7 +111,7 @@ def _kv_tile(ptr, i_c, i_h, H, K, V, k0, v0, BK: tl.constexpr, BV: tl.constexpr)
 
 @triton.autotune(
     configs=_configs([{"BKF": 32, "BV": 64}, {"BKF": 64, "BV": 64}, {"BKF": 64, "BV": 32}, {"BKF": 128, "BV": 32},
-                      {"BKF": 128, "BV": 64}], [4, 8, 2], [2, 3]),
+                      {"BKF": 128, "BV": 64}], [4, 8], [2, 3]),
     key=["H", "K", "V", "PREC"],
 )  # fmt: skip
 @triton.jit
@@ -245,7 +243,7 @@ def _col_side(
 
 # restore_value: the kernel adds into dG in place, and autotuning runs it once per config
 @triton.autotune(
-    configs=_configs([{"BKB": 32}, {"BKB": 64}, {"BKB": 128}], [2, 4, 1], [1, 2, 3]),
+    configs=_configs([{"BKB": 32}, {"BKB": 64}, {"BKB": 128}], [2, 4], [1, 2, 3]),
     key=["H", "K", "PREC"],
     restore_value=["dG"],
 )  # fmt: skip
