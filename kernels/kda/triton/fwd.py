@@ -80,6 +80,17 @@ def _store_sq(ptr, x, ti, eos, j, H, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def _store_below(ptr, x10, x20, x21, x30, x31, x32, t0, eos, H, BT: tl.constexpr, BC: tl.constexpr):
+    """The six 16 x 16 blocks below the diagonal of a chunk's [BT, BT] matrix."""
+    _store_sq(ptr, x10, t0 + BC, eos, 0, H, BT, BC)
+    _store_sq(ptr, x20, t0 + 2 * BC, eos, 0, H, BT, BC)
+    _store_sq(ptr, x21, t0 + 2 * BC, eos, 1, H, BT, BC)
+    _store_sq(ptr, x30, t0 + 3 * BC, eos, 0, H, BT, BC)
+    _store_sq(ptr, x31, t0 + 3 * BC, eos, 1, H, BT, BC)
+    _store_sq(ptr, x32, t0 + 3 * BC, eos, 2, H, BT, BC)
+
+
+@triton.jit
 def _load_sq(ptr, ti, eos, j, H, BT: tl.constexpr, BC: tl.constexpr):
     return load_tile(ptr + j * BC, ti, eos, H * BT, 0, BC, BC, BC)
 
@@ -182,12 +193,7 @@ def _offdiag_kernel(
         A31, L31 = A31 + a, L31 + l
         a, l = _pair(qf, kf, k, G, ref, t2, eos, stk, k0, K, BKO, BC, PREC)
         A32, L32 = A32 + a, L32 + l
-    _store_sq(Aqk, A10, t1, eos, 0, H, BT, BC)
-    _store_sq(Aqk, A20, t2, eos, 0, H, BT, BC)
-    _store_sq(Aqk, A21, t2, eos, 1, H, BT, BC)
-    _store_sq(Aqk, A30, t3, eos, 0, H, BT, BC)
-    _store_sq(Aqk, A31, t3, eos, 1, H, BT, BC)
-    _store_sq(Aqk, A32, t3, eos, 2, H, BT, BC)
+    _store_below(Aqk, A10, A20, A21, A30, A31, A32, t0, eos, H, BT, BC)
     b1 = load_rows(beta, t1, eos, H, BC)[:, None]
     b2 = load_rows(beta, t2, eos, H, BC)[:, None]
     b3 = load_rows(beta, t3, eos, H, BC)[:, None]
@@ -202,12 +208,7 @@ def _offdiag_kernel(
     X20 = -_mm(X22, _mm(L20, X00) + _mm(L21, X10))
     X31 = -_mm(X33, _mm(L31, X11) + _mm(L32, X21))
     X30 = -_mm(X33, _mm(L30, X00) + _mm(L31, X10) + _mm(L32, X20))
-    _store_sq(Ainv, X10, t1, eos, 0, H, BT, BC)
-    _store_sq(Ainv, X20, t2, eos, 0, H, BT, BC)
-    _store_sq(Ainv, X21, t2, eos, 1, H, BT, BC)
-    _store_sq(Ainv, X30, t3, eos, 0, H, BT, BC)
-    _store_sq(Ainv, X31, t3, eos, 1, H, BT, BC)
-    _store_sq(Ainv, X32, t3, eos, 2, H, BT, BC)
+    _store_below(Ainv, X10, X20, X21, X30, X31, X32, t0, eos, H, BT, BC)
 
 
 @triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["H", "K", "V"])
