@@ -33,6 +33,7 @@ from kernels.kda.triton.common import (
     load_tile,
     pdot,
     rcumsum,
+    row_ptr,
     rsum,
     store_tile,
 )
@@ -163,7 +164,7 @@ def _main_bwd_kernel(
         store_tile(dq + i_h * K, dq_t, t0, eos, stk, k0, BT, K, BKF)
         dG_t = load_tile(q + i_h * K, t0, eos, stk, k0, BT, K, BKF) * dq_t
         cols = k0 + tl.arange(0, BKF)
-        g_last = tl.load(G + i_h * K + g_last_row * stk + cols, mask=cols < K, other=0.0)
+        g_last = tl.load(row_ptr(G + i_h * K, g_last_row, stk) + cols, mask=cols < K, other=0.0)
         kdf = decay_factor(G_t, g_last, t0, eos, BT, -1.0)
         k_t = load_tile(k + i_h * K, t0, eos, stk, k0, BT, K, BKF)
         dkd = dkd * kdf

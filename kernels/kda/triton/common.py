@@ -116,33 +116,42 @@ def chunk_bounds(cu_seqlens, chunk_indices, i_c, BT: tl.constexpr):
 
 
 @triton.jit
+def row_ptr(ptr, t, stride_t):
+    """ptr + t * stride_t with the product in int64: token rows times H * K pass 2^31 from about 175k
+    tokens at H = 96, K = 128. Offsets within a tile stay int32."""
+    return ptr + t.to(tl.int64) * stride_t
+
+
+@triton.jit
 def load_tile(ptr, t0, eos, stride_t, col0, NR: tl.constexpr, D, BD: tl.constexpr):
     """Rows t0..t0+NR (masked at eos) and columns col0..col0+BD (masked at D) as fp32."""
-    rows = t0 + tl.arange(0, NR)
+    r = tl.arange(0, NR)
     cols = col0 + tl.arange(0, BD)
-    mask = (rows[:, None] < eos) & (cols[None, :] < D)
-    return tl.load(ptr + rows[:, None] * stride_t + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mask = ((t0 + r)[:, None] < eos) & (cols[None, :] < D)
+    ptrs = row_ptr(ptr, t0, stride_t) + r[:, None] * stride_t + cols[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def store_tile(ptr, x, t0, eos, stride_t, col0, NR: tl.constexpr, D, BD: tl.constexpr):
-    rows = t0 + tl.arange(0, NR)
+    r = tl.arange(0, NR)
     cols = col0 + tl.arange(0, BD)
-    mask = (rows[:, None] < eos) & (cols[None, :] < D)
-    tl.store(ptr + rows[:, None] * stride_t + cols[None, :], x.to(ptr.dtype.element_ty), mask=mask)
+    mask = ((t0 + r)[:, None] < eos) & (cols[None, :] < D)
+    ptrs = row_ptr(ptr, t0, stride_t) + r[:, None] * stride_t + cols[None, :]
+    tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def load_rows(ptr, t0, eos, stride_t, NR: tl.constexpr):
     """A per-token scalar (beta) for rows t0..t0+NR as fp32."""
-    rows = t0 + tl.arange(0, NR)
-    return tl.load(ptr + rows * stride_t, mask=rows < eos, other=0.0).to(tl.float32)
+    r = tl.arange(0, NR)
+    return tl.load(row_ptr(ptr, t0, stride_t) + r * stride_t, mask=(t0 + r) < eos, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def load_row(ptr, t, stride_t, D, BD: tl.constexpr):
     cols = tl.arange(0, BD)
-    return tl.load(ptr + t * stride_t + cols, mask=cols < D, other=0.0).to(tl.float32)
+    return tl.load(row_ptr(ptr, t, stride_t) + cols, mask=cols < D, other=0.0).to(tl.float32)
 
 
 @triton.jit

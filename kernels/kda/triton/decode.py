@@ -24,8 +24,8 @@ def _decode_kernel(
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int32)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)  # int64 token rows: t * H * K can pass 2^31
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     slot = i_n.to(tl.int64)
     if HAS_IDX:
         slot = tl.load(state_indices + i_n).to(tl.int64)

@@ -50,6 +50,7 @@ from kernels.kda.triton.common import (
     load_tile,
     pdot,
     rcumsum,
+    row_ptr,
     rsum,
     store_tile,
 )
@@ -129,7 +130,7 @@ def _diag_kernel(
     # rows of Y = X - I: Y_0 = 0, Y_1 = -L_1, Y_i = -L_i - sum_{j<i} L_ij Y_j
     Y = -L
     for i in range(2, tl.minimum(BC, eos - ti)):
-        y = -tl.load(Ainv + (ti + i) * H * BT + r)
+        y = -tl.load(row_ptr(Ainv, ti + i, H * BT) + r)
         y = tl.where(r < i, y, 0.0)
         y += rsum(y[:, None] * Y, 0)
         Y = tl.where(r[:, None] == i, y[None, :], Y)
@@ -151,7 +152,7 @@ def _pair(
 def _row_ops(q, k, G, ti, eos, stk, k0, K, BKO: tl.constexpr, BC: tl.constexpr):
     """Row tile i's q and k decayed to the tile's first row (factors <= 1), and that reference."""
     cols = k0 + tl.arange(0, BKO)
-    ref = tl.load(G + tl.minimum(ti, eos - 1) * stk + cols, mask=cols < K, other=0.0)
+    ref = tl.load(row_ptr(G, tl.minimum(ti, eos - 1), stk) + cols, mask=cols < K, other=0.0)
     f = decay_factor(load_tile(G, ti, eos, stk, k0, BC, K, BKO), ref, ti, eos, BC, 1.0)
     return load_tile(q, ti, eos, stk, k0, BC, K, BKO) * f, load_tile(k, ti, eos, stk, k0, BC, K, BKO) * f, ref
 
