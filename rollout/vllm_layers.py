@@ -169,25 +169,33 @@ def _conv_step(
     return F.silu(y_NC) if conv.activation == "silu" else y_NC
 
 
-class MLAPagedAttention(nn.Module):
-    """Gated MLA with its K/V expanded per head into vLLM's paged KV cache."""
+class _PagedMLA(nn.Module):
+    """What both cache forms share: the model's MLA module (in a list, so it is not registered here a
+    second time), vLLM's paged ``Attention`` over ``num_kv_heads`` heads of ``head_size`` with the
+    model's scale, and the zero padding of q, k, v up to that head size."""
 
-    def __init__(self, mla: nn.Module, head_size: int, cache_config, prefix: str) -> None:
+    def __init__(self, mla: nn.Module, head_size: int, num_kv_heads: int, cache_config, prefix: str) -> None:
         super().__init__()
         self._mla = [mla]
         self.num_heads, self.head_size = mla.num_heads, head_size
-        self.qk_dim = mla.nope + mla.rope
         self.attn = Attention(
             num_heads=mla.num_heads,
             head_size=head_size,
             scale=mla.scale,
-            num_kv_heads=mla.num_heads,
+            num_kv_heads=num_kv_heads,
             cache_config=cache_config,
             prefix=f"{prefix}.attn",
         )
 
-    def _pad(self, t_THX: torch.Tensor) -> torch.Tensor:
-        return F.pad(t_THX, (0, self.head_size - t_THX.shape[-1]))
+    def _pad(self, t: torch.Tensor) -> torch.Tensor:
+        return F.pad(t, (0, self.head_size - t.shape[-1]))
+
+
+class MLAPagedAttention(_PagedMLA):
+    """Gated MLA with its K/V expanded per head into vLLM's paged KV cache."""
+
+    def __init__(self, mla: nn.Module, head_size: int, cache_config, prefix: str) -> None:
+        super().__init__(mla, head_size, mla.num_heads, cache_config, prefix)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         mla = self._mla[0]
@@ -205,7 +213,7 @@ class MLAPagedAttention(nn.Module):
         return mla._output(x_1TD, attn_THV[None])[0]
 
 
-class MLALatentPagedAttention(nn.Module):
+class MLALatentPagedAttention(_PagedMLA):
     """Gated MLA in the absorbed form: multi-query attention over one latent KV head in vLLM's pages.
 
     Cache per token and layer: 2 * head_size values (K = [c_kv ; k_pe], V = c_kv, both padded),
@@ -214,23 +222,11 @@ class MLALatentPagedAttention(nn.Module):
     weight updates (and LoRA folds) take effect with no cached copy to refresh."""
 
     def __init__(self, mla: nn.Module, head_size: int, cache_config, prefix: str) -> None:
-        super().__init__()
-        self._mla = [mla]
-        self.num_heads, self.head_size = mla.num_heads, head_size
-        self.latent_dim = mla.kv_lora_rank + mla.rope
-        if head_size < self.latent_dim:
-            raise ValueError(f"latent head size {head_size} < kv_lora_rank + qk_rope = {self.latent_dim}")
-        self.attn = Attention(
-            num_heads=mla.num_heads,
-            head_size=head_size,
-            scale=mla.scale,  # the expanded form's scale: q_lat . c_kv == q_nope . k_nope exactly
-            num_kv_heads=1,
-            cache_config=cache_config,
-            prefix=f"{prefix}.attn",
-        )
-
-    def _pad(self, t_TX: torch.Tensor) -> torch.Tensor:
-        return F.pad(t_TX, (0, self.head_size - t_TX.shape[-1]))
+        latent_dim = mla.kv_lora_rank + mla.rope
+        if head_size < latent_dim:
+            raise ValueError(f"latent head size {head_size} < kv_lora_rank + qk_rope = {latent_dim}")
+        # one KV head; the expanded form's scale, since q_lat . c_kv == q_nope . k_nope exactly
+        super().__init__(mla, head_size, 1, cache_config, prefix)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         mla = self._mla[0]
