@@ -102,9 +102,10 @@ def _diag_kernel(
     q, k, G, beta, Aqk, Ainv, Qg, cu_seqlens, chunk_indices, H, K,
     BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """Diagonal sub-tile I of a chunk (program axis 0 = chunk * 4 + I): Aqk_II and L_II with the exponents referred to
-    the tile midpoint, then X_II = (I + L_II)^-1 by forward substitution whose rows of L are read back
-    from global memory (a row load instead of a cross-warp extraction from the register tile)."""
+    """Diagonal sub-tile I of a chunk (program axis 0 = chunk * 4 + I): Aqk_II and L_II with the
+    exponents referred to the tile midpoint, then X_II = (I + L_II)^-1 by forward substitution whose rows
+    of L are read back from global memory (a row load instead of a cross-warp extraction from the
+    register tile). Also writes q e^G for the output pass, from the tiles already loaded."""
     i_c, I, i_h = tl.program_id(0) // (BT // BC), tl.program_id(0) % (BT // BC), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens, chunk_indices, i_c, BT)
     ti = t0 + I * BC
@@ -141,6 +142,8 @@ def _diag_kernel(
 def _pair(
     qf_i, kf_i, k, G, ref_i, tj, eos, stk, k0, K, BKO: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr
 ):
+    """Pair (i, j < i) over one feature block: (Aqk_ij, L_ij before beta) from row i's decayed q and k
+    and column tile j's k decayed to the same reference."""
     kc_j = load_tile(k, tj, eos, stk, k0, BC, K, BKO) * decay_factor(
         load_tile(G, tj, eos, stk, k0, BC, K, BKO), ref_i, tj, eos, BC, -1.0
     )
@@ -307,7 +310,7 @@ def kda_fwd(q, k, v, g, beta, scale: float, h0, plan: ChunkPlan, store_ht: bool)
     dev = q.device
     G = torch.empty(T, H, K, device=dev, dtype=torch.float32)
     Aqk = torch.empty(T, H, BT, device=dev, dtype=dt)
-    Ainv = torch.empty(T, H, BT, device=dev, dtype=torch.float32)  # _wy_kernel reads it either way
+    Ainv = torch.empty(T, H, BT, device=dev, dtype=torch.float32)  # fp32: dL = -X^T dX X^T in the backward
     W, U = torch.empty(T, H, K, device=dev, dtype=dt), torch.empty(T, H, V, device=dev, dtype=dt)
     Qg, Kd = torch.empty(T, H, K, device=dev, dtype=dt), torch.empty(T, H, K, device=dev, dtype=dt)
     Hc = torch.empty(NC, H, K, V, device=dev, dtype=dt)
