@@ -264,6 +264,36 @@ def test_chunk_plan_cached_per_cu_seqlens_and_validated():
         common.plan_chunks(1, 100, torch.tensor([0, 60, 50, 100]), torch.device("cpu"))
 
 
+def test_chunk_plan_of_an_inference_tensor_is_keyed_by_its_values():
+    """vLLM runs the model under torch.inference_mode, so its cu_seqlens are inference tensors: they
+    have no version counter (reading ``_version`` raises) and may change in place without a trace."""
+    common = MODS["common"]
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        cu = torch.tensor([0, 37, 200, 511])
+        plan = common.plan_chunks(1, 511, cu, cpu)
+        assert plan.chunk_offsets_N1.tolist() == [0, 1, 4, 9]
+        assert common.plan_chunks(1, 511, cu.clone(), cpu) is plan  # same values: a hit
+        cu[1] = 100  # in place, invisible to any version counter
+        again = common.plan_chunks(1, 511, cu, cpu)
+        assert again is not plan and again.chunk_offsets_N1.tolist() == [0, 2, 4, 9]
+        with pytest.raises(ValueError, match="non-decreasing"):
+            common.plan_chunks(1, 511, torch.tensor([0, 300, 200, 511]), cpu)
+    # the same values as a normal tensor are keyed by identity: a plan of their own
+    assert common.plan_chunks(1, 511, torch.tensor([0, 100, 200, 511]), cpu) is not again
+
+
+def test_forward_under_inference_mode_equals_the_plain_forward():
+    cu = torch.tensor([0, 15, 80, 97])
+    q, k, v, g, beta, h0 = _inputs(97, N=3)
+    o, h = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    with torch.inference_mode():
+        o_inf, h_inf = chunk_kda_triton(
+            q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu.clone()
+        )
+    assert torch.equal(o, o_inf) and torch.equal(h, h_inf)
+
+
 @pytest.mark.parametrize("bkf, bv", [(16, 16), (32, 64), (128, 32)])
 def test_every_main_backward_block_shape_matches_reference(bkf, bv, monkeypatch):
     """The GPU autotuner may pick any feature/value block of the main backward; the interpreter only

@@ -48,23 +48,43 @@ _PLAN_CACHE_SIZE = 8
 
 
 def plan_chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkPlan:
-    """Chunk layout, cached per cu_seqlens tensor (by identity and version, holding a reference so the
-    identity cannot be reused) and per (B, T) without one: every KDA layer of a step, and its backward,
-    share one plan. A miss with cu_seqlens validates it and builds the plan from one host copy (one
-    device sync); without cu_seqlens nothing syncs."""
-    key = (B, T, str(device), None if cu_seqlens is None else cu_seqlens._version)
+    """Chunk layout, cached so that every KDA layer of a step, and its backward, share one plan.
+
+    A normal cu_seqlens tensor is keyed by identity and version (holding a reference so the identity
+    cannot be reused): a hit costs no device sync. An inference tensor (made under
+    ``torch.inference_mode``, as vLLM's attention metadata is) has no version counter and can be
+    changed in place inside inference mode without a trace, so its identity proves nothing: it is
+    keyed by its values, read with the one host copy a build needs anyway (one device sync per call,
+    no rebuild on a hit). Without cu_seqlens the key is (B, T) and nothing syncs. A miss validates
+    cu_seqlens and builds the plan."""
+    bounds = None
+    if cu_seqlens is not None and cu_seqlens.is_inference():
+        bounds = _bounds(cu_seqlens)
+        key, ref = (B, T, str(device), "values", tuple(bounds)), None
+    else:
+        key, ref = (B, T, str(device), None if cu_seqlens is None else cu_seqlens._version), cu_seqlens
     for i, (k, cu, plan) in enumerate(_PLAN_CACHE):
-        if k == key and cu is cu_seqlens:
+        if k == key and cu is ref:
             if i:
                 _PLAN_CACHE.insert(0, _PLAN_CACHE.pop(i))
             return plan
-    plan = _build_plan(B, T, cu_seqlens, device)
-    _PLAN_CACHE.insert(0, (key, cu_seqlens, plan))
+    plan = _build_plan(B, T, cu_seqlens, device, bounds)
+    _PLAN_CACHE.insert(0, (key, ref, plan))
     del _PLAN_CACHE[_PLAN_CACHE_SIZE:]
     return plan
 
 
-def _build_plan(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkPlan:
+def _bounds(cu_seqlens: torch.Tensor) -> list[int]:
+    if cu_seqlens.ndim != 1 or len(cu_seqlens) < 1:
+        raise ValueError(
+            f"cu_seqlens must be a 1-d tensor of sequence offsets, got shape {tuple(cu_seqlens.shape)}"
+        )
+    return [int(x) for x in cu_seqlens.tolist()]
+
+
+def _build_plan(
+    B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device, bounds: list[int] | None = None
+) -> ChunkPlan:
     i32 = dict(device=device, dtype=torch.int32)
     if cu_seqlens is None:
         per_seq = (T + BT - 1) // BT
@@ -73,11 +93,7 @@ def _build_plan(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.d
         indices = torch.stack([chunk // max(per_seq, 1), chunk % max(per_seq, 1)], 1).contiguous()
         cu = torch.arange(0, B + 1, **i32) * T
         return ChunkPlan(cu, indices, torch.arange(0, B + 1, **i32) * per_seq, B, total)
-    if cu_seqlens.ndim != 1 or len(cu_seqlens) < 1:
-        raise ValueError(
-            f"cu_seqlens must be a 1-d tensor of sequence offsets, got shape {tuple(cu_seqlens.shape)}"
-        )
-    bounds = [int(x) for x in cu_seqlens.tolist()]
+    bounds = _bounds(cu_seqlens) if bounds is None else bounds
     if B != 1:
         raise ValueError(f"packed sequences (cu_seqlens) need B == 1, got B = {B}")
     if bounds[0] != 0 or bounds[-1] != T:
