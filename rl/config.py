@@ -259,6 +259,10 @@ class RunConfig:
     progress_bar: bool = True
     stop_after_steps: int | None = None
     """Stop (after checkpointing) once this many steps ran in this process: for kill-and-resume tests."""
+    verbose: bool = False
+    """Library chatter on the console: vLLM's and Ray's INFO lines, weight-saving/loading progress bars,
+    library FutureWarnings. False (default): warnings and errors only, so the run's own progress
+    stays readable (rl/console.py says what is set where)."""
 
 
 @dataclass

@@ -56,14 +56,18 @@ def check_envs(cfg: TrainConfig) -> None:
             raise ConfigError(f"env {name!r}: {e}") from None
 
 
-def connect_ray(cfg) -> None:
+def connect_ray(cfg, verbose: bool = False) -> None:
+    """Join or start Ray; the job's runtime env carries the console settings to every actor."""
     import ray
 
+    from rl.console import ray_init_kwargs
+
+    console = ray_init_kwargs(cfg.runtime_env, verbose)
     if cfg.address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=cfg.address, runtime_env=cfg.runtime_env or None)  # joins ray job submit's cluster
+        ray.init(address=cfg.address, **console)  # joins ray job submit's cluster
     else:
         ray.init(num_cpus=cfg.num_cpus, object_store_memory=cfg.object_store_memory, include_dashboard=False,
-                 runtime_env=cfg.runtime_env or None)  # fmt: skip
+                 **console)  # fmt: skip
 
 
 def start_learner(cfg: TrainConfig, model_cfg, learner_cfg):
@@ -118,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = stages(cfg)
     total = sum(s.steps for s in plan)
     stage_of = [s for s in plan for _ in range(s.steps)]  # stage_of[step - 1]
-    connect_ray(cfg.ray)
+    connect_ray(cfg.ray, cfg.run.verbose)
     resume = checkpoint.latest(run_dir) if cfg.run.resume else None
     state = (
         checkpoint.load(resume) if resume else checkpoint.RunState(init_path=warm_start(cfg, run_dir) or "")

@@ -171,6 +171,7 @@ class RolloutWorker:
             enable_prefix_caching=c.reuse == "prefix_cache",
             seed=c.seed,
             logprobs_mode=c.logprobs_mode,
+            use_tqdm_on_load=vllm_logs_info(),  # the weight-loading bar is start-up chatter
         )
         if c.block_size:
             kwargs["block_size"] = c.block_size
@@ -488,6 +489,18 @@ class RolloutWorker:
 
     def config_dict(self) -> dict[str, Any]:
         return asdict(self.config)
+
+
+def vllm_logs_info() -> bool:
+    """True when vLLM logs at INFO or below (its default, ``VLLM_LOGGING_LEVEL``). The engine draws its
+    weight-loading progress bar only then: a run that quiets vLLM (``run.verbose``, rl/console.py) has
+    no use for it either."""
+    import logging
+
+    import vllm.envs
+
+    level = logging.getLevelName(vllm.envs.VLLM_LOGGING_LEVEL)
+    return not isinstance(level, int) or level <= logging.INFO
 
 
 def _sampled_logprobs(completion) -> list[float]:
