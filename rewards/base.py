@@ -11,7 +11,10 @@ info: ``target``, ``answer``, ``solved``, env extras such as ``tests_passed``).
 
 ``Rubric`` sums weighted terms and keeps a per-term breakdown. Episodes whose status is TRUNCATED
 or ERROR short-circuit to ``truncated_reward`` / ``error_reward`` (set either to None to score
-them normally). Per-turn terms contribute their weighted sum to the total; ``Rubric.apply`` also
+them normally). A term that raises (or returns a non-number) raises ``RewardError`` naming it; with
+``catch_errors=True`` (what the rollout manager uses) the episode instead gets ``error_reward`` (0.0
+when that is None) as its total, the other terms' values stay in the breakdown, and the error texts
+are in ``RubricResult.errors`` (``apply`` also writes them to ``episode.info["reward_error"]``). Per-turn terms contribute their weighted sum to the total; ``Rubric.apply`` also
 adds each turn's weighted per-turn reward to ``turn.reward`` (the env's own value is kept in
 ``turn.info["env_reward"]``) so turn-level credit assignment sees them, and the episode total
 stays ``episode.reward``.
@@ -58,7 +61,9 @@ class RubricResult:
     total: float
     breakdown: dict[str, float]  # term name -> unweighted value (per-turn terms: their sum)
     turn_rewards: list[float] = field(default_factory=list)  # weighted per-turn terms, one per turn
-    short_circuit: str | None = None  # "truncated" or "error" when the status decided the score
+    short_circuit: str | None = None  # "truncated" or "error" when the status decided the score,
+    # "reward_error" when a term failed (catch_errors=True)
+    errors: dict[str, str] = field(default_factory=dict)  # term name -> error text (catch_errors=True)
 
 
 class RewardError(RuntimeError):
@@ -82,7 +87,7 @@ class Rubric:
             raise ValueError(f"duplicate rubric term names: {names}")
         self.truncated_reward, self.error_reward = truncated_reward, error_reward
 
-    def score(self, episode: Episode) -> RubricResult:
+    def score(self, episode: Episode, catch_errors: bool = False) -> RubricResult:
         n = len(episode.turns)
         if episode.status == EpisodeStatus.TRUNCATED and self.truncated_reward is not None:
             return RubricResult(
@@ -96,24 +101,38 @@ class Rubric:
                 float(self.error_reward), {"error": float(self.error_reward)}, [0.0] * n, "error"
             )
         breakdown: dict[str, float] = {}
+        errors: dict[str, str] = {}
         turn_rewards = [0.0] * n
         total = 0.0
         for term in self.terms:
-            if term.per_turn:
-                values = _turn_values(term, episode)
-                turn_rewards = [r + term.weight * v for r, v in zip(turn_rewards, values)]
-                value = float(sum(values))
-            else:
-                value = _finite(term, _call(term, episode))
+            try:
+                if term.per_turn:
+                    values = _turn_values(term, episode)
+                    turn_rewards = [r + term.weight * v for r, v in zip(turn_rewards, values)]
+                    value = float(sum(values))
+                else:
+                    value = _finite(term, _call(term, episode))
+            except RewardError as e:
+                if not catch_errors:
+                    raise
+                errors[term.name] = str(e)
+                continue
             breakdown[term.name] = value
             total += term.weight * value
+        if errors:  # a partial sum would reward an episode for a broken term: the error reward instead
+            fallback = float(self.error_reward) if self.error_reward is not None else 0.0
+            return RubricResult(fallback, breakdown, [0.0] * n, "reward_error", errors)
         return RubricResult(total, breakdown, turn_rewards)
 
-    def apply(self, episode: Episode) -> RubricResult:
+    def apply(self, episode: Episode, catch_errors: bool = False) -> RubricResult:
         """Score ``episode`` and write ``reward``, ``reward_breakdown`` and per-turn rewards into it."""
-        result = self.score(episode)
+        result = self.score(episode, catch_errors)
         episode.reward = result.total
         episode.reward_breakdown = dict(result.breakdown)
+        if result.errors:
+            episode.info["reward_error"] = "; ".join(result.errors.values())
+        else:
+            episode.info.pop("reward_error", None)
         for turn, extra in zip(episode.turns, result.turn_rewards):
             env_reward = turn.info.setdefault("env_reward", turn.reward)
             turn.reward = float(env_reward) + extra

@@ -20,6 +20,7 @@ listed in ``GROUP_TARGETS``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,55 @@ class AlgorithmConfig:
         return AlgorithmConfig(**values)
 
 
+# --------------------------------------------------------------------------- reward
+
+
+@dataclass
+class RewardFunctionConfig:
+    """One reward function of the rubric: ``{fn: ..., weight: 1.0, kwargs: {...}, name: ...}``."""
+
+    fn: str = ""
+    """A built-in name (``rewards.BUILTIN_REWARDS``: exact_match, answer_equivalence, solved, env_reward,
+    format_compliance, ...), the name of an entry point in the ``longhorizon.rewards`` group, or a
+    ``"module:attr"`` string (a module importable by the driver, e.g. on PYTHONPATH)."""
+    weight: float = 1.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments bound to the function (checked against its signature before the run starts)."""
+    name: str | None = None
+    """Name in metrics (``reward/fn/<name>``) and ``episode.reward_breakdown``; None: the spec's last part
+    (``"mypkg.rewards:reversed_ok"`` -> ``reversed_ok``). Names must be unique."""
+
+
+@dataclass
+class RewardConfig:
+    """The training and evaluation reward: a ``rewards.Rubric`` of weighted functions.
+
+    Without functions (the default) an episode's reward is the env's own: the sum of its per-turn
+    rewards, whatever the episode's status. With functions the reward is the rubric's weighted sum
+    only (list ``{fn: env_reward}`` to keep the env's reward as one term); each function's unweighted
+    mean over the episodes it scored is logged as ``reward/fn/<name>`` (``eval/fn/<name>`` in evaluation).
+
+    Short-circuits, and how they differ from the env reward:
+
+    - TRUNCATED episodes (a turn, token, context or time budget ran out): with ``truncated_reward``
+      null they are scored by the functions like any other, as the env reward scores them (functions
+      can read ``episode.status``); a number gives every truncated episode exactly that reward and
+      skips the functions (e.g. 0 so that shaping terms cannot reward running out of budget; note that
+      it also skips penalties, so a truncated episode can then score above a finished wrong one).
+    - ERROR episodes (the env, a tool or the worker failed) get ``error_reward`` and stay out of the
+      loss anyway (rl/rollouts.py); the env reward gives them what the env returned before failing.
+    - A function that raises (or returns a non-finite value or a non-number) gives that episode
+      ``error_reward`` as its total; the other functions' values are still recorded, the error text is
+      kept in ``episode.info["reward_error"]``, the episode is counted in ``reward/errors`` (the
+      fraction of episodes scored with the error reward, ERROR episodes included) and
+      ``reward/fn_errors`` (a count), and the run goes on. Such an episode trains with ``error_reward``.
+    """
+
+    functions: list[RewardFunctionConfig] = field(default_factory=list)
+    truncated_reward: float | None = None
+    error_reward: float = 0.0
+
+
 # --------------------------------------------------------------------------- learner
 
 
@@ -283,6 +333,7 @@ class TrainConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
@@ -380,6 +431,7 @@ def validate(cfg: TrainConfig) -> None:
         _check(bool(mix) and all(w >= 0 for w in mix.values()) and sum(mix.values()) > 0, key,
                "needs at least one env with a positive weight and no negative weights", errors)  # fmt: skip
     _check(cfg.env.num_eval_tasks >= 1, "env.num_eval_tasks", "must be >= 1", errors)
+    _validate_reward(cfg.reward, errors)
     _check(cfg.sft.epochs >= 1 and cfg.sft.num_episodes >= 1 and cfg.sft.batch_episodes >= 1, "sft",
            "epochs, num_episodes and batch_episodes must be >= 1", errors)  # fmt: skip
     if errors:
@@ -415,6 +467,16 @@ def _validate_algorithm(a: AlgorithmConfig, r: RolloutConfig, errors: list[str])
     _check(not a.dynamic_sampling or a.baseline in ("group_mean", "leave_one_out"), "algorithm.dynamic_sampling",
            "drops zero-variance groups, so it needs a group baseline", errors)  # fmt: skip
     _check(a.norm_tokens >= 1, "algorithm.norm_tokens", "must be >= 1", errors)
+
+
+def _validate_reward(c: RewardConfig, errors: list[str]) -> None:
+    """Shapes only; that every name resolves is checked by ``rl.train.build_reward`` (it imports them)."""
+    for i, f in enumerate(c.functions):
+        key = f"reward.functions[{i}]"
+        _check(bool(f.fn), f"{key}.fn", "needs a reward name or 'module:attr'", errors)
+        _check(math.isfinite(f.weight), f"{key}.weight", f"must be finite, got {f.weight}", errors)
+    for key, value in [("reward.truncated_reward", c.truncated_reward), ("reward.error_reward", c.error_reward)]:  # fmt: skip
+        _check(value is None or math.isfinite(value), key, f"must be finite, got {value}", errors)
 
 
 def _validate_learner(c: LearnerConfig, errors: list[str]) -> None:

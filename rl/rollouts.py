@@ -231,31 +231,48 @@ def collect_step(pool: WorkerPool, env: EnvConfig, rcfg: RolloutConfig, algo: Al
             f"every episode of step {step} failed in the env ({total} episodes): {first_error}"
         )
     kept = kept[: stage.tasks_per_step]
-    return Collected(kept, {**episode_metrics(all_groups), "rollout/env_errors": float(errors),
+    return Collected(kept, {**episode_metrics(all_groups, fn_names=term_names(rubric)),
+                            "rollout/env_errors": float(errors),
                             "rollout/worker_retries": float(retries), "rollout/dropped_groups": float(dropped),
                             "rollout/train_groups": float(len(kept)), "perf/rollout_s": time.time() - t0})  # fmt: skip
 
 
-def episode_metrics(groups: list[EpisodeGroup], prefix: str = "reward") -> dict[str, float]:
+def term_names(rubric) -> list[str]:
+    """The rubric's term names (their means become ``reward/fn/<name>``); none without a rubric."""
+    return [t.name for t in getattr(rubric, "terms", None) or []]
+
+
+def episode_metrics(groups: list[EpisodeGroup], prefix: str = "reward", fn_names=()) -> dict[str, float]:
+    """Means over every episode; ``<prefix>/errors`` is the fraction scored with the error reward (an
+    ERROR episode, or a reward function that raised). With reward functions named (``fn_names``), also
+    ``<prefix>/fn/<name>`` (the function's unweighted mean over the episodes it scored) and
+    ``<prefix>/fn_errors`` (episodes on which a function raised)."""
     eps = [e for g in groups for e in g.episodes]
     if not eps:
         return {}
     n = len(eps)
-    return {
+    out = {
         f"{prefix}/mean": sum(e.reward for e in eps) / n,
         f"{prefix}/success_rate": sum(bool(e.info.get("solved", False)) for e in eps) / n,
         f"{prefix}/turns": sum(len(e.turns) for e in eps) / n,
         f"{prefix}/sampled_tokens": sum(e.num_sampled_tokens for e in eps) / n,
         f"{prefix}/truncated": sum(e.status == EpisodeStatus.TRUNCATED for e in eps) / n,
-        f"{prefix}/errors": sum(e.status == EpisodeStatus.ERROR for e in eps) / n,
+        f"{prefix}/errors": sum(e.status == EpisodeStatus.ERROR or "reward_error" in e.info for e in eps) / n,
     }
+    if fn_names:
+        out[f"{prefix}/fn_errors"] = float(sum("reward_error" in e.info for e in eps))
+    for name in fn_names:
+        values = [e.reward_breakdown[name] for e in eps if name in e.reward_breakdown]
+        if values:
+            out[f"{prefix}/fn/{name}"] = sum(values) / len(values)
+    return out
 
 
 def evaluate(pool: WorkerPool, env: EnvConfig, rcfg: RolloutConfig, stage: StageConfig, rubric=None) -> dict:
     """Held-out success: greedy decoding, one episode per test-split task."""
     manager = make_manager(pool, rcfg, stage, 0.0, rubric)
     groups = manager.collect(eval_tasks(env, stage), 1, seed=0)
-    return episode_metrics(groups, prefix="eval")
+    return episode_metrics(groups, prefix="eval", fn_names=term_names(rubric))
 
 
 def prepare_model_dir(path: str) -> str:

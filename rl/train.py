@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rl import checkpoint
 from rl.batching import train_minibatches
-from rl.config import ConfigError, TrainConfig, load_config, stages, to_yaml
+from rl.config import ConfigError, RewardConfig, TrainConfig, load_config, stages, to_yaml
 from rl.metrics import MetricsLogger, summary_text, truncate_metrics, write_plots
 from rl.rollouts import WorkerPool, collect_step, evaluate, prepare_model_dir
 from rl.sft import call
@@ -54,6 +54,29 @@ def check_envs(cfg: TrainConfig) -> None:
             resolve_env(name)
         except (ValueError, ImportError, AttributeError) as e:
             raise ConfigError(f"env {name!r}: {e}") from None
+
+
+def build_reward(cfg: RewardConfig):
+    """The run's Rubric (None without ``reward.functions``: the env reward). Every function is imported
+    and its kwargs checked here, before any actor starts; a bad entry is a ConfigError naming it."""
+    from rewards.base import Rubric
+    from rewards.registry import reward_term
+
+    if not cfg.functions:
+        return None
+    terms, seen = [], {}
+    for i, f in enumerate(cfg.functions):
+        key = f"reward.functions[{i}]"
+        try:
+            term = reward_term(f.fn, f.weight, f.name, f.kwargs)
+        except (ValueError, ImportError, AttributeError, TypeError) as e:
+            raise ConfigError(f"{key} (fn={f.fn!r}): {e}") from None
+        if term.name in seen:
+            raise ConfigError(f"{key}: name {term.name!r} is already used by reward.functions[{seen[term.name]}]; "
+                              "give one of them a distinct 'name'")  # fmt: skip
+        seen[term.name] = i
+        terms.append(term)
+    return Rubric(terms, truncated_reward=cfg.truncated_reward, error_reward=cfg.error_reward)
 
 
 def connect_ray(cfg, verbose: bool = False) -> None:
@@ -111,6 +134,7 @@ def niah_check(cfg: TrainConfig, learner, stage) -> dict:
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse(argv)
+        rubric = build_reward(cfg.reward)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -142,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     steps_run = 0
     try:
         if not state.eval_before:
-            state.eval_before = evaluate(pool, cfg.env, cfg.rollout, plan[0])
+            state.eval_before = evaluate(pool, cfg.env, cfg.rollout, plan[0], rubric)
             log.log(0, state.eval_before)
         for step in range(state.step + 1, total + 1):
             stage = stage_of[step - 1]
@@ -150,11 +174,13 @@ def main(argv: list[str] | None = None) -> int:
                 log.log(step - 1, niah_check(cfg, learner, stage))  # validation between stages
             groups, metrics = state.in_flight, dict(state.in_flight_metrics)
             if groups is None:
-                groups, metrics = collect(cfg, pool, stage, step)
+                groups, metrics = collect(cfg, pool, stage, step, rubric)
             metrics.update(rl_step(cfg, learner, pool, groups, step, run_dir))
             if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < total:
-                metrics.update(evaluate(pool, cfg.env, cfg.rollout, stage))
-            nxt, nxt_metrics = collect(cfg, pool, stage_of[step], step + 1) if step < total else (None, {})
+                metrics.update(evaluate(pool, cfg.env, cfg.rollout, stage, rubric))
+            nxt, nxt_metrics = (
+                collect(cfg, pool, stage_of[step], step + 1, rubric) if step < total else (None, {})
+            )
             state = dataclasses.replace(state, step=step, in_flight=nxt, in_flight_metrics=nxt_metrics)
             steps_run += 1
             stop = cfg.run.stop_after_steps is not None and steps_run >= cfg.run.stop_after_steps
@@ -166,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             if stop and step < total:
                 print(f"\nstopped after {steps_run} steps (run.stop_after_steps); the same command resumes")
                 return 0
-        final = evaluate(pool, cfg.env, cfg.rollout, plan[-1])
+        final = evaluate(pool, cfg.env, cfg.rollout, plan[-1], rubric)
         log.log(total, final)
         if cfg.curriculum.niah.enabled:
             log.log(total, niah_check(cfg, learner, plan[-1]))
@@ -179,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         ray.kill(learner)
 
 
-def collect(cfg: TrainConfig, pool, stage, step: int):
-    c = collect_step(pool, cfg.env, cfg.rollout, cfg.algorithm, stage, cfg.seed, step)
+def collect(cfg: TrainConfig, pool, stage, step: int, rubric=None):
+    c = collect_step(pool, cfg.env, cfg.rollout, cfg.algorithm, stage, cfg.seed, step, rubric)
     return c.groups, c.metrics
 
 

@@ -9,7 +9,9 @@ assigned in this call plus the sessions it already holds (``load()["sessions"]``
 Workers may be plain ``RolloutWorker`` objects or Ray actor handles of it: each worker gets one
 driver thread (``rollout.episode.drive_episodes``) that calls ``generate`` / ``end_sessions``
 directly or through ``.remote`` + ``ray.get``. A worker that fails turns its episodes into ERROR
-episodes (kept, never dropped); a rubric, if given, scores every episode.
+episodes (kept, never dropped); a rubric, if given, scores every episode (a reward function that
+raises gives that episode the rubric's error reward and its text in ``info["reward_error"]``; it
+never fails the collection).
 """
 
 from __future__ import annotations
@@ -150,14 +152,20 @@ class RolloutManager:
             )
 
     def _score(self, ep: Episode) -> None:
+        """The rubric's score (a failing reward function: the error reward, text in info["reward_error"])."""
+        from rewards.base import Rubric
+
         if self.rubric is None:
             ep.reward = ep.env_reward
             return
-        try:
+        if isinstance(self.rubric, Rubric):
+            self.rubric.apply(ep, catch_errors=True)
+            return
+        try:  # any object with apply(episode)
             self.rubric.apply(ep)
         except Exception as e:
             ep.info["reward_error"] = f"{type(e).__name__}: {e}"
-            ep.reward = 0.0
+            ep.reward = float(getattr(self.rubric, "error_reward", None) or 0.0)
 
     def update_weights(self, weights: Any, version: int) -> list[dict[str, Any]]:
         """Push new weights to every worker (in parallel for actors)."""

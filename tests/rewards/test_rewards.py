@@ -194,3 +194,30 @@ def test_tool_call_validity_prefers_parsed_turn_calls():
         ToolCall("calculator", {"e": 1}),
     ]
     assert rb.tool_call_validity(ep) == 0.5
+
+
+def test_catch_errors_gives_the_error_reward_and_keeps_the_other_terms():
+    def broken(ep):
+        raise ZeroDivisionError("boom")
+
+    rubric = Rubric([("ok", rb.solved, 2.0), ("broken", broken, 1.0)], error_reward=-1.0)
+    ep = episode("<answer>42</answer>", info={"solved": True})
+    with pytest.raises(RewardError, match="'broken' failed"):
+        rubric.apply(ep)
+    result = rubric.apply(ep, catch_errors=True)
+    assert result.total == -1.0 and result.short_circuit == "reward_error"
+    assert result.breakdown == {"ok": 1.0} and set(result.errors) == {"broken"}
+    assert ep.reward == -1.0 and "ZeroDivisionError: boom" in ep.info["reward_error"]
+    fine = Rubric([("ok", rb.solved, 2.0)], error_reward=None)
+    assert fine.apply(ep, catch_errors=True).total == 2.0 and "reward_error" not in ep.info  # cleared
+    assert Rubric([("broken", broken, 1.0)], error_reward=None).score(ep, catch_errors=True).total == 0.0
+
+
+def test_build_rubric_takes_the_config_spelling_and_checks_parameters():
+    rubric = build_rubric([{"fn": "turn_penalty", "weight": 2.0, "kwargs": {"per_turn_cost": 0.5}}])
+    assert rubric.score(episode("a", "b")).total == -2.0
+    with pytest.raises(TypeError, match=r"'per_turn_cst' \(did you mean 'per_turn_cost'\?\)"):
+        load_reward("turn_penalty", per_turn_cst=0.5)
+    assert load_reward(lambda ep, **kw: 1.0, anything=1)(episode("a")) == 1.0  # **kwargs takes anything
+    with pytest.raises(ValueError, match=r"unknown reward 'exact_mach' \(did you mean 'exact_match'\?\)"):
+        load_reward("exact_mach")

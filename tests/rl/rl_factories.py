@@ -35,3 +35,48 @@ def group(rewards: list[float], task: str = "t", turns_per_ep: int = 1, tokens: 
         ts = [turn([1, 2], [10 + k] * tokens) for k in range(turns_per_ep)]
         eps.append(episode(ts, r, eid=f"{task}-{i}", task=task))
     return EpisodeGroup(task_id=task, episodes=eps)
+
+
+class ScriptedWorker:
+    """A plain rollout worker without an engine: every turn answers ``answer`` and stops.
+
+    It speaks the real worker's API (``generate`` / ``end_sessions`` / ``load``) so the real episode
+    loop, manager and driver collection run on it; it records every session id it served.
+    """
+
+    def __init__(self, renderer, answer: str = "<answer>0</answer>") -> None:
+        self.ids = [*renderer.tokenizer.encode(answer, add_special_tokens=False), renderer.im_end_id]
+        self.im_end_id = renderer.im_end_id
+        self.served: list[str] = []
+        self.ended: set[str] = set()
+        self.reopened: list[str] = []  # sessions asked for again after they were ended
+
+    def load(self) -> dict:
+        return {"sessions": 0}
+
+    def generate(self, requests):
+        from rollout.worker import TurnOutput
+
+        out = []
+        for r in requests:
+            if r.session_id in self.ended:
+                self.reopened.append(r.session_id)
+            self.served.append(r.session_id)
+            out.append(TurnOutput(
+                session_id=r.session_id, token_ids=list(self.ids), logprobs=[-0.5] * len(self.ids),
+                routed_experts=None, prev_token_routed_experts=None, finish_reason="stop",
+                stop_token_id=self.im_end_id, policy_version=0, num_new_tokens=len(r.token_ids),
+                num_computed_prompt_tokens=len(r.token_ids), reused_session=False, context_len=0,
+            ))  # fmt: skip
+        return out
+
+    def end_sessions(self, session_ids) -> None:
+        self.ended |= set(session_ids)
+
+
+def fails_on_odd_tasks(episode) -> float:
+    """A reward function that raises on tasks with an odd task index (0.5 otherwise)."""
+    index = int(str(episode.info["task_id"]).rsplit("/", 1)[1])
+    if index % 2:
+        raise ZeroDivisionError(f"odd task {index}")
+    return 0.5
