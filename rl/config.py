@@ -64,7 +64,7 @@ class ModelConfig:
     init_from: str | None = None
     """Checkpoint directory to start from (e.g. the SFT warm start); None = random init."""
     seed: int = 0
-    """Seed of the random initialisation."""
+    """Seed of the random initialisation (unset in the YAML: the run's top-level ``seed``)."""
 
 
 # --------------------------------------------------------------------------- env
@@ -83,6 +83,7 @@ class EnvConfig:
     eval_offset: int = 0
     """Held-out tasks are the test split's task_index eval_offset + i (train and test splits are disjoint)."""
     seed: int = 0
+    """Unset in the YAML: the run's top-level ``seed``."""
 
 
 # --------------------------------------------------------------------------- rollout
@@ -109,6 +110,7 @@ class RolloutConfig:
     engine: dict[str, Any] = field(default_factory=dict)
     """Extra engine keyword arguments passed to the rollout worker (e.g. kv_cache_memory_bytes)."""
     seed: int = 0
+    """Sampling seed of the engines (worker i gets seed + i); unset in the YAML: the run's ``seed``."""
 
 
 # --------------------------------------------------------------------------- algorithm
@@ -237,6 +239,7 @@ class LearnerConfig:
     """torch intra-op threads of the learner process (None: torch's default). On a few shared cores
     one thread is fastest for tiny models: OpenMP spinning on small ops costs more than it gains."""
     seed: int = 0
+    """Unset in the YAML: the run's top-level ``seed``."""
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -248,17 +251,28 @@ class SFTConfig:
     enabled: bool = False
     """In rl.train: run the warm start first when model.init_from is unset."""
     env_mix: dict[str, float] = field(default_factory=lambda: {"Calculator": 1.0})
+    env_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Constructor kwargs per env id for the warm start's expert data and its check, merged over
+    ``env.kwargs`` (e.g. an easier difficulty than RL trains on)."""
     num_episodes: int = 256
     """Scripted-expert episodes to train on."""
     epochs: int = 2
     batch_episodes: int = 16
     max_steps: int | None = None
     """Stop after this many optimizer steps (None: all epochs)."""
+    target_success: float | None = None
+    """Stop as soon as the warm start's greedy success on ``num_check_tasks`` validation tasks (train split,
+    none of them a warm-start task), measured through a rollout engine every ``check_every`` steps,
+    reaches this value. None: train for ``max_steps`` / all epochs. A target the warm start never
+    reaches is reported (console, sft_metrics.json), not hidden."""
+    check_every: int = 25
+    num_check_tasks: int = 64
     lr: float = 1e-3
     warmup_steps: int = 10
     output_dir: str = ""
     """Checkpoint directory; empty = <run_dir>/sft."""
     seed: int = 0
+    """Expert-episode sampling and batch order; unset in the YAML: the run's top-level ``seed``."""
 
 
 # --------------------------------------------------------------------------- curriculum
@@ -329,6 +343,8 @@ class RayConfig:
 class TrainConfig:
     name: str = "run"
     seed: int = 0
+    """The run's seed. Every section's ``seed`` (model init, SFT data and order, engine sampling, learner,
+    env) that the YAML files and overrides leave unset takes this value; training tasks derive from it."""
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -389,13 +405,26 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     if bad:
         raise ConfigError(f"overrides must be key=value, got {bad}")
     try:
-        merged = OmegaConf.merge(schema, *layers, OmegaConf.from_dotlist(list(overrides)))
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(schema, *layers)
         cfg: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
         raise ConfigError(f"{path or '<schema>'}: {_explain(e)}") from None
+    _derive_seeds(cfg, layers)
     cfg.algorithm = cfg.algorithm.resolved() if cfg.algorithm.name in algorithms.PRESETS else cfg.algorithm
     validate(cfg)
     return cfg
+
+
+SEEDED_SECTIONS = ("model", "env", "rollout", "learner", "sft")
+
+
+def _derive_seeds(cfg: TrainConfig, layers: list[DictConfig]) -> None:
+    """A section seed no layer sets follows the top-level ``seed``, so ``seed=1`` changes every
+    random choice of the run (init, warm-start data and order, sampling), not only the task draw."""
+    for section in SEEDED_SECTIONS:
+        if all(OmegaConf.select(layer, f"{section}.seed") is None for layer in layers):
+            getattr(cfg, section).seed = cfg.seed
 
 
 def _explain(e: OmegaConfBaseException) -> str:
@@ -434,6 +463,10 @@ def validate(cfg: TrainConfig) -> None:
     _validate_reward(cfg.reward, errors)
     _check(cfg.sft.epochs >= 1 and cfg.sft.num_episodes >= 1 and cfg.sft.batch_episodes >= 1, "sft",
            "epochs, num_episodes and batch_episodes must be >= 1", errors)  # fmt: skip
+    t = cfg.sft.target_success
+    _check(t is None or 0 < t <= 1, "sft.target_success", f"must be in (0, 1] or null, got {t}", errors)
+    _check(cfg.sft.check_every >= 1 and cfg.sft.num_check_tasks >= 1, "sft.check_every/num_check_tasks",
+           "must be >= 1", errors)  # fmt: skip
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 

@@ -15,10 +15,14 @@ assistant tokens of a batch (token_mean).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import json
 import random
+import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +46,7 @@ def expert_episode(env, renderer, options: dict[str, Any], env_id: str, max_turn
     obs, info = env.reset(options=options)
     ep = Episode(episode_id=f"expert/{info['task_id']}", task_id=info["task_id"], env_id=env_id,
                  messages=list(obs["messages"]), tools=list(obs["tools"]), info=dict(info))  # fmt: skip
+    ep.info["task_key"] = env.task.key  # content, so validation tasks can avoid every training task
     prompt = renderer.render(obs["messages"], obs["tools"], add_generation_prompt=True)
     for _ in range(max_turns):
         action = env.expert_action()
@@ -84,6 +89,55 @@ def expert_episodes(cfg: SFTConfig, env_kwargs: dict[str, dict], renderer=None) 
     return out
 
 
+def check_tasks(cfg: SFTConfig, env_kwargs: dict[str, dict], exclude_keys: set[str]) -> list:
+    """``cfg.num_check_tasks`` train-split tasks drawn by ``cfg.env_mix`` whose content is none of
+    ``exclude_keys`` (the warm start's own tasks): the check measures the skill, not memory. The test
+    split stays untouched for the held-out evaluation."""
+    import envs
+    from rollout.manager import TaskSpec
+
+    rng = random.Random(cfg.seed + 7_777_777)
+    names, weights = zip(*cfg.env_mix.items())
+    made = {n: envs.make(n, **env_kwargs.get(n, {})) for n in names}
+    out, index = [], cfg.seed * 1_000_003 + 500_000_000
+    while len(out) < cfg.num_check_tasks:
+        name = rng.choices(names, weights)[0]
+        index += 1
+        env = made[name]
+        if env.task_for("train", env.difficulty, index).key in exclude_keys:
+            continue
+        out.append(TaskSpec(env=name, options={"split": "train", "task_index": index},
+                            env_kwargs=dict(env_kwargs.get(name, {}))))  # fmt: skip
+    return out
+
+
+class SFTCheck:
+    """The warm start's greedy success on validation tasks, measured by rollout engines.
+
+    ``workers`` are ``RolloutWorker`` objects or their actor handles; each call exports the learner's
+    weights to ``weights_dir``, loads them into every worker in place and runs one greedy episode per
+    task with the same episode loop and budgets as RL evaluation."""
+
+    def __init__(self, workers: list, tasks: list, rollout_cfg, stage, weights_dir: str) -> None:
+        self.workers, self.tasks, self.weights_dir = workers, tasks, weights_dir
+        self.rollout_cfg, self.stage = rollout_cfg, stage
+
+    def __call__(self, learner: Any) -> float:
+        from rl.rollouts import episode_metrics
+        from rollout.episode import EpisodeBudget, SamplingConfig
+        from rollout.manager import RolloutManager
+
+        update = call(learner, "export_weights", self.weights_dir)
+        for w in self.workers:
+            call(w, "update_weights", update.path, update.version)
+        r, st = self.rollout_cfg, self.stage
+        budget = EpisodeBudget(max_turns=r.max_turns, max_tokens_per_turn=st.max_tokens_per_turn,
+                               max_episode_tokens=st.max_context_tokens, max_wall_s=r.episode_timeout_s)  # fmt: skip
+        manager = RolloutManager(self.workers, budget, SamplingConfig(temperature=0.0, top_p=1.0))
+        groups = manager.collect(self.tasks, 1, seed=0)
+        return episode_metrics(groups, prefix="check")["check/success_rate"]
+
+
 def sft_batches(episodes: list[Episode], batch_episodes: int, micro_batch_tokens: int, seed: int):
     """Shuffled optimizer batches of packed micro-batches (loss on assistant tokens, token_mean)."""
     rows = [episode_row(ep, [0.0] * len(ep.turns)) for ep in episodes]
@@ -96,20 +150,90 @@ def sft_batches(episodes: list[Episode], batch_episodes: int, micro_batch_tokens
 
 
 def run_sft(
-    learner: Any, episodes: list[Episode], cfg: SFTConfig, micro_batch_tokens: int, log=print
-) -> dict:
-    """Train ``learner`` (a Learner or its actor handle) for ``cfg.epochs`` epochs; last metrics out."""
+    learner: Any, episodes: list[Episode], cfg: SFTConfig, micro_batch_tokens: int, log=print,
+    check: Callable[[Any], float] | None = None,
+) -> dict:  # fmt: skip
+    """Train ``learner`` (a Learner or its actor handle) for ``cfg.epochs`` epochs or ``cfg.max_steps``
+    steps; with ``cfg.target_success`` and a ``check`` (learner -> success in [0, 1]), stop at the first
+    check that reaches the target. Last metrics out, with the checks' history."""
     metrics: dict[str, float] = {}
-    step, t0 = 0, time.time()
+    step, t0, history = 0, time.time(), []
+    checking = check is not None and cfg.target_success is not None
+    reached = False
     for epoch in range(cfg.epochs):
         for batch in sft_batches(episodes, cfg.batch_episodes, micro_batch_tokens, cfg.seed + epoch):
-            if cfg.max_steps is not None and step >= cfg.max_steps:
+            if reached or (cfg.max_steps is not None and step >= cfg.max_steps):
                 break
             metrics = call(learner, "sft_step", batch)
             step += 1
-            if step % 10 == 0:
+            if step % 50 == 0:
                 log(f"sft epoch {epoch} step {step}: nll {metrics['sft/nll']:.3f} ({time.time() - t0:.0f}s)")
-    return {**metrics, "sft/steps": float(step), "sft/seconds": time.time() - t0}
+            if checking and step % cfg.check_every == 0:
+                history.append((step, check(learner)))
+                reached = history[-1][1] >= cfg.target_success
+                log(f"sft step {step}: validation success {history[-1][1]:.1%} (target {cfg.target_success:.0%})")
+    out = {**metrics, "sft/steps": float(step), "sft/seconds": time.time() - t0}
+    if checking:
+        out.update({"sft/check_success": history[-1][1] if history else 0.0, "sft/target_reached": float(reached),
+                    "sft/check_history": [list(h) for h in history]})  # fmt: skip
+        if not reached:
+            log(f"WARNING: the warm start stopped after {step} steps below its target success "
+                f"{cfg.target_success:.0%} (last check {out['sft/check_success']:.1%}); raise sft.max_steps "
+                "or sft.num_episodes, or lower sft.target_success")  # fmt: skip
+    return out
+
+
+def warm_start(cfg: TrainConfig, run_dir: Path, start_learner: Callable) -> str | None:
+    """The checkpoint RL starts from: ``model.init_from``, or the warm start's (trained here in a learner
+    actor from ``start_learner(cfg, model_cfg, learner_cfg)``, or found from an earlier run), or None."""
+    import ray
+
+    if cfg.model.init_from or not cfg.sft.enabled:
+        return cfg.model.init_from
+    out = Path(cfg.sft.output_dir or run_dir / "sft")
+    if (out / "config.json").is_file():
+        return str(out)
+    learner = start_learner(cfg, cfg.model, sft_learner_config(cfg))
+    episodes = expert_episodes(cfg.sft, sft_env_kwargs(cfg))
+    with _checker(cfg, run_dir, learner, episodes) as check:
+        metrics = run_sft(learner, episodes, cfg.sft, cfg.learner.micro_batch_tokens, check=check)
+    tmp = out.with_name(out.name + ".tmp")  # complete or absent: config.json marks a finished warm start
+    shutil.rmtree(tmp, ignore_errors=True)
+    call(learner, "save_pretrained", str(tmp))
+    ray.kill(learner)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    (run_dir / "sft_metrics.json").write_text(json.dumps(metrics, indent=1))
+    shown = {k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)}
+    print(f"warm start done: {shown}", flush=True)
+    return str(out)
+
+
+@contextlib.contextmanager
+def _checker(cfg: TrainConfig, run_dir: Path, learner: Any, episodes: list[Episode]):
+    """An ``SFTCheck`` on a rollout worker pool of its own (closed afterwards), or None without a target."""
+    if cfg.sft.target_success is None:
+        yield None
+        return
+    from rl.config import stages
+    from rl.rollouts import WorkerPool, prepare_model_dir
+
+    plan, weights = stages(cfg), str(run_dir / "weights_sft")
+    first = call(learner, "export_weights", weights)
+    pool = WorkerPool(cfg.rollout, prepare_model_dir(first.path), first.version,
+                      max(s.max_context_tokens for s in plan))  # fmt: skip
+    try:
+        tasks = check_tasks(cfg.sft, sft_env_kwargs(cfg), {e.info["task_key"] for e in episodes})
+        yield SFTCheck(pool.workers, tasks, cfg.rollout, plan[0], weights)
+    finally:
+        pool.shutdown()
+        shutil.rmtree(weights, ignore_errors=True)
+
+
+def sft_env_kwargs(cfg: TrainConfig) -> dict[str, dict]:
+    """Env kwargs of the warm start: ``env.kwargs`` with ``sft.env_kwargs`` merged over it per env."""
+    names = set(cfg.env.kwargs) | set(cfg.sft.env_kwargs)
+    return {n: {**cfg.env.kwargs.get(n, {}), **cfg.sft.env_kwargs.get(n, {})} for n in names}
 
 
 def sft_learner_config(cfg: TrainConfig):
@@ -128,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     out_dir = cfg.sft.output_dir or str(Path(cfg.run.dir) / "sft")
-    episodes = expert_episodes(cfg.sft, cfg.env.kwargs)
+    episodes = expert_episodes(cfg.sft, sft_env_kwargs(cfg))
     learner = Learner(cfg.model, sft_learner_config(cfg), cfg.algorithm)
     metrics = run_sft(learner, episodes, cfg.sft, cfg.learner.micro_batch_tokens)
     learner.save_pretrained(out_dir)

@@ -26,7 +26,7 @@ from rl.batching import train_minibatches
 from rl.config import ConfigError, RewardConfig, TrainConfig, load_config, stages, to_yaml
 from rl.metrics import MetricsLogger, summary_text, truncate_metrics, write_plots
 from rl.rollouts import WorkerPool, collect_step, evaluate, prepare_model_dir
-from rl.sft import call
+from rl.sft import call, warm_start
 
 
 def parse(argv: list[str] | None) -> TrainConfig:
@@ -101,27 +101,6 @@ def start_learner(cfg: TrainConfig, model_cfg, learner_cfg):
     return ray.remote(num_cpus=learner_cfg.num_cpus)(Learner).remote(model_cfg, learner_cfg, cfg.algorithm)
 
 
-def warm_start(cfg: TrainConfig, run_dir: Path) -> str | None:
-    """SFT on scripted-expert episodes in a learner actor; returns the checkpoint RL starts from."""
-    import ray
-
-    from rl.sft import expert_episodes, run_sft, sft_learner_config
-
-    if cfg.model.init_from or not cfg.sft.enabled:
-        return cfg.model.init_from
-    out = Path(cfg.sft.output_dir or run_dir / "sft")
-    if not (out / "config.json").is_file():
-        learner = start_learner(cfg, cfg.model, sft_learner_config(cfg))
-        metrics = run_sft(
-            learner, expert_episodes(cfg.sft, cfg.env.kwargs), cfg.sft, cfg.learner.micro_batch_tokens
-        )
-        call(learner, "save_pretrained", str(out))
-        ray.kill(learner)
-        (run_dir / "sft_metrics.json").write_text(json.dumps(metrics, indent=1))
-        print(f"warm start done: {metrics}", flush=True)
-    return str(out)
-
-
 def niah_check(cfg: TrainConfig, learner, stage) -> dict:
     from rl.niah import niah_episodes, niah_metrics
     from rollout.renderer import ChatRenderer
@@ -148,9 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     stage_of = [s for s in plan for _ in range(s.steps)]  # stage_of[step - 1]
     connect_ray(cfg.ray, cfg.run.verbose)
     resume = checkpoint.latest(run_dir) if cfg.run.resume else None
-    state = (
-        checkpoint.load(resume) if resume else checkpoint.RunState(init_path=warm_start(cfg, run_dir) or "")
-    )
+    init = None if resume else warm_start(cfg, run_dir, start_learner)
+    state = checkpoint.load(resume) if resume else checkpoint.RunState(init_path=init or "")
     model_cfg = dataclasses.replace(cfg.model, init_from=state.init_path or None)
     learner = start_learner(cfg, model_cfg, cfg.learner)
     if resume:

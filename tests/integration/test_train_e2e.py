@@ -50,6 +50,8 @@ def test_run_outputs(uninterrupted):
     assert rows[1]["mismatch/logprob_abs_mean"] < 1e-3  # step 0 weights: engine and learner agree
     niah = [r for r in read_metrics(run / "metrics.jsonl") if "niah/512/nll" in r]
     assert [r["step"] for r in niah] == [2, 3]  # between the two curriculum stages, and at the end
+    sft = json.loads((run / "sft_metrics.json").read_text())  # the warm start's checks ran on an engine
+    assert [h[0] for h in sft["sft/check_history"]] == [1, 2] and sft["sft/target_reached"] == 0.0
     summary = json.loads((run / "summary.json").read_text())
     assert {"held_out_success_before", "held_out_success_after"} <= set(summary)
     for name in ("reward.png", "success.png", "kl.png", "mismatch.png", "config.yaml", "sft/config.json"):
