@@ -64,13 +64,15 @@ def episode_chunks(args, renderer) -> list[list[list[int]]]:
         )
         turns = [first]
         for _ in range(args.turns - 1):
+            # --obs-min: tool responses of obs_min..obs tokens (drawn per turn), else all of obs
+            n_obs = rng.randint(args.obs_min, args.obs) if getattr(args, "obs_min", None) else args.obs
             obs = [
                 renderer.im_end_id,
                 *renderer.newline_ids,
                 renderer.im_start_id,
                 *renderer._text("tool\n"),
                 renderer.special_ids["<tool_response>"],
-                *tool(args.obs),
+                *tool(n_obs),
                 renderer.special_ids["</tool_response>"],
                 renderer.im_end_id,
                 *renderer.newline_ids,
@@ -96,6 +98,7 @@ class ModeRun:
                 max_num_seqs=max(8, args.episodes + 1),
                 kv_cache_memory_bytes=args.kv_mib << 20,
                 block_size=args.block_size,
+                **getattr(args, "engine", {}),  # further WorkerConfig fields (bench/rollout_gpu.py: dtype, ...)
             )
         )
         # warm-up (first-call costs of kernels and allocators), not timed; reversed prompts share
@@ -167,7 +170,7 @@ def run_interleaved(modes: list[str], model_dir: Path, chunks, args) -> dict:
 
 def report(results: dict, args) -> str:
     lines = [
-        f"episodes={args.episodes} turns={args.turns} prompt={args.prompt} obs={args.obs} gen={args.gen} repeats={args.repeats} block_size={args.block_size or 'auto'}"
+        f"episodes={args.episodes} turns={args.turns} prompt={args.prompt} obs={getattr(args, 'obs_min', None) or args.obs}..{args.obs} gen={args.gen} repeats={args.repeats} block_size={args.block_size or 'auto'}"
     ]
     base = results["none"]["wall_s"]
     lines.append(
@@ -193,6 +196,7 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--prompt", type=int, default=1024)
     p.add_argument("--obs", type=int, default=384)
+    p.add_argument("--obs-min", type=int, default=None, help="tool responses of obs-min..obs tokens per turn")
     p.add_argument("--gen", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-mib", type=int, default=512)

@@ -60,6 +60,12 @@ class WorkerConfig:
     stall_steps: int = 200  # engine steps without progress before idle sessions are force-closed
     in_process: bool = True  # engine core in this process (fast start; a Ray actor is a process already)
     mla_cache_form: str | None = None  # "expanded" | "latent" (rollout.vllm_layers); None: the checkpoint's
+    # vLLM attention backend name (e.g. "TRITON_ATTN", "FLASH_ATTN"); None: vLLM's pick, except the latent
+    # form on CUDA with a head over 256, which takes TRITON_ATTN (see latent_attention_backend)
+    attention_backend: str | None = None
+    # share of the GPU vLLM checks is free at start-up (the KV budget is kv_cache_memory_bytes); lower it
+    # for several engines, or an engine beside a learner, on one GPU. None: vLLM's default (0.9)
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         from rollout.vllm_plugin import MLA_CACHE_FORMS
@@ -179,6 +185,11 @@ class RolloutWorker:
             kwargs["max_num_batched_tokens"] = c.max_num_batched_tokens
         if c.mla_cache_form:
             kwargs["hf_overrides"] = {"mla_cache_form": c.mla_cache_form}
+        backend = c.attention_backend or latent_attention_backend(c)
+        if backend:
+            kwargs["attention_config"] = {"backend": backend}
+        if c.gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
         return LLM(**kwargs)
 
     def _resident_budget(self) -> int:
@@ -489,6 +500,27 @@ class RolloutWorker:
 
     def config_dict(self) -> dict[str, Any]:
         return asdict(self.config)
+
+
+def latent_attention_backend(c: WorkerConfig) -> str | None:
+    """TRITON_ATTN for the latent MLA form on CUDA when its head is over 256: vLLM 0.26 would pick
+    FlashAttention-4 for such a head (FlashAttention-3 stops at 256), which its wheel does not ship;
+    vLLM's Triton backend takes any head of at least 32. None (vLLM's pick) otherwise."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    from rollout.vllm_plugin import latent_head_size, mla_cache_form
+
+    if not torch.cuda.is_available():
+        return None
+    config = SimpleNamespace(**json.loads(Path(c.model_path, "config.json").read_text()))
+    if c.mla_cache_form:
+        config.mla_cache_form = c.mla_cache_form
+    if mla_cache_form(config) != "latent" or latent_head_size(config) <= 256:
+        return None
+    return "TRITON_ATTN"
 
 
 def vllm_logs_info() -> bool:

