@@ -1,6 +1,7 @@
 """Our model inside vLLM on a GPU, one process: correctness checked before anything is timed.
 
     python bench/rollout_gpu.py --out DIR [--parts logprobs,mla,weights,reuse] [--budget-s 540]
+    python bench/rollout_gpu.py --out DIR --parts logprobs:gpu_1b,mla,weights,logprobs:tiny
 
 Parts (each a function; ``--parts`` picks a subset, in the order given):
 
@@ -388,9 +389,9 @@ def summary_line(res: dict) -> dict:
 
 
 # --- parts --------------------------------------------------------------------------------------------
-def part_logprobs(run: Run) -> None:
+def part_logprobs(run: Run, presets: str | None = None) -> None:
     out = run.results.setdefault("logprobs", {})
-    for preset in run.args.presets.split(","):
+    for preset in (presets or run.args.presets).split("+"):
         for dtype in run.args.dtypes.split(","):  # bf16 first: mla and weights compare against it
             name = f"{preset}/{dtype}"
             if not run.enough(60 if preset == "tiny" else 90, f"logprobs {name}"):
@@ -455,6 +456,7 @@ def part_weights(run: Run) -> None:
     out["vs_learner_after_update"] = compare_to_learner(run, a, "gpu_1b", "bf16", seed=1)
     log(f"weights: {json.dumps({k: v for k, v in out.items() if k != 'report'}, default=str)}")
     run.drop_worker("gpu_1b", "bf16", "expanded", 1)
+    run.drop_worker("gpu_1b", "bf16", "expanded", 0)  # it holds seed 1's weights now
     run.save()
 
 
@@ -610,7 +612,7 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting new steps after this")
     p.add_argument("--small", action="store_true", help="CPU-sized models and lengths (trying the script)")
     p.add_argument("--gpu-share", type=float, default=0.04, help="gpu_memory_utilization per engine")
-    p.add_argument("--presets", default="gpu_1b,tiny", help="models of the logprobs part, in order")
+    p.add_argument("--presets", default="gpu_1b+tiny", help="models of the logprobs part, in order")
     p.add_argument("--dtypes", default="bf16,fp32", help="dtypes of the logprobs and mla parts, in order")
     p.add_argument("--episodes", type=int, default=32)
     p.add_argument("--turns", type=int, default=8)
@@ -623,18 +625,19 @@ def main() -> None:
     p.add_argument("--kv-mib", type=int, default=24576)
     p.add_argument("--modes", default="session,prefix_cache,none")
     args = p.parse_args()
-    parts = [x for x in args.parts.split(",") if x]
-    unknown = sorted(set(parts) - set(PARTS))
+    # a part may name its models: "logprobs:gpu_1b,mla,weights,logprobs:tiny"
+    parts = [tuple(x.split(":", 1)) if ":" in x else (x, None) for x in args.parts.split(",") if x]
+    unknown = sorted({name for name, _ in parts} - set(PARTS))
     if unknown:
         p.error(f"unknown parts {unknown}; choose from {PARTS}")
     run = Run(args)
     log(f"env {json.dumps(run.results['env'])}")
     fns = {"logprobs": part_logprobs, "mla": part_mla, "weights": part_weights, "reuse": part_reuse}
     try:
-        for name in parts:
-            log(f"part {name} ({run.left():.0f} s left)")
+        for name, sub in parts:
+            log(f"part {name} {sub or ''} ({run.left():.0f} s left)")
             try:
-                fns[name](run)
+                fns[name](run, sub) if sub else fns[name](run)
             except Exception as e:
                 traceback.print_exc()
                 run.results.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
