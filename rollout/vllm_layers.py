@@ -26,10 +26,14 @@
     size must fit a paged-attention head size (at most 512 on CPU): K3's 512 + 64 = 576 does not and
     is rejected with a ValueError; at that size vLLM's own MLA backends are the route.
 
-  Deviation: vLLM's own MLA backends (their own layer class and weight layout) are not used. Its
-  CPU MLA backend cannot share a block size with recurrent layers and is only ~1e-2 accurate (see
-  /work/shared/reference/vllm-cpu.md); both forms here run on vLLM's generic paged attention, on CPU
-  and GPU alike, and are tested on CPU (no vLLM GPU engine was available to this project).
+  Deviation: vLLM's own MLA backends (their own layer class and weight layout) are not used. On a
+  CPU without AMX, vLLM 0.32's CPU MLA backend cannot serve a model that also has recurrent layers:
+  for hybrids vLLM raises the attention block size until one attention page holds a recurrent-state
+  page (128 tokens and more), while that backend only takes 16-token blocks (and only a 576-wide
+  latent head, DeepSeek's). It is also approximate: in fp32, a plain DeepSeek-V3-style MLA model's
+  logprobs differed from Hugging Face's by up to 1-2e-2, where plain attention agrees to 5e-7.
+  Both forms here run on vLLM's generic paged attention, on CPU and GPU alike, and are tested on
+  CPU (no vLLM GPU engine was available to this project).
 """
 
 from __future__ import annotations

@@ -13,10 +13,11 @@ Off the diagonal the exponents are referred to the boundary between the two sub-
 factors are <= 1 for any decay. On the diagonal they are referred to the tile midpoint, so each factor
 is at most e^(8 |g_min|); that is where the contract g >= G_MIN (= -5, i.e. <= e^40) is needed, and
 it lets the diagonal tiles use the same dense tl.dot as the rest instead of a per-pair loop.
-Deviation from the issue text: by default those sub-tile products are "bf16x3" (operands split into
-bf16 hi + lo, three bf16 tensor-core products, about 16 mantissa bits), not single bf16 operands,
-because L feeds (I + L)^-1: single bf16 rounding there made o and dv errors ~1.5x larger (interpreter,
-D = 64, vs float64). LONGHORIZON_KDA_INTRA_PREC=bf16|tf32|bf16x3 selects (common.intra_precision).
+Deviation from the plain dense tile (one bf16 tensor-core product of bf16 operands; FLA feeds fp32
+operands, i.e. tf32): by default those sub-tile products are "bf16x3" (operands split into bf16 hi + lo,
+three bf16 tensor-core products, about 16 mantissa bits), because L feeds (I + L)^-1: single bf16
+rounding there made o and dv errors ~1.5x larger (interpreter, D = 64, vs float64).
+LONGHORIZON_KDA_INTRA_PREC=bf16|tf32|bf16x3 selects (common.intra_precision).
 
 Kernels, in launch order:
 - `_cumsum`: G, the in-chunk cumulative log-decay (log2 units).
