@@ -12,8 +12,9 @@ balanced here, outside autograd. Modes (``HybridConfig.moe_balancing``):
   rho_ij = alpha_i - s_ij over [b_min - 1, b_max + 1] (K3 App. D, ~1000 bins, linear interpolation
   inside the bin). Counts add across micro-batches (and, at scale, across ranks with one integer
   all-reduce; this module never reads a rank: the caller reduces ``hist_EB`` if it wants to).
-* "load_quantile" - the seed article's rule b_e += eta * (quantile_p(load) - load_e), load in units of
-  the mean load. It is a step-size rule in load space, not K3's QB; kept as an ablation.
+* "load_quantile" - a proportional rule in load space, b_e += eta * (quantile_p(load) - load_e) with
+  loads in units of the mean load (Loss-Free Balancing's update referenced to a load quantile). It
+  has a step size and is not K3's QB; kept as an ablation.
 * "sign" - DeepSeek-V3's loss-free rule b_e += gamma * sign(mean_load - load_e).
 * "frozen" - no statistics, no updates (the RL default: rollout and learner must route alike).
 

@@ -7,9 +7,10 @@ theirs: ``linear_attn_config`` holds the KDA settings and the 1-based layer patt
 * ``kda_gate``: "bounded" (K3: g = g_min * sigmoid(exp(A) * z)) or "unbounded" (Kimi Linear:
   g = -exp(A) * softplus(z)). g_min is ``linear_attn_config["gate_lower_bound"]``.
 * ``moe_balancing``: "quantile" (K3 closed form), "quantile_histogram" (K3's estimator at scale),
-  "load_quantile" (the seed article's rule), "sign" (DeepSeek-V3) or "frozen" (RL default choice of
-  the caller). ``moe_balancing_rate`` is the step size of the two step-size rules,
-  ``moe_balancing_bins`` the histogram resolution, ``moe_balancing_quantile`` the article's p.
+  "load_quantile" (a proportional load-space rule with a load-quantile reference), "sign"
+  (DeepSeek-V3) or "frozen" (RL default choice of the caller). ``moe_balancing_rate`` is the step
+  size of the two step-size rules, ``moe_balancing_bins`` the histogram resolution,
+  ``moe_balancing_quantile`` the load quantile p of "load_quantile".
 * ``attn_res_block_size``: decoder layers per Block-AttnRes block; 0 or None gives the plain
   pre-norm residual stream.
 """
