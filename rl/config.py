@@ -321,6 +321,10 @@ class RunConfig:
     tensorboard: bool = True
     plots: bool = True
     progress_bar: bool = True
+    no_signal_steps: int = 3
+    """Warn (console and summary.json) after this many consecutive steps without learning signal: every
+    group's rewards identical (group baselines) or every reward equal (batch baselines); rl/signal.py.
+    0 = no such warning."""
     stop_after_steps: int | None = None
     """Stop (after checkpointing) once this many steps ran in this process: for kill-and-resume tests."""
     verbose: bool = False
@@ -461,6 +465,7 @@ def validate(cfg: TrainConfig) -> None:
                "needs at least one env with a positive weight and no negative weights", errors)  # fmt: skip
     _check(cfg.env.num_eval_tasks >= 1, "env.num_eval_tasks", "must be >= 1", errors)
     _validate_reward(cfg.reward, errors)
+    _check(cfg.run.no_signal_steps >= 0, "run.no_signal_steps", "must be >= 0", errors)
     _check(cfg.sft.epochs >= 1 and cfg.sft.num_episodes >= 1 and cfg.sft.batch_episodes >= 1, "sft",
            "epochs, num_episodes and batch_episodes must be >= 1", errors)  # fmt: skip
     t = cfg.sft.target_success

@@ -1,7 +1,8 @@
 """Run outputs: metrics as JSONL and TensorBoard, a console progress bar, PNG plots, the summary.
 
 Metric names are ``<area>/<name>``: ``reward/*``, ``eval/*``, ``mismatch/*``, ``loss``-family names
-from ``rl/losses.py``, ``moe/*``, ``perf/*``, ``niah/*``. One JSONL line per step: ``{"step": n, ...}``.
+from ``rl/losses.py``, ``moe/*``, ``perf/*``, ``niah/*``, ``signal/*`` (rl/signal.py). One JSONL line
+per step: ``{"step": n, ...}``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ class MetricsLogger:
         show = {"reward": "reward/mean", "succ": "reward/success_rate", "mism": "mismatch/logprob_abs_mean"}
         self.bar.set_postfix({k: f"{metrics[v]:.3g}" for k, v in show.items() if v in metrics})
         self.bar.update(1)
+
+    def warn(self, message: str) -> None:
+        """A WARNING line on the console (above the progress bar, which stays intact)."""
+        line = f"WARNING: {message}"
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -111,6 +120,10 @@ def summary_text(summary: dict[str, Any]) -> str:
     """The final summary block printed at the end of a run."""
     lines = ["", "=" * 60, "longhorizon run summary", "=" * 60]
     for k, v in summary.items():
-        lines.append(f"{k:<38} {v:.4g}" if isinstance(v, float) else f"{k:<38} {v}")
+        if isinstance(v, list):  # e.g. warnings: one per line, each readable in full
+            lines.append(f"{k:<38} {len(v) or 'none'}")
+            lines += [f"  - {item}" for item in v]
+        else:
+            lines.append(f"{k:<38} {v:.4g}" if isinstance(v, float) else f"{k:<38} {v}")
     lines.append("=" * 60)
     return "\n".join(lines)

@@ -11,6 +11,8 @@ Failure handling (nothing is dropped silently; every case is counted in the step
   When every episode of a step failed in the env, the run stops with the env's message.
 - DAPO dynamic sampling drops zero-variance groups (counted in ``rollout/dropped_groups``) and
   collects more, up to ``algorithm.max_resample_rounds`` extra rounds.
+- ``signal/*`` (rl/signal.py) describes every group scored, before dynamic sampling drops any, so
+  the driver can tell when a step had no learning signal at all.
 
 Training tasks are a pure function of (seed, step, slot), so the data position after a resume is
 exactly the step counter.
@@ -30,6 +32,7 @@ import numpy as np
 from envs.types import EpisodeGroup, EpisodeStatus
 from rl.advantages import keep_group
 from rl.config import AlgorithmConfig, EnvConfig, RolloutConfig, StageConfig
+from rl.signal import signal_metrics
 
 WORKER_FAILURE = "worker.generate"
 
@@ -209,6 +212,7 @@ def collect_step(pool: WorkerPool, env: EnvConfig, rcfg: RolloutConfig, algo: Al
     min_size = 2 if algo.baseline in ("group_mean", "leave_one_out") or algo.std_norm == "group" else 1
     kept: list[EpisodeGroup] = []
     all_groups: list[EpisodeGroup] = []
+    scored: list[EpisodeGroup] = []  # without env errors, before dynamic sampling: what signal/* describes
     errors, retries, dropped, first_error = 0, 0, 0, ""
     for round_ in range(1 + (algo.max_resample_rounds if algo.dynamic_sampling else 0)):
         tasks = train_tasks(env, stage, seed, step, round_)
@@ -219,6 +223,7 @@ def collect_step(pool: WorkerPool, env: EnvConfig, rcfg: RolloutConfig, algo: Al
         all_groups += groups
         usable, e, msg = drop_env_errors(groups, min_size)
         errors, first_error = errors + e, first_error or msg
+        scored += usable
         if algo.dynamic_sampling:
             dropped += sum(not keep_group(g) for g in usable)
             usable = [g for g in usable if keep_group(g)]
@@ -231,7 +236,7 @@ def collect_step(pool: WorkerPool, env: EnvConfig, rcfg: RolloutConfig, algo: Al
             f"every episode of step {step} failed in the env ({total} episodes): {first_error}"
         )
     kept = kept[: stage.tasks_per_step]
-    return Collected(kept, {**episode_metrics(all_groups, fn_names=term_names(rubric)),
+    return Collected(kept, {**episode_metrics(all_groups, fn_names=term_names(rubric)), **signal_metrics(scored),
                             "rollout/env_errors": float(errors),
                             "rollout/worker_retries": float(retries), "rollout/dropped_groups": float(dropped),
                             "rollout/train_groups": float(len(kept)), "perf/rollout_s": time.time() - t0})  # fmt: skip

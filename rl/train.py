@@ -27,6 +27,7 @@ from rl.config import ConfigError, RewardConfig, TrainConfig, load_config, stage
 from rl.metrics import MetricsLogger, summary_text, truncate_metrics, write_plots
 from rl.rollouts import WorkerPool, collect_step, evaluate, prepare_model_dir
 from rl.sft import call, warm_start
+from rl.signal import NoSignalDetector
 
 
 def parse(argv: list[str] | None) -> TrainConfig:
@@ -141,11 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     base = call(learner, "export_base_weights", str(run_dir / "weights_base")) if adapter else update
     pool = WorkerPool(cfg.rollout, prepare_model_dir(base.path), update.version, max_ctx, adapter)
     log = MetricsLogger(str(run_dir), total, cfg.run.tensorboard, cfg.run.progress_bar, start_step=state.step)
+    signal = NoSignalDetector.from_state(state.extra.get("signal"), patience=cfg.run.no_signal_steps,
+                                         grouped=uses_group_stats(cfg.algorithm))  # fmt: skip
     steps_run = 0
     try:
         if not state.eval_before:
             state.eval_before = evaluate(pool, cfg.env, cfg.rollout, plan[0], rubric)
             log.log(0, state.eval_before)
+            for warning in signal.observe_eval_before(state.eval_before):
+                log.warn(warning)
         for step in range(state.step + 1, total + 1):
             stage = stage_of[step - 1]
             if step > 1 and stage is not stage_of[step - 2] and cfg.curriculum.niah.enabled:
@@ -154,12 +159,15 @@ def main(argv: list[str] | None = None) -> int:
             if groups is None:
                 groups, metrics = collect(cfg, pool, stage, step, rubric)
             metrics.update(rl_step(cfg, learner, pool, groups, step, run_dir))
+            for warning in signal.observe(step, metrics):
+                log.warn(warning)
             if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step < total:
                 metrics.update(evaluate(pool, cfg.env, cfg.rollout, stage, rubric))
             nxt, nxt_metrics = (
                 collect(cfg, pool, stage_of[step], step + 1, rubric) if step < total else (None, {})
             )
-            state = dataclasses.replace(state, step=step, in_flight=nxt, in_flight_metrics=nxt_metrics)
+            state = dataclasses.replace(state, step=step, in_flight=nxt, in_flight_metrics=nxt_metrics,
+                                        extra={**state.extra, "signal": signal.state_dict()})  # fmt: skip
             steps_run += 1
             stop = cfg.run.stop_after_steps is not None and steps_run >= cfg.run.stop_after_steps
             if step == total or stop or (cfg.run.save_every and step % cfg.run.save_every == 0):
@@ -174,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         log.log(total, final)
         if cfg.curriculum.niah.enabled:
             log.log(total, niah_check(cfg, learner, plan[-1]))
-        summary = finish(cfg, run_dir, state.eval_before, final)
+        summary = finish(cfg, run_dir, state.eval_before, final, signal.warnings)
         print(summary_text(summary), flush=True)
         return 0
     finally:
@@ -200,7 +208,13 @@ def rl_step(cfg: TrainConfig, learner, pool, groups, step: int, run_dir: Path) -
     return metrics
 
 
-def finish(cfg: TrainConfig, run_dir: Path, before: dict, after: dict) -> dict:
+def uses_group_stats(a) -> bool:
+    """The objective's baseline or scale comes from the group (zero-variance groups teach nothing)."""
+    return a.baseline in ("group_mean", "leave_one_out") or a.std_norm == "group"
+
+
+def finish(cfg: TrainConfig, run_dir: Path, before: dict, after: dict, warnings=()) -> dict:
+    """summary.json; ``warnings`` (no learning signal, rl/signal.py) are listed in it, [] when none."""
     b, a = before.get("eval/success_rate", 0.0), after.get("eval/success_rate", 0.0)
     summary = {
         "run_dir": str(run_dir),
@@ -212,6 +226,7 @@ def finish(cfg: TrainConfig, run_dir: Path, before: dict, after: dict) -> dict:
         "held_out_success_gain_points": 100.0 * (a - b),
         "eval_reward_before": before.get("eval/mean", 0.0),
         "eval_reward_after": after.get("eval/mean", 0.0),
+        "warnings": list(warnings),
     }
     if cfg.run.plots:
         summary["plots"] = ", ".join(Path(p).name for p in write_plots(run_dir))

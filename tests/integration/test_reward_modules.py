@@ -1,8 +1,9 @@
 """Reward modules in the loop, through the real entry point (``python -m rl.train``, local Ray, a vLLM
 rollout worker): a third-party reward module (a file outside the packages, named "module:attr", found
 on PYTHONPATH) scores training and evaluation, and a reward function that raises on some tasks is
-counted, not fatal. One run of three steps; no warm start (the rewards come from the module, not from
-what the policy can do)."""
+counted, not fatal. The rewards are constant within each task, so no group has any variance: the
+same run shows the no-learning-signal warning on the console and in summary.json. One run of three
+steps; no warm start (the rewards come from the module, not from what the policy can do)."""
 
 import json
 import os
@@ -97,3 +98,16 @@ def test_third_party_module_sets_the_evaluation_rewards(run):
         assert r["eval/mean"] == pytest.approx((CONSTANT * (n - odd) - 1.0 * odd) / n)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["eval_reward_before"] == pytest.approx(evals[0]["eval/mean"])
+
+
+def test_rewards_without_variance_give_the_no_signal_warning(run):
+    run_dir, out = run
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "learner/version" in r]
+    assert all(r["signal/zero_variance_groups"] == r["signal/groups"] == 2 for r in rows)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("WARNING: no learning signal")]
+    assert len(lines) == 1 and "for 3 consecutive steps (steps 1-3" in lines[0], out.stdout[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert any(w.startswith("no learning signal") and "Likely cause" in w for w in summary["warnings"])
+    assert (
+        lines[0] in out.stdout.split("longhorizon run summary")[0]
+    )  # said when it happened, not only at the end
