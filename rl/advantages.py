@@ -19,6 +19,17 @@ by the population std of G_0 within the group (+ eps), ``batch`` by the std of t
 the batch, ``none`` leaves it. Deviation from GRPO's paper: the group std is the population std
 (ddof=0), as in most implementations.
 
+The batch statistics (``batch_mean``, ``batch``) weight each episode by its number of sampled tokens
+n_i: b = sum_i n_i G_0i / sum_i n_i and s^2 = sum_i n_i (c_i - c_bar)^2 / sum_i n_i over the centred
+values c_i, which is the token-level whitening of REINFORCE++ (its paper and verl whiten over every
+response token of the batch): under ``outcome`` credit every token of an episode carries G_0, so these
+are exactly the mean and std over the batch's tokens, and a long episode counts as much as its tokens.
+Under ``turn`` credit the statistics stay those of the episode returns G_0 (token-weighted), subtracted
+from and dividing every turn's return, rather than of each token's own return, so that turn credit
+keeps the meaning it has with every other baseline. The std is the population one (ddof=0; Bessel's
+correction, which some implementations apply, changes it by sqrt(N / (N - 1)) over N tokens). A batch
+without any sampled token falls back to equal episode weights. Group statistics stay per episode.
+
 Tokens that the policy did not sample (template, tool and env tokens) never get an advantage: they
 are masked out of the loss in ``rl/batching.py``, whatever this module returns.
 """
@@ -69,8 +80,20 @@ def _std(xs: list[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
 
 
-def baselines(g0: list[list[float]], kind: str) -> list[list[float]]:
-    """Per-episode baseline from the episode returns G_0, grouped as [group][episode]."""
+def _weighted_mean_std(xs: list[float], ws: list[float]) -> tuple[float, float]:
+    """Mean and population std of ``xs`` weighted by ``ws`` (equal weights when they sum to 0)."""
+    if sum(ws) <= 0:
+        ws = [1.0] * len(xs)
+    n = sum(ws)
+    if n <= 0:
+        return 0.0, 0.0
+    m = sum(w * x for x, w in zip(xs, ws)) / n
+    return m, math.sqrt(sum(w * (x - m) ** 2 for x, w in zip(xs, ws)) / n)
+
+
+def baselines(g0: list[list[float]], kind: str, tokens: list[list[float]] | None = None) -> list[list[float]]:
+    """Per-episode baseline from the episode returns G_0, grouped as [group][episode]; ``tokens`` (the
+    episodes' sampled-token counts, same shape) weight the batch mean (None: equal weights)."""
     if kind == "none":
         return [[0.0] * len(xs) for xs in g0]
     if kind == "group_mean":
@@ -78,21 +101,29 @@ def baselines(g0: list[list[float]], kind: str) -> list[list[float]]:
     if kind == "leave_one_out":
         return [[(sum(xs) - x) / (len(xs) - 1) if len(xs) > 1 else 0.0 for x in xs] for xs in g0]
     if kind == "batch_mean":
-        flat = [x for xs in g0 for x in xs]
-        m = sum(flat) / max(len(flat), 1)
+        m, _ = _weighted_mean_std(*_flat(g0, tokens))
         return [[m] * len(xs) for xs in g0]
     raise ValueError(f"baseline {kind!r} is not a return baseline (value baselines go through gae)")
 
 
-def scales(g0: list[list[float]], base: list[list[float]], kind: str, eps: float) -> list[list[float]]:
-    """Per-episode divisor: group std of G_0, batch std of the centred G_0, or 1."""
+def _flat(values: list[list[float]], tokens: list[list[float]] | None) -> tuple[list[float], list[float]]:
+    flat = [x for xs in values for x in xs]
+    return flat, ([w for ws in tokens for w in ws] if tokens is not None else [1.0] * len(flat))
+
+
+def scales(
+    g0: list[list[float]], base: list[list[float]], kind: str, eps: float,
+    tokens: list[list[float]] | None = None,
+) -> list[list[float]]:  # fmt: skip
+    """Per-episode divisor: group std of G_0, batch std of the centred G_0 (token-weighted with
+    ``tokens``), or 1."""
     if kind == "none":
         return [[1.0] * len(xs) for xs in g0]
     if kind == "group":
         return [[_std(xs) + eps] * len(xs) for xs in g0]
     if kind == "batch":
-        centred = [x - b for xs, bs in zip(g0, base) for x, b in zip(xs, bs)]
-        s = _std(centred) + eps
+        centred = [[x - b for x, b in zip(xs, bs)] for xs, bs in zip(g0, base)]
+        s = _weighted_mean_std(*_flat(centred, tokens))[1] + eps
         return [[s] * len(xs) for xs in g0]
     raise ValueError(f"unknown std_norm {kind!r}")
 
@@ -144,8 +175,9 @@ def compute_advantages(
         return (_whiten(adv, groups, cfg.adv_eps) if cfg.std_norm == "batch" else adv), targets
     returns = turn_returns(groups, cfg.credit, cfg.gamma)
     g0 = [[_episode_return(ep, cfg.credit, cfg.gamma) for ep in g.episodes] for g in groups]
-    base = baselines(g0, cfg.baseline)
-    scale = scales(g0, base, cfg.std_norm, cfg.adv_eps)
+    tokens = [[float(ep.num_sampled_tokens) for ep in g.episodes] for g in groups]
+    base = baselines(g0, cfg.baseline, tokens)
+    scale = scales(g0, base, cfg.std_norm, cfg.adv_eps, tokens)
     adv = [
         [[(r - b) / s for r in er] for er, b, s in zip(gr, gb, gs)]
         for gr, gb, gs in zip(returns, base, scale)

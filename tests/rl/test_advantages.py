@@ -5,6 +5,7 @@ import math
 import pytest
 from rl_factories import episode, group, turn
 
+from envs.types import EpisodeGroup
 from rl.advantages import compute_advantages, discounted_returns, gae, keep_group, turn_rewards
 from rl.config import AlgorithmConfig
 
@@ -36,6 +37,40 @@ def test_reinforce_pp_batch_baseline_and_std():
     s = math.sqrt(0.1875)
     flat = [a[0] for g in adv for a in g]
     assert flat == pytest.approx([0.25 / s, -0.75 / s, 0.25 / s, 0.25 / s])
+
+
+def _lengths(g, ns):
+    for ep, n in zip(g.episodes, ns):
+        ep.turns = [turn([1], [7] * n)]
+    return g
+
+
+def test_reinforce_pp_whitening_is_token_weighted():
+    """Unequal episode lengths: the batch mean and std are those of the batch's tokens."""
+    groups = [_lengths(group([1.0, 0.0]), [1, 5]), _lengths(group([2.0, 0.5, 1.0]), [3, 2, 8])]
+    adv, _ = compute_advantages(groups, cfg("reinforce_pp", adv_eps=0.0))
+    tokens = [(ep.reward, len(ep.turns[0].token_ids)) for g in groups for ep in g.episodes]
+    per_token = [r for r, n in tokens for _ in range(n)]  # every sampled token carries its episode's return
+    m = sum(per_token) / len(per_token)
+    s = math.sqrt(sum((x - m) ** 2 for x in per_token) / len(per_token))
+    assert [a[0] for g in adv for a in g] == pytest.approx([(r - m) / s for r, _ in tokens])
+    token_adv = [
+        a[0] for g, ga in zip(groups, adv) for ep, a in zip(g.episodes, ga) for _ in ep.turns[0].token_ids
+    ]
+    assert sum(token_adv) / len(token_adv) == pytest.approx(0.0, abs=1e-12)  # whitened over tokens
+    assert math.sqrt(sum(x * x for x in token_adv) / len(token_adv)) == pytest.approx(1.0)
+    per_episode = sum(r for r, _ in tokens) / len(tokens)
+    assert abs(per_episode - m) > 0.05  # the lengths matter here: an episode-weighted mean would differ
+
+
+def test_reinforce_pp_turn_credit_keeps_episode_return_statistics():
+    long_answer = episode([turn([1], [7], reward=0.5), turn([2], [7] * 3)], 1.0)  # 4 tokens, G_0 = 1
+    wrong = episode([turn([1], [7] * 12)], 0.0)  # 12 tokens, G_0 = 0
+    adv, _ = compute_advantages([EpisodeGroup("t", [long_answer, wrong])],
+                                cfg("reinforce_pp", credit="turn", adv_eps=0.0))  # fmt: skip
+    # b = (4 * 1 + 12 * 0) / 16; s^2 = (4 * 0.75^2 + 12 * 0.25^2) / 16; turn returns [1.0, 0.5] and [0.0]
+    b, s = 0.25, math.sqrt(0.1875)
+    assert adv[0][0] == pytest.approx([(1.0 - b) / s, (0.5 - b) / s]) and adv[0][1] == pytest.approx([-b / s])
 
 
 def test_equal_rewards_give_zero_and_are_dropped_by_dynamic_sampling():
