@@ -151,15 +151,16 @@ class WorkerPool:
             ray.kill(w)
 
 
-def make_manager(pool: WorkerPool, cfg: RolloutConfig, stage: StageConfig, temperature: float, rubric=None):
+def make_manager(pool: WorkerPool, cfg: RolloutConfig, stage: StageConfig, temperature: float, rubric=None,
+                 id_prefix: str = ""):  # fmt: skip
+    """A manager over the pool's workers; its episode ids start with ``id_prefix`` (then a random nonce)."""
     from rollout.episode import EpisodeBudget, SamplingConfig
     from rollout.manager import RolloutManager
 
     budget = EpisodeBudget(max_turns=cfg.max_turns, max_tokens_per_turn=stage.max_tokens_per_turn,
                            max_episode_tokens=stage.max_context_tokens, max_wall_s=cfg.episode_timeout_s)  # fmt: skip
-    return RolloutManager(
-        pool.workers, budget, SamplingConfig(temperature=temperature, top_p=cfg.top_p), rubric=rubric
-    )
+    sampling = SamplingConfig(temperature=temperature, top_p=cfg.top_p)
+    return RolloutManager(pool.workers, budget, sampling, rubric=rubric, id_prefix=id_prefix)
 
 
 def _worker_failed(group: EpisodeGroup) -> bool:
@@ -167,9 +168,10 @@ def _worker_failed(group: EpisodeGroup) -> bool:
 
 
 def collect_with_recovery(pool: WorkerPool, cfg: RolloutConfig, stage: StageConfig, tasks, seed: int,
-                          rubric=None) -> tuple[list[EpisodeGroup], int]:  # fmt: skip
+                          rubric=None, label: str = "") -> tuple[list[EpisodeGroup], int]:  # fmt: skip
     """Collect groups; re-run groups hit by a dead worker on fresh workers. Returns (groups, retries)."""
-    groups = make_manager(pool, cfg, stage, cfg.temperature, rubric).collect(tasks, stage.group_size, seed)
+    first = make_manager(pool, cfg, stage, cfg.temperature, rubric, f"{label}-" if label else "")
+    groups = first.collect(tasks, stage.group_size, seed)
     retries = 0
     while any(_worker_failed(g) for g in groups):
         bad = [i for i, g in enumerate(groups) if _worker_failed(g)]
@@ -184,7 +186,7 @@ def collect_with_recovery(pool: WorkerPool, cfg: RolloutConfig, stage: StageConf
             )
         retries += 1
         pool.replace_dead()
-        redo = make_manager(pool, cfg, stage, cfg.temperature, rubric).collect(
+        redo = make_manager(pool, cfg, stage, cfg.temperature, rubric, f"{label}x{retries}-").collect(
             [tasks[i] for i in bad], stage.group_size, seed + 7919 * retries
         )
         for i, g in zip(bad, redo):
@@ -217,7 +219,7 @@ def collect_step(pool: WorkerPool, env: EnvConfig, rcfg: RolloutConfig, algo: Al
     for round_ in range(1 + (algo.max_resample_rounds if algo.dynamic_sampling else 0)):
         tasks = train_tasks(env, stage, seed, step, round_)
         groups, r = collect_with_recovery(
-            pool, rcfg, stage, tasks, seed * 1_000_003 + step * 101 + round_, rubric
+            pool, rcfg, stage, tasks, seed * 1_000_003 + step * 101 + round_, rubric, f"s{step}r{round_}"
         )
         retries += r
         all_groups += groups
@@ -275,7 +277,7 @@ def episode_metrics(groups: list[EpisodeGroup], prefix: str = "reward", fn_names
 
 def evaluate(pool: WorkerPool, env: EnvConfig, rcfg: RolloutConfig, stage: StageConfig, rubric=None) -> dict:
     """Held-out success: greedy decoding, one episode per test-split task."""
-    manager = make_manager(pool, rcfg, stage, 0.0, rubric)
+    manager = make_manager(pool, rcfg, stage, 0.0, rubric, "eval-")
     groups = manager.collect(eval_tasks(env, stage), 1, seed=0)
     return episode_metrics(groups, prefix="eval", fn_names=term_names(rubric))
 

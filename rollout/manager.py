@@ -6,6 +6,11 @@ prompt, so a worker's prefix cache serves them all) while there are at least as 
 workers; otherwise episodes are spread one by one. A worker's load is the number of episodes
 assigned in this call plus the sessions it already holds (``load()["sessions"]``).
 
+Episode ids (the workers' session ids) are ``<id_prefix><nonce>-<counter>-<member>``: the nonce is
+random per manager, so ids never repeat across collections, evaluations, retries or resumed runs
+(an id that came back would continue whatever stale session a worker still holds under it after a
+failed clean-up). Nothing is seeded from an id: an episode's env seed is ``seed + member``.
+
 Workers may be plain ``RolloutWorker`` objects or Ray actor handles of it: each worker gets one
 driver thread (``rollout.episode.drive_episodes``) that calls ``generate`` / ``end_sessions``
 directly or through ``.remote`` + ``ray.get``. A worker that fails turns its episodes into ERROR
@@ -17,6 +22,7 @@ never fails the collection).
 from __future__ import annotations
 
 import copy
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +64,7 @@ class RolloutManager:
         renderer: ChatRenderer | None = None,
         rubric: Any = None,
         env_pool_size: int = 8,
+        id_prefix: str = "",
     ) -> None:
         if not workers:
             raise ValueError("RolloutManager needs at least one worker")
@@ -66,6 +73,7 @@ class RolloutManager:
         self.renderer = renderer or ChatRenderer()
         self.rubric = rubric
         self.env_pool_size = env_pool_size
+        self.id_prefix = f"{id_prefix}{uuid.uuid4().hex[:12]}-"
         self._counter = 0
 
     def collect(self, tasks: list[TaskSpec], group_size: int, seed: int = 0) -> list[EpisodeGroup]:
@@ -116,7 +124,7 @@ class RolloutManager:
         from envs.registry import make
 
         self._counter += 1
-        episode_id = f"ep{self._counter:06d}-{member}"
+        episode_id = f"{self.id_prefix}{self._counter:06d}-{member}"
         try:
             env = make(task.env, **task.env_kwargs)
         except Exception as e:  # an env that cannot even be built is an ERROR episode

@@ -111,3 +111,36 @@ def test_sft_entry_point_writes_a_checkpoint_rl_can_load(tmp_path):
                  f"sft.output_dir={out}"]) == 0  # fmt: skip
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     assert load_config(cfg, [f"model.init_from={out}"]).model.init_from == str(out)
+
+
+def test_episode_ids_are_unique_across_steps_evaluation_and_a_resume(renderer, tmp_path):
+    """Real episode loop, manager and driver collection on a plain scripted worker (no engine)."""
+    from types import SimpleNamespace
+
+    from rl_factories import ScriptedWorker
+
+    from rl.rollouts import collect_step, evaluate
+
+    cfg = load_config(None, ["rollout.group_size=2", "rollout.tasks_per_step=3", "env.num_eval_tasks=2"])
+    stage = stages(cfg)[0]
+    worker = ScriptedWorker(renderer)
+    pool = SimpleNamespace(workers=[worker])
+
+    def collect(step):
+        return collect_step(pool, cfg.env, cfg.rollout, cfg.algorithm, stage, cfg.seed, step).groups
+
+    step1, step2 = collect(1), collect(2)
+    evaluate(pool, cfg.env, cfg.rollout, stage)
+    checkpoint.save(
+        tmp_path, checkpoint.RunState(step=1, in_flight=step2), lambda p: Path(p).write_text(""), 2
+    )
+    in_flight = checkpoint.load(checkpoint.latest(tmp_path)).in_flight  # a resumed run trains on these ...
+    again, step3 = collect(2), collect(3)  # ... and collects on from there (here: step 2 once more, too)
+    trained = [
+        e.episode_id for groups in (step1, in_flight, again, step3) for g in groups for e in g.episodes
+    ]
+    assert len(set(trained)) == len(trained) == 4 * 6
+    assert len(set(worker.served)) == len(trained) + 2  # + the two evaluation episodes; one turn each
+    assert worker.reopened == []  # no session id came back after it was ended
+    # the ids are all that differs: the same step gives the same tasks, seeds and episodes
+    assert [e.messages for g in again for e in g.episodes] == [e.messages for g in step2 for e in g.episodes]
