@@ -60,7 +60,8 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     arch: dict[str, Any] = field(default_factory=dict)
-    """``model.HybridConfig`` fields (a preset from configs/model/ plus overrides)."""
+    """``model.HybridConfig`` fields (a preset from configs/model/ plus overrides); unknown keys, here and
+    in ``linear_attn_config``, are rejected before the run starts (``check_nested_keys``)."""
     init_from: str | None = None
     """Checkpoint directory to start from (e.g. the SFT warm start); None = random init."""
     seed: int = 0
@@ -75,7 +76,7 @@ class EnvConfig:
     mix: dict[str, float] = field(default_factory=lambda: {"Calculator": 1.0})
     """Training data mix: env registry id -> sampling weight (a curriculum stage may override it)."""
     kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Constructor kwargs per env id."""
+    """Constructor kwargs per env id (checked against the env constructor's parameters before the run)."""
     eval_env: str = "Calculator"
     """Env id of the held-out evaluation."""
     num_eval_tasks: int = 64
@@ -108,7 +109,8 @@ class RolloutConfig:
     max_episode_retries: int = 1
     """Times an episode that failed for infrastructure reasons (worker died) is re-run before the step fails."""
     engine: dict[str, Any] = field(default_factory=dict)
-    """Extra engine keyword arguments passed to the rollout worker (e.g. kv_cache_memory_bytes)."""
+    """Extra engine keyword arguments passed to the rollout worker (e.g. kv_cache_memory_bytes): fields of
+    ``rollout.worker.WorkerConfig``, unknown ones rejected before the run (``check_nested_keys``)."""
     seed: int = 0
     """Sampling seed of the engines (worker i gets seed + i); unset in the YAML: the run's ``seed``."""
 
@@ -579,3 +581,122 @@ def stages(cfg: TrainConfig) -> list[StageConfig]:
         )
         for s in raw
     ]
+
+
+# --------------------------------------------------------------------------- keys inside free-form dicts
+
+DRIVER_SET_ENGINE_KEYS = {
+    "model_path": "the driver passes the exported weights",
+    "policy_version": "the driver tags the weights",
+    "seed": "use rollout.seed (worker i gets seed + i)",
+    "max_model_len": "the driver derives it from max_context_tokens + max_tokens_per_turn",
+}
+"""``WorkerConfig`` fields that ``rl.rollouts.WorkerPool`` sets itself (``rollout.engine`` may not)."""
+GYM_MAKE_KEYS = ("max_episode_steps", "disable_env_checker")
+"""Env kwargs that ``gymnasium.make`` takes itself, whatever the env's constructor accepts."""
+
+
+def _unknown_keys(key: str, given, known) -> list[str]:
+    """One message per key of ``given`` not in ``known``, with the close match when there is one."""
+    import difflib
+
+    out = []
+    for k in given:
+        if k not in known:
+            close = difflib.get_close_matches(str(k), [str(n) for n in known], n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}?" if close else f"known: {sorted(map(str, known))}"
+            out.append(f"{key}.{k}: unknown field; {hint}")
+    return out
+
+
+def check_nested_keys(cfg: TrainConfig) -> None:
+    """Reject unknown keys inside ``model.arch`` (``HybridConfig``'s constructor parameters and the
+    ``linear_attn_config`` keys), ``rollout.engine`` (``rollout.worker.WorkerConfig`` fields the driver
+    does not set) and ``env.kwargs.<Env>`` / ``sft.env_kwargs.<Env>`` (the env constructor's keyword
+    parameters), which the schema types only as dicts: a typo there would otherwise load and be ignored
+    or fail in an actor minutes later. Imports the model config, the worker and the env registry
+    lazily (this module stays import-light). Raises ConfigError listing every problem."""
+    errors = _arch_errors(cfg.model.arch, cfg.model.init_from) + _engine_errors(cfg.rollout.engine)
+    for key, per_env in [("env.kwargs", cfg.env.kwargs), ("sft.env_kwargs", cfg.sft.env_kwargs)]:
+        for name, kwargs in per_env.items():
+            errors += _env_kwargs_errors(key, name, kwargs)
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def _arch_errors(arch: dict[str, Any], init_from: str | None) -> list[str]:
+    import inspect
+
+    from model.config import _LINEAR_ATTN_DEFAULTS, HybridConfig  # the keys the KDA layers read
+
+    known = set(inspect.signature(HybridConfig.__init__).parameters) - {"self", "kwargs"}
+    errors = _unknown_keys("model.arch", arch, known)
+    lac = arch.get("linear_attn_config") or {}
+    if isinstance(lac, dict):
+        errors += _unknown_keys("model.arch.linear_attn_config", lac,
+                                {*_LINEAR_ATTN_DEFAULTS, "kda_layers", "full_attn_layers"})  # fmt: skip
+    if not errors and not init_from:  # with init_from the checkpoint's config is used, not arch
+        try:  # values too (layer pattern, gate bound, choices): the learner would fail on them later
+            HybridConfig(**arch)
+        except (ValueError, TypeError) as e:
+            errors.append(f"model.arch: {e}")
+    return errors
+
+
+def _engine_errors(engine: dict[str, Any]) -> list[str]:
+    from rollout.worker import WorkerConfig
+
+    fields = {f.name for f in dataclasses.fields(WorkerConfig)}
+    errors = [f"rollout.engine.{k}: set by the driver; {DRIVER_SET_ENGINE_KEYS[k]}" for k in engine
+              if k in DRIVER_SET_ENGINE_KEYS]  # fmt: skip
+    return errors + _unknown_keys("rollout.engine", [k for k in engine if k not in DRIVER_SET_ENGINE_KEYS],
+                                  fields - set(DRIVER_SET_ENGINE_KEYS))  # fmt: skip
+
+
+def _env_kwargs_errors(key: str, name: str, kwargs: dict[str, Any]) -> list[str]:
+    from envs.registry import BUILTIN_ENVS
+
+    try:
+        accepted = env_kwarg_names(name)
+    except (ValueError, ImportError, AttributeError) as e:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(BUILTIN_ENVS), n=1)
+        return [f"{key}.{name}: " + (f"unknown env; did you mean {close[0]}?" if close else str(e))]
+    if accepted is None:
+        return []
+    return _unknown_keys(f"{key}.{name}", kwargs, {*accepted, *GYM_MAKE_KEYS})
+
+
+def env_kwarg_names(name: str) -> set[str] | None:
+    """The keyword arguments the env ``name`` (any name ``envs.make`` accepts) can be built with;
+    None when it takes ``**kwargs`` we cannot follow.
+
+    ``**kwargs`` of an in-tree env (the ``envs`` package) are followed up its base classes (they pass
+    them on to ``ToolEnv``); a plug-in's ``**kwargs`` accept anything."""
+    import inspect
+
+    import gymnasium
+
+    from envs.registry import load_object, register_builtins, resolve_env
+
+    register_builtins()
+    target = resolve_env(name)
+    if isinstance(target, str):  # a gymnasium id: its entry point
+        try:
+            entry = gymnasium.spec(target).entry_point
+        except gymnasium.error.Error:  # e.g. gymnasium's "module:id" form, imported only by make
+            return None
+        target = load_object(entry) if isinstance(entry, str) else entry
+    chain = [c for c in target.__mro__ if "__init__" in c.__dict__] if inspect.isclass(target) else [target]
+    names: set[str] = set()
+    for fn in chain:
+        if fn is object:
+            break
+        params = list(inspect.signature(fn.__init__ if inspect.isclass(fn) else fn).parameters.values())
+        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            return names
+        if not getattr(fn, "__module__", "").startswith("envs."):
+            return None
+    return names

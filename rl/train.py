@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rl import checkpoint
 from rl.batching import train_minibatches
-from rl.config import ConfigError, RewardConfig, TrainConfig, load_config, stages, to_yaml
+from rl.config import ConfigError, RewardConfig, TrainConfig, check_nested_keys, load_config, stages, to_yaml
 from rl.metrics import MetricsLogger, summary_text, truncate_metrics, write_plots
 from rl.rollouts import WorkerPool, collect_step, evaluate, prepare_model_dir
 from rl.sft import call, warm_start
@@ -37,6 +37,7 @@ def parse(argv: list[str] | None) -> TrainConfig:
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     check_envs(cfg)
+    check_nested_keys(cfg)  # model.arch, rollout.engine, env.kwargs.<Env>: typos there fail here, by name
     return cfg
 
 

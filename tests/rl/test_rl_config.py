@@ -111,3 +111,59 @@ def test_checked_in_configs_resolve():
     for path in sorted((CONFIGS_ROOT / "exp").glob("*.yaml")):
         load_config(path)
     load_config(CONFIGS_ROOT / "base.yaml")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.arch.hiden_size=3", "model.arch.hiden_size: unknown field; did you mean hidden_size?"),
+        ("model.arch.linear_attn_config.num_head=2", "model.arch.linear_attn_config.num_head: unknown field"),
+        ("model.arch.num_hidden_layers=3", "model.arch: kda_layers + full_attn_layers must cover"),
+        ("rollout.engine.kv_cache_memroy_bytes=1", "did you mean kv_cache_memory_bytes?"),
+        ("rollout.engine.seed=1", "rollout.engine.seed: set by the driver; use rollout.seed"),
+        (
+            "env.kwargs.Calculator.difficultly=2",
+            "env.kwargs.Calculator.difficultly: unknown field; did you mean difficulty?",
+        ),
+        (
+            "env.kwargs.NeedleHaystack.context_char=300",
+            "did you mean context_chars?",
+        ),  # **kwargs followed to ToolEnv
+        (
+            "env.kwargs.Calculater.difficulty=2",
+            "env.kwargs.Calculater: unknown env; did you mean Calculator?",
+        ),
+        ("sft.env_kwargs.Calculator.dificulty=1", "sft.env_kwargs.Calculator.dificulty: unknown field"),
+    ],
+)
+def test_unknown_nested_keys_are_rejected_by_name_before_any_actor_starts(override, message):
+    from rl.train import parse
+
+    with pytest.raises(ConfigError) as e:
+        parse(["--config", str(CONFIGS_ROOT / "exp" / "ci_tiny.yaml"), override])
+    assert message in str(e.value)
+
+
+def test_nested_keys_that_exist_pass_and_checked_in_configs_are_clean():
+    from rl.config import check_nested_keys
+
+    ok = ["env.kwargs.NeedleHaystack.difficulty=2", "env.kwargs.Python.sandbox_limits={}",
+          "env.kwargs.Countdown.max_episode_steps=3", "rollout.engine.reuse=none", "model.init_from=somewhere",
+          "model.arch.linear_attn_config.kda_layers=[1, 2, 3]"]  # fmt: skip
+    check_nested_keys(load_config(CONFIGS_ROOT / "exp" / "ci_tiny.yaml", ok))
+    for path in sorted((CONFIGS_ROOT / "exp").glob("*.yaml")):
+        check_nested_keys(load_config(path))
+
+
+def test_env_kwarg_names_follow_in_tree_kwargs_but_not_plugins():
+    import gymnasium
+
+    from rl.config import env_kwarg_names
+
+    class Plugin(gymnasium.Env):
+        def __init__(self, size=3, **options):
+            self.size, self.options = size, options
+
+    assert {"context_chars", "difficulty", "max_turns"} <= env_kwarg_names("NeedleHaystack")
+    assert "context_chars" not in env_kwarg_names("Calculator")
+    assert env_kwarg_names(Plugin) is None  # a plug-in's **kwargs may go anywhere
