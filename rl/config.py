@@ -209,8 +209,11 @@ class RewardConfig:
     """
 
     functions: list[RewardFunctionConfig] = field(default_factory=list)
+    """Empty: the env reward, and nothing below applies."""
     truncated_reward: float | None = None
+    """None: truncated episodes are scored by the functions; a number: their reward, functions skipped."""
     error_reward: float = 0.0
+    """The reward of ERROR episodes and of episodes on which a function raised (see above)."""
 
 
 # --------------------------------------------------------------------------- learner
