@@ -28,7 +28,7 @@ from typing import Any
 
 from envs.types import Episode, EpisodeStatus, Turn
 from rl.batching import episode_row, pack
-from rl.config import SFTConfig, TrainConfig, load_config
+from rl.config import SFTConfig, TrainConfig, check_nested_keys, load_config
 
 
 def call(obj: Any, method: str, *args: Any) -> Any:
@@ -251,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    check_nested_keys(cfg)
     out_dir = cfg.sft.output_dir or str(Path(cfg.run.dir) / "sft")
     episodes = expert_episodes(cfg.sft, sft_env_kwargs(cfg))
     learner = Learner(cfg.model, sft_learner_config(cfg), cfg.algorithm)
