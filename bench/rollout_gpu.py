@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 PRESETS = {"tiny": ROOT / "configs/model/cpu_tiny.yaml", "gpu_1b": ROOT / "configs/model/gpu_1b.yaml"}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-PARTS = ("logprobs", "mla", "weights", "reuse")
+PARTS = ("kernels", "logprobs", "mla", "weights", "reuse")
 ROUTER_LOGIT_STD = 3.0
 
 
@@ -285,6 +285,9 @@ def compare_to_learner(run: Run, pr: dict, preset: str, dtype: str, seed: int = 
             route_n += eng.shape[0] * eng.shape[1]
     d = torch.cat(diffs).double()
     return dict(
+        # the first sampled token's logprob comes from the prefill alone, the later ones from decode steps
+        first_token_abs=[float(x[0].abs()) for x in diffs],
+        first_positions=[[round(float(v), 5) for v in x[:8]] for x in diffs],
         tokens=int(d.numel()),
         mean_abs=float(d.abs().mean()),
         max_abs=float(d.abs().max()),
@@ -369,6 +372,7 @@ def engine_check(run: Run, preset: str, dtype: str, form: str = "expanded") -> d
         first_call_s=pr["first_call_s"],
         warm_turns_s=pr["warm_turns_s"],
         float32_matmul_precision=run.torch.get_float32_matmul_precision(),
+        max_num_batched_tokens=w.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
         kv=guarded(lambda: kv_bytes_per_token(run, w, preset, dtype, form)),
         vs_learner=guarded(lambda: compare_to_learner(run, pr, preset, dtype)),
         greedy_vs_generate=guarded(lambda: greedy_vs_generate(run, pr, preset, dtype)),
@@ -389,6 +393,94 @@ def summary_line(res: dict) -> dict:
 
 
 # --- parts --------------------------------------------------------------------------------------------
+def part_kernels(run: Run) -> None:
+    """The KDA kernels on the device at the models' shapes (fp32) against the float64 reference: one
+    sequence, packed sequences with initial states, and the in-place pool decode step on a strided
+    pool (vLLM's page layout); then the learner's device forward against its CPU forward."""
+    from kernels.kda import chunk_kda, kda_decode_step_, naive_recurrent_kda
+
+    torch, dev = run.torch, run.device
+    out = run.results.setdefault("kernels", {})
+    for name, (H, K) in {"gpu_1b": (8, 128), "tiny": (4, 32)}.items():
+        if not run.enough(60, f"kernels {name}"):
+            return
+        g = torch.Generator().manual_seed(0)
+        T = 1000
+        q, k = (torch.nn.functional.normalize(torch.randn(1, T, H, K, generator=g), dim=-1) for _ in "qk")
+        v = torch.randn(1, T, H, K, generator=g)
+        gate = -5.0 * torch.sigmoid(torch.randn(1, T, H, K, generator=g))
+        beta = torch.sigmoid(torch.randn(1, T, H, generator=g))
+        for layout, cu in (("single", None), ("packed", torch.tensor([0, 300, 777, 1000]))):
+            N = 1 if cu is None else 3
+            h0 = torch.randn(N, H, K, K, generator=g) if cu is not None else None
+            args = (q, k, v, gate, beta)
+            ref_o, ref_h = naive_recurrent_kda(
+                *(x.double() for x in args),
+                initial_state=None if h0 is None else h0.double(),
+                output_final_state=True,
+                cu_seqlens=cu,
+            )
+            with torch.inference_mode():
+                o, h = chunk_kda(
+                    *(x.to(dev) for x in args),
+                    initial_state=None if h0 is None else h0.to(dev),
+                    output_final_state=True,
+                    cu_seqlens=None if cu is None else cu.to(dev),
+                )
+            run.sync()
+            out[f"{name}/chunk_{layout}"] = dict(
+                o_max_abs=float((o.cpu().double() - ref_o).abs().max()),
+                ht_max_abs=float((h.cpu().double() - ref_h).abs().max()),
+                o_ref_max=float(ref_o.abs().max()),
+            )
+            log(f"kernels {name} chunk {layout}: {out[f'{name}/chunk_{layout}']}")
+        # decode: 3 sequences in a pool of 6 slots, each slot one page holding more than the state
+        page = torch.randn(6, 1000 + H * K * K, generator=g)
+        pool_cpu = page[:, 1000:].view(6, H, K, K)
+        slots = torch.tensor([4, 0, 2])
+        dq, dk = (torch.nn.functional.normalize(torch.randn(3, H, K, generator=g), dim=-1) for _ in "qk")
+        dv = torch.randn(3, H, K, generator=g)
+        dg = -5.0 * torch.sigmoid(torch.randn(3, H, K, generator=g))
+        db = torch.sigmoid(torch.randn(3, H, generator=g))
+        page_dev = page.clone().to(dev)  # before the reference steps ``page`` in place
+        pool_dev = page_dev[:, 1000:].view(6, H, K, K)
+        o_ref = kda_decode_step_(dq, dk, dv, dg, db, pool_cpu, slots, scale=K**-0.5)
+        with torch.inference_mode():
+            o_dev = kda_decode_step_(
+                *(x.to(dev) for x in (dq, dk, dv, dg, db)), pool_dev, slots.to(dev), scale=K**-0.5
+            )
+        run.sync()
+        out[f"{name}/decode_step"] = dict(
+            o_max_abs=float((o_dev.cpu() - o_ref).abs().max()),
+            pool_max_abs=float((page_dev.cpu() - page).abs().max()),
+        )
+        log(f"kernels {name} decode: {out[f'{name}/decode_step']}")
+        run.save()
+    if not run.enough(90, "learner device vs cpu"):
+        return
+    ids = prompts(2, 300, 500, 1000, seed=5)
+    dev_model = run.learner("gpu_1b")
+    cpu_model = build_model("gpu_1b", 0, run.args.small)
+    res = {}
+    for i, seq in enumerate(ids):
+        a, _ = learner_pass(run, dev_model, seq, "fp32")
+        x = torch.tensor([seq])
+        with torch.no_grad():
+            b = cpu_model(x[:, :-1], target_ids=x[:, 1:]).token_logprobs[0]
+        res[f"seq{i}"] = dict(max_abs=float((a - b).abs().max()), mean_abs=float((a - b).abs().mean()))
+    # packed: both sequences in one row with cu_seqlens, as rl/learner.py trains
+    packed = torch.tensor([ids[0][:-1] + ids[1][:-1]], device=dev)
+    tgt = torch.tensor([ids[0][1:] + ids[1][1:]], device=dev)
+    cu = torch.tensor([0, len(ids[0]) - 1, len(ids[0]) + len(ids[1]) - 2], device=dev)
+    with torch.no_grad():
+        pk = dev_model(packed, cu_seqlens=cu, target_ids=tgt).token_logprobs[0].cpu()
+    sep = torch.cat([learner_pass(run, dev_model, s_, "fp32")[0] for s_ in ids])
+    res["packed_vs_separate_max_abs"] = float((pk - sep).abs().max())
+    out["learner_gpu_1b_device_vs_cpu_fp32"] = res
+    log(f"learner device vs cpu: {res}")
+    run.save()
+
+
 def part_logprobs(run: Run, presets: str | None = None) -> None:
     out = run.results.setdefault("logprobs", {})
     for preset in (presets or run.args.presets).split("+"):
@@ -632,7 +724,13 @@ def main() -> None:
         p.error(f"unknown parts {unknown}; choose from {PARTS}")
     run = Run(args)
     log(f"env {json.dumps(run.results['env'])}")
-    fns = {"logprobs": part_logprobs, "mla": part_mla, "weights": part_weights, "reuse": part_reuse}
+    fns = {
+        "kernels": part_kernels,
+        "logprobs": part_logprobs,
+        "mla": part_mla,
+        "weights": part_weights,
+        "reuse": part_reuse,
+    }
     try:
         for name, sub in parts:
             log(f"part {name} {sub or ''} ({run.left():.0f} s left)")
