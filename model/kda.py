@@ -98,9 +98,15 @@ class KimiDeltaAttention(nn.Module):
     ) -> tuple[torch.Tensor, KDAState | None]:
         B, T, _ = x_BTD.shape
         H, Dh = self.num_heads, self.head_dim
-        q, conv_q = self.q_conv1d(self.q_proj(x_BTD), layout, state.conv_q_NCW if state else None)
-        k, conv_k = self.k_conv1d(self.k_proj(x_BTD), layout, state.conv_k_NCW if state else None)
-        v, conv_v = self.v_conv1d(self.v_proj(x_BTD), layout, state.conv_v_NCW if state else None)
+        convs = [
+            conv(proj(x_BTD), layout, state_NCW, need_state=return_state)
+            for conv, proj, state_NCW in (
+                (self.q_conv1d, self.q_proj, state.conv_q_NCW if state else None),
+                (self.k_conv1d, self.k_proj, state.conv_k_NCW if state else None),
+                (self.v_conv1d, self.v_proj, state.conv_v_NCW if state else None),
+            )
+        ]
+        (q, conv_q), (k, conv_k), (v, conv_v) = convs
         q_BTHK = l2_normalize(q.view(B, T, H, Dh))
         k_BTHK = l2_normalize(k.view(B, T, H, Dh))
         v_BTHV = v.view(B, T, H, Dh)

@@ -11,11 +11,13 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from model import fast
 
 
 def f32(x: torch.Tensor) -> torch.Tensor:
@@ -67,10 +69,12 @@ class GLUMLP(nn.Module):
         self.act = act
         self.situ_betas = tuple(situ_betas)
 
+    def glu(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """The gated activation of (gate_proj x, up_proj x)."""
+        return situ_glu(g, u, *self.situ_betas) if self.act == "situ" else silu_glu(g, u)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = self.gate_proj(x), self.up_proj(x)
-        h = situ_glu(g, u, *self.situ_betas) if self.act == "situ" else silu_glu(g, u)
-        return self.down_proj(h)
+        return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))
 
 
 # ---------------------------------------------------------------------------- sequences
@@ -80,32 +84,52 @@ class SeqLayout:
 
     seq_BT indexes the state rows [N, ...]; pos_BT counts from 0 at each sequence start.
     For padded input N = B; for packed input (B = 1) N = len(cu_seqlens) - 1.
+    Built once per forward (``seq_layout``) from a host copy of cu_seqlens: the layers read the
+    host ``bounds`` and the device tensors here, never cu_seqlens on the host themselves.
+    ``cu_seqlens_N1`` (int32, device) treats padded rows as sequences of the flattened [B*T] axis;
+    ``cache`` holds what the layers derive from the layout once per forward (attention masks,
+    int32 positions), so every layer of a forward shares it.
     """
 
     seq_BT: torch.Tensor
     pos_BT: torch.Tensor
     bounds: list[tuple[int, int, int]]  # (batch row, start, end) per sequence, in state order
+    cu_seqlens_N1: torch.Tensor | None = None
+    max_len: int = 0
+    cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return len(self.bounds)
 
+    def cached(self, key, build):
+        """``build()`` once per layout (per forward), then the same object for every layer."""
+        if key not in self.cache:
+            self.cache[key] = build()
+        return self.cache[key]
+
 
 def seq_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> SeqLayout:
+    """The layout of a forward. Pass cu_seqlens as a CPU tensor to build it without a device sync
+    (a device cu_seqlens is read on the host once here)."""
     if cu_seqlens is None:
         seq_BT = torch.arange(B, device=device)[:, None].expand(B, T)
         pos_BT = torch.arange(T, device=device)[None, :].expand(B, T)
-        return SeqLayout(seq_BT, pos_BT, [(b, 0, T) for b in range(B)])
+        cu_N1 = torch.arange(B + 1, device=device, dtype=torch.int32) * T
+        return SeqLayout(seq_BT, pos_BT, [(b, 0, T) for b in range(B)], cu_N1, T)
     if B != 1:
         raise ValueError(f"packed sequences (cu_seqlens) need batch size 1, got {B}")
+    if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be a 1-d tensor of offsets, got shape {tuple(cu_seqlens.shape)}")
     cu = [int(c) for c in cu_seqlens.tolist()]
     if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in itertools.pairwise(cu)):
         raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T = {T}, got {cu}")
-    lengths = torch.tensor([b - a for a, b in itertools.pairwise(cu)], device=device)
-    seq_T = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-    starts_T = torch.tensor(cu[:-1], device=device)[seq_T]
-    pos_T = torch.arange(T, device=device) - starts_T
-    return SeqLayout(seq_T[None], pos_T[None], [(0, a, b) for a, b in itertools.pairwise(cu)])
+    cu_N1 = torch.tensor(cu, dtype=torch.int32).to(device)  # the one host-to-device copy
+    lengths_N = (cu_N1[1:] - cu_N1[:-1]).long()
+    seq_T = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), lengths_N, output_size=T)
+    pos_T = torch.arange(T, device=device) - cu_N1[:-1].long()[seq_T]
+    max_len = max((b - a for a, b in itertools.pairwise(cu)), default=0)
+    return SeqLayout(seq_T[None], pos_T[None], [(0, a, b) for a, b in itertools.pairwise(cu)], cu_N1, max_len)
 
 
 class ShortConvolution(nn.Module):
@@ -122,9 +146,26 @@ class ShortConvolution(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
     def forward(
-        self, x_BTC: torch.Tensor, layout: SeqLayout, conv_state_NCW: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (y_BTC, final conv state [N, C, K-1])."""
+        self,
+        x_BTC: torch.Tensor,
+        layout: SeqLayout,
+        conv_state_NCW: torch.Tensor | None = None,
+        need_state: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (y_BTC, final conv state [N, C, K-1], None unless ``need_state``).
+
+        Without a conv state in or out (training, prefill from scratch) ``model.fast`` op "conv"
+        may pick the one-launch Triton kernel (``kernels.conv``); the taps below are the reference.
+        """
+        if conv_state_NCW is None and not need_state and fast.pick("conv", x_BTC.device) == "triton":
+            from kernels.conv import causal_conv1d_triton
+
+            pos_BT = layout.cached("pos_i32", lambda: layout.pos_BT.to(torch.int32).contiguous())
+            return causal_conv1d_triton(x_BTC, self.weight[:, 0, :], pos_BT, self.activation), None
+        y_BTC = self._conv_taps(x_BTC, layout, conv_state_NCW)
+        return y_BTC, self._final_state(x_BTC, layout, conv_state_NCW) if need_state else None
+
+    def _conv_taps(self, x_BTC: torch.Tensor, layout: SeqLayout, conv_state_NCW) -> torch.Tensor:
         K, W = self.kernel_size, self.kernel_size - 1
         _B, T, _C = x_BTC.shape
         w_CK = self.weight[:, 0, :].to(x_BTC.dtype)
@@ -141,7 +182,7 @@ class ShortConvolution(nn.Module):
             y_BTC = y_BTC + shifted_BTC * w_CK[:, K - 1 - j]
         if self.activation == "silu":
             y_BTC = F.silu(y_BTC)
-        return y_BTC, self._final_state(x_BTC, layout, conv_state_NCW)
+        return y_BTC
 
     def _final_state(self, x_BTC, layout: SeqLayout, conv_state_NCW) -> torch.Tensor:
         W = self.kernel_size - 1

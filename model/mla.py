@@ -5,7 +5,8 @@ k_pe = W_kr x (qk_rope_head_dim) that is never rotated, q from x (or via q_lora_
 (qk_nope + qk_rope)^-1/2, causal softmax, then attn_out * sigmoid(W_g x) before W_o.
 
 Two forms of the same function:
-* expanded (training, prefill): per-head K/V from kv_b_proj, SDPA per sequence;
+* expanded (training, prefill): per-head K/V from kv_b_proj, SDPA per sequence (the reference), or
+  every sequence in one varlen call (``model.attention``, picked by ``model.fast`` op "attention");
 * absorbed (decode over the latent cache): q_nope is pulled through W_uk into the latent space and
   attends over c_kv with one shared "KV head"; W_uv is applied per head afterwards. Because K3's
   output gate sits between W_uv and W_o, W_uv cannot be folded into W_o (unlike DeepSeek-V2).
@@ -19,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import fast
+from model.attention import varlen_causal_attention
 from model.cache import MLAState
 from model.config import HybridConfig
 from model.layers import RMSNorm, SeqLayout, f32
@@ -107,6 +110,9 @@ class GatedMLA(nn.Module):
         B, S, H, _ = k_nope.shape
         q_BTHQ = torch.cat([q_nope, q_pe], dim=-1)
         k_BSHQ = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, S, H, self.rope)], dim=-1)
+        form = fast.pick("attention", q_BTHQ.device)
+        if past == 0 and form != "loop" and layout.cu_seqlens_N1 is not None:
+            return varlen_causal_attention(q_BTHQ, k_BSHQ, v, layout, self.scale, form)
         outs = []
         for b, start, end in layout.bounds:  # one SDPA per sequence: no cross-sequence attention
             q_HTQ = q_BTHQ[b, start:end].transpose(0, 1)

@@ -33,6 +33,7 @@ from model.cache import HybridCache
 from model.config import HybridConfig
 from model.kda import KimiDeltaAttention
 from model.layers import RMSNorm, SeqLayout, ShortConvolution, f32, seq_layout
+from model.lm_head import chunked_logprobs_entropy, logits_entropy
 from model.mla import GatedMLA
 from model.moe import DenseMLP, MoEGate, SparseMoE
 
@@ -44,6 +45,7 @@ class HybridCausalLMOutput(ModelOutput):
     past_key_values: HybridCache | None = None
     router_choices: torch.Tensor | None = None  # [B*T, num_moe_layers, top_k]
     token_logprobs: torch.Tensor | None = None  # [B, T], fp32
+    entropy: torch.Tensor | None = None  # [B, T], fp32: entropy of the next-token distribution at t
     hidden_states: torch.Tensor | None = None  # [B, T, D], final (normed) hidden states
 
 
@@ -76,9 +78,10 @@ class HybridDecoderLayer(nn.Module):
         return self.self_attn(self.input_layernorm(x_BTD), layout, cu_seqlens, state, return_state)
 
     def ffn(self, x_BTD, replay_TK):
+        """``replay_TK``: validated by HybridModel (once per forward, not per layer)."""
         h = self.post_attention_layernorm(x_BTD)
         if self.is_moe:
-            return self.block_sparse_moe(h, replay_TK)
+            return self.block_sparse_moe(h, replay_TK, replay_checked=True)
         return self.mlp(h), None
 
 
@@ -154,18 +157,14 @@ class HybridModel(HybridPreTrainedModel):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         x_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T, _ = x_BTD.shape
+        # the layout is built once per forward, from the host: a CPU cu_seqlens costs no device sync
+        layout = seq_layout(B, T, cu_seqlens, x_BTD.device)
         if cu_seqlens is not None:
-            cu_seqlens = cu_seqlens.to(device=x_BTD.device, dtype=torch.long)
+            cu_seqlens = layout.cu_seqlens_N1.long()
         if use_cache and past_key_values is None:
             past_key_values = HybridCache.empty(len(self.layers))
-        step = _Step(
-            seq_layout(B, T, cu_seqlens, x_BTD.device),
-            cu_seqlens,
-            past_key_values,
-            use_cache,
-            self._check_replay(routed_experts, B * T),
-            [],
-        )
+        replay_TMK = self._check_replay(routed_experts, B * T, x_BTD.device)
+        step = _Step(layout, cu_seqlens, past_key_values, use_cache, replay_TMK, [])
         if self.config.uses_attn_res:
             h_BTD = self._forward_attn_res(x_BTD, step)
         else:
@@ -174,7 +173,8 @@ class HybridModel(HybridPreTrainedModel):
             past_key_values.seen_tokens += T
         return self.norm(h_BTD), past_key_values if use_cache else None, step.choices
 
-    def _check_replay(self, routed: torch.Tensor | None, tokens: int) -> torch.Tensor | None:
+    def _check_replay(self, routed: torch.Tensor | None, tokens: int, device) -> torch.Tensor | None:
+        """Shape and id range checked once for all layers (on the host when given on the CPU)."""
         if routed is None:
             return None
         want = (tokens, len(self.moe_layer_ids), self.config.num_experts_per_token)
@@ -182,7 +182,10 @@ class HybridModel(HybridPreTrainedModel):
             raise ValueError(
                 f"routed_experts must be [B*T, num_moe_layers, top_k] = {list(want)}, got {list(routed.shape)}"
             )
-        return routed
+        E = self.config.num_experts
+        if routed.numel() and (bool((routed < 0).any()) or bool((routed >= E).any())):
+            raise ValueError(f"replayed expert ids must lie in [0, {E})")
+        return routed.to(device=device, dtype=torch.long)
 
     def _attn(self, layer: HybridDecoderLayer, x_BTD, step: _Step) -> torch.Tensor:
         i = layer.layer_idx
@@ -262,13 +265,16 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         return_logits: bool = True,
+        return_entropy: bool = False,
         **unused,
     ) -> HybridCausalLMOutput:
         """``labels`` [B, T]: next-token cross-entropy (-100 ignored, no prediction across packed
         boundaries). ``target_ids`` [B, T]: per-token log-probs of the given targets at each position.
         ``logits_to_keep`` > 0 keeps only the last positions' logits (generation).
         ``return_logits=False`` with ``target_ids``: no [B, T, V] logits are kept, not even for
-        backward (the LM head is recomputed per chunk), so long packed batches fit."""
+        backward (the LM head is recomputed per chunk, ``model.lm_head``), so long packed batches fit.
+        ``return_entropy``: also the entropy of each position's next-token distribution (fp32,
+        differentiable), from the chunks when ``return_logits=False``."""
         unexpected = sorted(k for k, v in unused.items() if v is not None and k not in _HF_NOOP_KWARGS)
         if unexpected:
             raise TypeError(f"HybridForCausalLM.forward got unexpected arguments {unexpected}")
@@ -281,7 +287,14 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         if not return_logits:
             if target_ids is None or labels is not None:
                 raise ValueError("return_logits=False needs target_ids and no labels")
-            out.token_logprobs = chunked_token_logprobs(self.lm_head, h_BTD, target_ids)
+            if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
+                out.token_logprobs, out.entropy = chunked_logprobs_entropy(
+                    self.lm_head, h_BTD, target_ids, with_entropy=return_entropy
+                )
+            else:  # a wrapped head (an adapter): checkpointed chunks through the module itself
+                out.token_logprobs = chunked_token_logprobs(self.lm_head, h_BTD, target_ids)
+                if return_entropy:
+                    raise ValueError("return_entropy with return_logits=False needs a plain nn.Linear head")
         else:
             kept_BTD = h_BTD[:, -logits_to_keep:] if logits_to_keep else h_BTD
             out.logits = self.lm_head(kept_BTD)
@@ -289,6 +302,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
                 out.loss = self._next_token_loss(out.logits, labels, cu_seqlens)
             if target_ids is not None:
                 out.token_logprobs = token_logprobs(out.logits, target_ids)
+            if return_entropy:
+                out.entropy = logits_entropy(out.logits)
         if output_router_choices and choices:
             out.router_choices = torch.stack(choices, dim=1)
         return out

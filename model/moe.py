@@ -12,9 +12,15 @@ Stable LatentMoE (K3): z = routed_expert_down_proj(x); u = sum_i p_i E_i(z);
 y = shared_experts(x) + routed_expert_up_proj(RMSNorm(u)). Without routed_expert_hidden_size the
 experts act on x directly (DeepSeek-style).
 
-Experts are a ModuleList of ``GLUMLP`` (nn.Linear projections) so that PEFT LoRA can target them;
-the loop over experts is the readable single-device reference (grouped GEMMs
-belong in kernels/moe).
+Experts are a ModuleList of ``GLUMLP`` (nn.Linear projections) so that PEFT LoRA can target them.
+Two implementations of the routed sum (``model.fast``, op "moe"): ``loop``, the readable reference
+(one GLU per expert on its tokens; the per-expert counts are read on the host), and ``grouped``
+(``kernels.moe``: slots sorted by expert on the device, the gate/up and down projections of all
+experts as two grouped GEMMs, results gathered back; no host sync). Deviation of ``grouped``: the
+expert weights are stacked into [E, ...] tensors at every forward (one copy of the expert weights,
+about 0.1-0.2 ms per gpu_1b layer on an H200's bandwidth), the price of keeping the per-expert
+nn.Linear modules (checkpoint names, LoRA); plain nn.Linear experts only, LoRA-wrapped experts take
+the loop.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import fast
 from model.balancing import RoutingStats, histogram_range
 from model.config import HybridConfig
 from model.layers import GLUMLP, RMSNorm, f32
@@ -77,7 +84,11 @@ class MoEGate(nn.Module):
         stats, self._stats = self._stats, None
         return stats
 
-    def forward(self, x_TD: torch.Tensor, replay_TK: torch.Tensor | None = None) -> RouterOutput:
+    def forward(
+        self, x_TD: torch.Tensor, replay_TK: torch.Tensor | None = None, replay_checked: bool = False
+    ) -> RouterOutput:
+        """``replay_checked``: the caller already validated the replayed ids (HybridModel does so
+        once per forward, so that no MoE layer reads them on the host)."""
         scores_TE = torch.sigmoid(F.linear(f32(x_TD), f32(self.weight)))
         biased_TE = scores_TE.detach() + self.e_score_correction_bias.to(scores_TE.dtype)
         # only gradient-carrying training forwards count: no-grad passes (old logprobs, replay
@@ -92,7 +103,9 @@ class MoEGate(nn.Module):
         top_vals, top_idx = biased_TE.topk(self.top_k + 1 if needs_cutoff else self.top_k, dim=-1)
         experts_TK = top_idx[:, : self.top_k]
         if replay_TK is not None:
-            experts_TK = self._check_replay(replay_TK, x_TD.shape[0]).to(experts_TK)
+            if not replay_checked:
+                replay_TK = self._check_replay(replay_TK, x_TD.shape[0])
+            experts_TK = replay_TK.to(experts_TK)
         weights_TK = scores_TE.gather(-1, experts_TK)
         if self.renormalize:
             weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True).clamp(min=1e-20)
@@ -145,12 +158,12 @@ class SparseMoE(nn.Module):
         self.latent = bool(latent)
 
     def forward(
-        self, x_BTD: torch.Tensor, replay_TK: torch.Tensor | None = None
+        self, x_BTD: torch.Tensor, replay_TK: torch.Tensor | None = None, replay_checked: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (y_BTD, experts used [B*T, k])."""
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
-        route = self.gate(x_TD, replay_TK)
+        route = self.gate(x_TD, replay_TK, replay_checked)
         z_TZ = self.routed_expert_down_proj(x_TD) if self.latent else x_TD
         u_TZ = self._routed(z_TZ, route)
         y_TD = self.routed_expert_up_proj(self.routed_expert_norm(u_TZ)) if self.latent else u_TZ
@@ -159,6 +172,37 @@ class SparseMoE(nn.Module):
         return y_TD.view(B, T, D), route.experts_TK
 
     def _routed(self, z_TZ: torch.Tensor, route: RouterOutput) -> torch.Tensor:
+        """sum_j w_tj E_{e_tj}(z_t) through the implementation ``model.fast`` picks."""
+        if fast.pick("moe", z_TZ.device) == "grouped" and self._plain_experts():
+            return self._routed_grouped(z_TZ, route)
+        return self._routed_loop(z_TZ, route)
+
+    def _plain_experts(self) -> bool:
+        return all(
+            type(getattr(e, name)) is nn.Linear
+            for e in self.experts
+            for name in ("gate_proj", "up_proj", "down_proj")
+        )
+
+    def _routed_grouped(self, z_TZ: torch.Tensor, route: RouterOutput) -> torch.Tensor:
+        """The grouped form of ``_routed_loop``: same products, same (token, slot) order of the
+        weighted fp32 sum, so it equals the loop up to the GEMMs' own rounding."""
+        from kernels.moe import grouped_mm, grouped_mm_alignment, permute, route_layout, unpermute
+
+        dt = _compute_dtype(z_TZ)
+        E = len(self.experts)
+        layout = route_layout(route.experts_TK, E, grouped_mm_alignment(z_TZ.device, dt))
+        # [E, 2I, Z]: expert e's gate rows then its up rows (one stack of 2E weights, one GEMM)
+        w_gu = torch.stack([w for e in self.experts for w in (e.gate_proj.weight, e.up_proj.weight)])
+        w_gu = w_gu.view(E, -1, w_gu.shape[-1]).to(dt)
+        w_down = torch.stack([e.down_proj.weight for e in self.experts]).to(dt)
+        gu_PI2 = grouped_mm(permute(z_TZ.to(dt), layout), w_gu, layout.offs_E)
+        g_PI, u_PI = gu_PI2.chunk(2, dim=-1)
+        y_PZ = grouped_mm(self.experts[0].glu(g_PI, u_PI), w_down, layout.offs_E)
+        weighted_TKZ = f32(unpermute(y_PZ, layout)) * route.weights_TK[..., None]
+        return weighted_TKZ.sum(1).to(z_TZ.dtype)
+
+    def _routed_loop(self, z_TZ: torch.Tensor, route: RouterOutput) -> torch.Tensor:
         """sum_j w_tj E_{e_tj}(z_t): experts run on their tokens, results go back to (token, slot)
         order and are summed over the k slots (no scatter-add, so it is deterministic)."""
         T, k = route.experts_TK.shape
@@ -175,6 +219,13 @@ class SparseMoE(nn.Module):
         slots = slots.index_put((order,), torch.cat(outs)) if outs else slots.zero_()
         weighted_TKZ = f32(slots.view(T, k, -1)) * route.weights_TK[..., None]
         return weighted_TKZ.sum(1).to(z_TZ.dtype)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """What nn.Linear would compute in: the autocast dtype inside autocast, else x's dtype."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 class DenseMLP(GLUMLP):

@@ -1,0 +1,144 @@
+"""Triton varlen causal depthwise conv1d (kernel K, optional SiLU) with its backward.
+
+Tokens are one flat axis of R rows (a packed [1, T] batch or a padded [B, T] one flattened): every
+row carries its position inside its sequence, and tap j reads row r - j only where pos[r] >= j, so
+one launch covers every sequence of a micro-batch with no per-sequence loop. fp32 accumulation,
+taps in the reference's order (tests/kernels/test_conv.py holds it to ``naive.py``).
+
+Backward, one kernel per (row block, channel block): dpre[s] = dy[s] act'(pre[s]) with pre
+recomputed from x (K taps), dx[r] = sum_j w[K-1-j] dpre[r+j] [pos[r+j] >= j] (the rows r + j of
+the same sequence), and per-block partial sums of dw[K-1-j] = sum_r dpre[r] x[r-j] [pos[r] >= j],
+added on the host side of the launch (a [blocks, C, K] fp32 buffer, then a sum).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_R = 64
+BLOCK_C = 64
+# tl.zeros / tl.sigmoid / tl.sum are @jit functions of triton.language.standard, which the interpreter
+# runs only if TRITON_INTERPRET was set before triton was imported: builtins and tl.reduce instead
+# (as kernels/kda/triton/common.py does), so the tests can interpret this module whenever it is imported.
+_sum_combine = tl.standard._sum_combine
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _pre(x_ptr, w_ptr, pos_ptr, r, rm, c, cm, R, C, K: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """Pre-activation [BR, BC] in fp32 at rows r."""
+    pos = tl.load(pos_ptr + r, mask=rm & (r < R), other=0)
+    acc = tl.full([BR, BC], 0.0, dtype=tl.float32)
+    for j in tl.static_range(K):
+        w = tl.load(w_ptr + c * K + (K - 1 - j), mask=cm, other=0.0).to(tl.float32)
+        src = r - j
+        m = (rm & (pos >= j))[:, None] & cm[None, :]
+        xv = tl.load(x_ptr + src.to(tl.int64)[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
+        acc += xv * w[None, :]
+    return acc
+
+
+@triton.jit
+def _conv_fwd(x_ptr, w_ptr, pos_ptr, y_ptr, R, C, K: tl.constexpr, SILU: tl.constexpr,
+              BR: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    rm, cm = r < R, c < C
+    acc = _pre(x_ptr, w_ptr, pos_ptr, r, rm, c, cm, R, C, K, BR, BC)
+    if SILU:
+        acc = acc * _sigmoid(acc)
+    offs = r.to(tl.int64)[:, None] * C + c[None, :]
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] & cm[None, :])
+
+
+@triton.jit
+def _dpre(x_ptr, w_ptr, pos_ptr, dy_ptr, r, rm, c, cm, R, C, K: tl.constexpr, SILU: tl.constexpr,
+          BR: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+    """dy * act'(pre) at rows r, fp32 (0 where r is out of range)."""
+    dy = tl.load(dy_ptr + r.to(tl.int64)[:, None] * C + c[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
+    dy = dy.to(tl.float32)
+    if SILU:
+        pre = _pre(x_ptr, w_ptr, pos_ptr, r, rm, c, cm, R, C, K, BR, BC)
+        sig = _sigmoid(pre)
+        dy = dy * sig * (1.0 + pre * (1.0 - sig))
+    return dy
+
+
+@triton.jit
+def _conv_bwd(x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_ptr, R, C, K: tl.constexpr, SILU: tl.constexpr,
+              BR: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+    pid_r = tl.program_id(0)
+    r = pid_r * BR + tl.arange(0, BR)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    rm, cm = r < R, c < C
+    pos_r = tl.load(pos_ptr + r, mask=rm, other=0)
+    dx = tl.full([BR, BC], 0.0, dtype=tl.float32)
+    for j in tl.static_range(K):  # row r feeds tap j of row r + j (same sequence: pos[r + j] >= j)
+        s = r + j
+        sm = s < R
+        pos_s = tl.load(pos_ptr + s, mask=sm, other=0)
+        sm = sm & (pos_s >= j)
+        dpre_s = _dpre(x_ptr, w_ptr, pos_ptr, dy_ptr, s, sm, c, cm, R, C, K, SILU, BR, BC)
+        w = tl.load(w_ptr + c * K + (K - 1 - j), mask=cm, other=0.0).to(tl.float32)
+        dx += dpre_s * w[None, :]
+    tl.store(dx_ptr + r.to(tl.int64)[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
+             mask=rm[:, None] & cm[None, :])  # fmt: skip
+    dpre_r = _dpre(x_ptr, w_ptr, pos_ptr, dy_ptr, r, rm, c, cm, R, C, K, SILU, BR, BC)
+    for j in tl.static_range(K):
+        m = (rm & (pos_r >= j))[:, None] & cm[None, :]
+        xv = tl.load(x_ptr + (r - j).to(tl.int64)[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
+        part = tl.reduce(dpre_r * xv, 0, _sum_combine)
+        tl.store(dw_ptr + (pid_r.to(tl.int64) * C + c) * K + (K - 1 - j), part, mask=cm)
+
+
+def _grid(R: int, C: int):
+    return (triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C))
+
+
+class CausalConv1dVarlen(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RC, w_CK, pos_R, silu: bool):
+        R, C = x_RC.shape
+        y_RC = torch.empty_like(x_RC)
+        _conv_fwd[_grid(R, C)](
+            x_RC, w_CK, pos_R, y_RC, R, C, K=w_CK.shape[1], SILU=silu, BR=BLOCK_R, BC=BLOCK_C
+        )
+        ctx.save_for_backward(x_RC, w_CK, pos_R)
+        ctx.silu = silu
+        return y_RC
+
+    @staticmethod
+    def backward(ctx, dy_RC):
+        x_RC, w_CK, pos_R = ctx.saved_tensors
+        R, C = x_RC.shape
+        K = w_CK.shape[1]
+        dx_RC = torch.empty_like(x_RC)
+        grid = _grid(R, C)
+        dw_part = torch.empty(grid[0], C, K, device=x_RC.device, dtype=torch.float32)
+        _conv_bwd[grid](x_RC, w_CK, pos_R, dy_RC.contiguous(), dx_RC, dw_part, R, C, K=K, SILU=ctx.silu,
+                        BR=BLOCK_R, BC=BLOCK_C)  # fmt: skip
+        return dx_RC, dw_part.sum(0).to(w_CK.dtype), None, None
+
+
+def causal_conv1d_triton(
+    x_BTC: torch.Tensor, w_CK: torch.Tensor, pos_BT: torch.Tensor, activation: str | None = "silu"
+) -> torch.Tensor:
+    """Same function as ``kernels.conv.naive.causal_conv1d_naive`` (fp32 accumulation)."""
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation must be None or 'silu', got {activation!r}")
+    B, T, C = x_BTC.shape
+    if tuple(w_CK.shape[:1]) != (C,) or w_CK.ndim != 2:
+        raise ValueError(f"weight must be [C, K] = [{C}, K], got {tuple(w_CK.shape)}")
+    if tuple(pos_BT.shape) != (B, T):
+        raise ValueError(f"positions must be [B, T] = [{B}, {T}], got {tuple(pos_BT.shape)}")
+    pos_R = pos_BT.reshape(-1).to(torch.int32)
+    y = CausalConv1dVarlen.apply(
+        x_BTC.reshape(B * T, C).contiguous(), w_CK.contiguous(), pos_R, activation == "silu"
+    )
+    return y.view(B, T, C)

@@ -1,0 +1,115 @@
+"""Which implementation each hot operator runs: the readable reference or its fast path.
+
+Every operator with a fast path keeps its reference beside it (the code the tests hold the math
+to); the choice is process-wide, read at each call, with "auto" resolved by the tensor's device:
+
+| op | reference | fast path | "auto" on CUDA | "auto" on CPU |
+|---|---|---|---|---|
+| ``moe`` | ``loop``: one GLU per expert (``SparseMoE._routed_loop``) | ``grouped``: permute, grouped GEMM, unpermute (``kernels.moe``) | grouped | grouped (measured faster) |
+| ``attention`` | ``loop``: one SDPA per sequence | ``varlen``: PyTorch's varlen flash attention; ``flex``: FlexAttention with a document-causal block mask | varlen if importable, else flex | loop |
+| ``conv`` | ``torch``: the shifted-tap PyTorch conv | ``triton``: one varlen causal conv kernel (``kernels.conv``) | triton | torch |
+| ``lm_head`` | ``plain``: [T, V] logits, then log-softmax | ``chunked``: logits per token chunk, recomputed in backward (``model.lm_head``) | chunked | plain |
+
+The CPU column is what was measured no slower on the 2-core CPU box (tests/model/test_fast_paths.py
+holds every fast path to its reference there). ``use_fast_paths("reference")`` runs everything
+through the references, e.g. to check a GPU step against them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+CHOICES = {
+    "moe": ("auto", "loop", "grouped"),
+    "attention": ("auto", "loop", "varlen", "flex"),
+    "conv": ("auto", "torch", "triton"),
+    "lm_head": ("auto", "plain", "chunked"),
+}
+
+
+@dataclass(frozen=True)
+class FastPaths:
+    moe: str = "auto"
+    attention: str = "auto"
+    conv: str = "auto"
+    lm_head: str = "auto"
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value not in CHOICES[f.name]:
+                raise ValueError(f"fast path {f.name}={value!r}: choose one of {CHOICES[f.name]}")
+
+    @classmethod
+    def reference(cls) -> FastPaths:
+        return cls(moe="loop", attention="loop", conv="torch", lm_head="plain")
+
+    @classmethod
+    def parse(cls, spec: FastPaths | str | dict) -> FastPaths:
+        """``"auto"``, ``"reference"``, a FastPaths, a dict, or ``"moe=loop,attention=flex"``."""
+        if isinstance(spec, FastPaths):
+            return spec
+        if isinstance(spec, dict):
+            return cls(**spec)
+        if spec in ("auto", ""):
+            return cls()
+        if spec == "reference":
+            return cls.reference()
+        pairs = [p.split("=", 1) for p in spec.split(",") if p]
+        bad = [p[0] for p in pairs if len(p) != 2 or p[0] not in CHOICES]
+        if bad:
+            raise ValueError(f"fast paths {spec!r}: unknown ops {bad}; ops are {sorted(CHOICES)}")
+        return cls(**dict(pairs))
+
+
+_current = FastPaths()
+
+
+def current() -> FastPaths:
+    return _current
+
+
+def set_fast_paths(spec: FastPaths | str | dict) -> FastPaths:
+    """Set the process-wide choice; returns the previous one."""
+    global _current
+    previous, _current = _current, FastPaths.parse(spec)
+    return previous
+
+
+@contextlib.contextmanager
+def use_fast_paths(spec: FastPaths | str | dict, **overrides: str) -> Iterator[FastPaths]:
+    paths = replace(FastPaths.parse(spec), **overrides)
+    previous = set_fast_paths(paths)
+    try:
+        yield paths
+    finally:
+        set_fast_paths(previous)
+
+
+def _varlen_attn_available() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def pick(op: str, device: torch.device) -> str:
+    """The implementation ``op`` runs for tensors on ``device`` ("auto" resolved)."""
+    choice = getattr(_current, op)
+    if choice != "auto":
+        return choice
+    cuda = device.type == "cuda"
+    if op == "moe":
+        return "grouped"
+    if op == "attention":
+        return ("varlen" if _varlen_attn_available() else "flex") if cuda else "loop"
+    if op == "conv":
+        return "triton" if cuda else "torch"
+    if op == "lm_head":
+        return "chunked" if cuda else "plain"
+    raise ValueError(f"unknown fast-path op {op!r}; ops are {sorted(CHOICES)}")

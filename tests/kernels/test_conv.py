@@ -1,0 +1,121 @@
+"""Triton varlen causal conv1d under TRITON_INTERPRET=1 against the PyTorch reference (kernels/conv/naive.py),
+forward and backward, packed sequences of 1, 15, 64, 65 and 300 tokens and a padded batch; and the model's
+ShortConvolution on that kernel against its own tap loop.
+
+The interpreter is chosen when a @triton.jit function is decorated, so this module imports the kernel
+module with TRITON_INTERPRET=1 set (re-importing it if another test loaded it) and puts the variable back.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+from kernels.conv.naive import causal_conv1d_naive
+from kernels.testing import assert_close
+
+triton = pytest.importorskip("triton")
+
+
+def _import_interpreted():
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        sys.modules.pop("kernels.conv.triton", None)
+        return importlib.import_module("kernels.conv.triton")
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+CONV = _import_interpreted()
+LENGTHS = [1, 15, 64, 65, 300]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    """The interpreter also reads TRITON_INTERPRET when a kernel launches."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRITON_INTERPRET", "1")
+    yield
+    mp.undo()
+
+
+def packed_positions(lengths):
+    return torch.cat([torch.arange(n) for n in lengths])[None]
+
+
+@pytest.mark.parametrize("activation, K, C", [("silu", 4, 72), (None, 2, 8)])
+def test_varlen_conv_matches_reference_fwd_bwd(activation, K, C):
+    """C = 72: two channel blocks, the second partial (the interpreter is slow: one such case)."""
+    torch.manual_seed(0)
+    pos = packed_positions(LENGTHS)
+    T = pos.shape[1]
+    x = torch.randn(1, T, C, requires_grad=True)
+    w = torch.randn(C, K, requires_grad=True)
+    y = CONV.causal_conv1d_triton(x, w, pos, activation)
+    ref = causal_conv1d_naive(x, w, pos, activation)
+    assert_close("y", ref, y, 1e-6)
+    dy = torch.randn_like(ref)
+    got, want = torch.autograd.grad(y, (x, w), dy), torch.autograd.grad(ref, (x, w), dy)
+    assert_close("dx", want[0], got[0], 1e-6)
+    assert_close("dw", want[1], got[1], 1e-6)
+
+
+def test_no_sequence_sees_another():
+    pos = packed_positions([5, 7])
+    x = torch.randn(1, 12, 8)
+    w = torch.randn(8, 4)
+    y = CONV.causal_conv1d_triton(x, w, pos)
+    x2 = x.clone()
+    x2[:, :5] = 100.0  # the first sequence changes
+    y2 = CONV.causal_conv1d_triton(x2, w, pos)
+    assert torch.equal(y[:, 5:], y2[:, 5:])
+
+
+def test_padded_batch_and_bf16():
+    B, T, C = 3, 70, 16
+    pos = torch.arange(T)[None].expand(B, T)  # each row its own sequence
+    x = torch.randn(B, T, C).bfloat16()
+    w = torch.randn(C, 4)
+    y = CONV.causal_conv1d_triton(x, w, pos)
+    assert y.dtype == torch.bfloat16
+    ref = causal_conv1d_naive(x.float(), w, pos)  # the kernel accumulates in fp32
+    assert_close("y bf16", ref, y.float(), 1e-2)
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="weight must be"):
+        CONV.causal_conv1d_triton(torch.randn(1, 4, 8), torch.randn(6, 4), packed_positions([4]))
+    with pytest.raises(ValueError, match="positions must be"):
+        CONV.causal_conv1d_triton(torch.randn(1, 4, 8), torch.randn(8, 4), packed_positions([3]))
+    with pytest.raises(ValueError, match="activation"):
+        CONV.causal_conv1d_triton(torch.randn(1, 4, 8), torch.randn(8, 4), packed_positions([4]), "gelu")
+
+
+def test_short_convolution_module_on_the_kernel_equals_its_taps():
+    from model.fast import use_fast_paths
+    from model.layers import ShortConvolution, seq_layout
+
+    conv = ShortConvolution(8, 4)
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
+    x = torch.randn(1, int(cu[-1]), 8, requires_grad=True)
+    layout = seq_layout(1, x.shape[1], cu, x.device)
+    with use_fast_paths("auto", conv="torch"):
+        ref, ref_state = conv(x, layout, need_state=False)
+    with use_fast_paths("auto", conv="triton"):
+        y, state = conv(x, layout, need_state=False)
+        _, kept = conv(x, layout)  # a state asked for: the tap loop, which returns it
+    assert ref_state is None and state is None and kept.shape == (len(LENGTHS), 8, 3)
+    assert_close("y", ref, y, 1e-6)
+    dy = torch.randn_like(ref)
+    got = torch.autograd.grad(y, (x, conv.weight), dy)
+    want = torch.autograd.grad(ref, (x, conv.weight), dy)
+    assert_close("dx", want[0], got[0], 1e-6)
+    assert_close("dw", want[1], got[1], 1e-6)
