@@ -209,6 +209,17 @@ def warm_start(cfg: TrainConfig, run_dir: Path, start_learner: Callable) -> str 
     return str(out)
 
 
+def warm_start_warnings(run_dir: Path) -> list[str]:
+    """The warm start's own warning for the run summary: it stopped below its target success."""
+    path = Path(run_dir) / "sft_metrics.json"
+    m = json.loads(path.read_text()) if path.is_file() else {}
+    if m.get("sft/target_reached", 1.0):
+        return []
+    return [f"the warm start stopped after {m.get('sft/steps', 0):.0f} steps at {m.get('sft/check_success', 0):.1%} "
+            "validation success, below sft.target_success: raise sft.max_steps or sft.num_episodes, or lower "
+            "the target"]  # fmt: skip
+
+
 @contextlib.contextmanager
 def _checker(cfg: TrainConfig, run_dir: Path, learner: Any, episodes: list[Episode]):
     """An ``SFTCheck`` on a rollout worker pool of its own (closed afterwards), or None without a target."""

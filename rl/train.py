@@ -26,7 +26,7 @@ from rl.batching import train_minibatches
 from rl.config import ConfigError, RewardConfig, TrainConfig, check_nested_keys, load_config, stages, to_yaml
 from rl.metrics import MetricsLogger, summary_text, truncate_metrics, write_plots
 from rl.rollouts import WorkerPool, collect_step, evaluate, prepare_model_dir
-from rl.sft import call, warm_start
+from rl.sft import call, warm_start, warm_start_warnings
 from rl.signal import NoSignalDetector
 
 
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         log.log(total, final)
         if cfg.curriculum.niah.enabled:
             log.log(total, niah_check(cfg, learner, plan[-1]))
-        summary = finish(cfg, run_dir, state.eval_before, final, signal.warnings)
+        summary = finish(cfg, run_dir, state.eval_before, final, [*warm_start_warnings(run_dir), *signal.warnings])
         print(summary_text(summary), flush=True)
         return 0
     finally:

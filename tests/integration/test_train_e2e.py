@@ -53,6 +53,7 @@ def test_run_outputs(uninterrupted):
     sft = json.loads((run / "sft_metrics.json").read_text())  # the warm start's checks ran on an engine
     assert [h[0] for h in sft["sft/check_history"]] == [1, 2] and sft["sft/target_reached"] == 0.0
     summary = json.loads((run / "summary.json").read_text())
+    assert any("warm start stopped" in w for w in summary["warnings"])  # its target was never reached
     assert {"held_out_success_before", "held_out_success_after"} <= set(summary)
     for name in ("reward.png", "success.png", "kl.png", "mismatch.png", "config.yaml", "sft/config.json"):
         assert (run / name).is_file(), name

@@ -107,3 +107,18 @@ def test_sft_without_a_target_runs_its_steps():
     cfg = SFTConfig(num_episodes=8, batch_episodes=2, epochs=2)
     out = run_sft(_CountingLearner(), _episodes(8), cfg, 100_000, log=lambda s: None, check=lambda lr: 1.0)
     assert out["sft/steps"] == 8 and "sft/target_reached" not in out
+
+
+def test_a_warm_start_below_its_target_warns_in_the_summary(tmp_path):
+    import json
+
+    from rl.sft import warm_start_warnings
+
+    assert warm_start_warnings(tmp_path) == []  # no warm start in this run
+    (tmp_path / "sft_metrics.json").write_text(json.dumps({"sft/target_reached": 1.0}))
+    assert warm_start_warnings(tmp_path) == []
+    (tmp_path / "sft_metrics.json").write_text(
+        json.dumps({"sft/target_reached": 0.0, "sft/steps": 2.0, "sft/check_success": 0.0})
+    )
+    (warning,) = warm_start_warnings(tmp_path)
+    assert "after 2 steps" in warning and "sft.target_success" in warning
