@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-import traceback
 import uuid
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
+from envs.tracebacks import exception_info
 from envs.types import Episode, EpisodeStatus, Message, Turn
 from rollout.renderer import ChatRenderer
 from rollout.worker import TurnOutput, TurnRequest
@@ -173,9 +173,13 @@ class EpisodeRun:
         return None
 
     def fail(self, where: str, e: BaseException) -> None:
-        tb = traceback.format_exception_only(type(e), e)[-1].strip()
-        self.episode.info["error_where"] = where
-        self.finish(EpisodeStatus.ERROR, f"{where}: {tb}")
+        """An ERROR episode. ``status_detail`` is "<where>: Type: message"; ``info`` keeps ``error_where``
+        and, from the exception as it was caught, ``error_type``, ``error_location`` (the user's file and
+        line where there is one, envs/tracebacks.py), ``error_code`` (that line) and ``error_traceback``."""
+        x = exception_info(e)
+        self.episode.info.update(error_where=where, error_type=x["error_type"], error_location=x["location"],
+                                 error_code=x["code"], error_traceback=x["traceback"])  # fmt: skip
+        self.finish(EpisodeStatus.ERROR, f"{where}: {x['error']}")
 
 
 GenerateFn = Callable[[list[TurnRequest]], list[TurnOutput]]
