@@ -24,9 +24,16 @@ Contract (every built-in env and every plug-in env follows it):
   (plus any per-turn reward the env defines). ``truncated`` is True when ``max_turns`` turns were
   used without terminating. Malformed input never raises: it becomes an error observation whose
   text starts with ``error:``.
-  ``info`` on every step: ``task_id``, ``turn``, ``tool_calls`` (names), ``tool_errors`` (texts).
+  ``info`` on every step: ``task_id``, ``turn``, ``tool_calls`` (names), ``tool_errors`` (texts),
+  ``tool_time_s`` (wall time of the turn's tool calls; 0.0 without calls).
   At the episode end (terminated or truncated) also: ``target``, ``answer`` (the model's extracted
-  answer or None), ``solved`` (bool), ``num_tool_calls``, ``num_tool_errors``, plus env extras.
+  answer or None), ``solved`` (bool), ``num_tool_calls``, ``num_tool_errors``, ``tool_time_s``
+  (the episode's), plus env extras.
+* Tool time budgets (constructor ``turn_tool_budget_s`` / ``episode_tool_budget_s``, defaults per
+  env class, unlimited here): a turn's calls share a deadline, the sooner of the per-turn budget
+  and what the episode budget has left; a call that would start past it is not run (``error:``
+  observation naming the budget), ``astep`` cuts calls at it, and tools may read
+  ``tool_time_left()`` to stop themselves in time.
 * ``async astep(action)``: the same, with tool calls run off the event loop (latency-bound tools
   overlap across episodes); ``gather_steps(envs, actions)`` steps many episodes concurrently.
 * ``expert_action() -> str``: the scripted expert's next assistant turn for the current state;
@@ -44,6 +51,8 @@ import copy
 import hashlib
 import inspect
 import json
+import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -109,6 +118,16 @@ class CallOutcome:
     error: str | None = None
 
 
+@dataclass
+class _ToolClock:
+    """Tool wall time of one episode: the running turn's deadline and what earlier turns used."""
+
+    used_s: float = 0.0
+    turn_start: float = 0.0
+    deadline: float = math.inf
+    budget: str = ""  # the budget that sets the deadline, in words
+
+
 class ToolEnv(gymnasium.Env):
     """Base class of message-space tool environments (see the module docstring for the contract)."""
 
@@ -116,6 +135,8 @@ class ToolEnv(gymnasium.Env):
     env_name = "ToolEnv"
     default_max_turns = 8
     test_fraction = 0.2
+    default_turn_tool_budget_s: float = math.inf
+    default_episode_tool_budget_s: float = math.inf
 
     def __init__(
         self,
@@ -125,6 +146,8 @@ class ToolEnv(gymnasium.Env):
         max_call_bytes: int = protocol.MAX_CALL_BYTES,
         max_calls_per_turn: int = protocol.MAX_CALLS,
         render_mode: str | None = None,
+        turn_tool_budget_s: float | None = None,
+        episode_tool_budget_s: float | None = None,
     ):
         _check_split(split)
         _check_difficulty(difficulty)
@@ -133,6 +156,13 @@ class ToolEnv(gymnasium.Env):
         self.split, self.difficulty, self.render_mode = split, difficulty, render_mode
         self.max_turns = max_turns or self.default_max_turns
         self.max_call_bytes, self.max_calls_per_turn = max_call_bytes, max_calls_per_turn
+        self.turn_tool_budget_s = _check_budget(
+            "turn_tool_budget_s", turn_tool_budget_s, self.default_turn_tool_budget_s
+        )
+        self.episode_tool_budget_s = _check_budget(
+            "episode_tool_budget_s", episode_tool_budget_s, self.default_episode_tool_budget_s
+        )
+        self._tool_clock = _ToolClock()
         self.observation_space = MessagesSpace()
         self.action_space = AssistantTurnSpace()
         self.tools = {t.name: t for t in self.make_tools()}
@@ -210,6 +240,7 @@ class ToolEnv(gymnasium.Env):
         self.messages = copy.deepcopy(self.task.messages)
         self.turn, self.done = 0, False
         self._stats = {"num_tool_calls": 0, "num_tool_errors": 0}
+        self._tool_clock = _ToolClock()
         self.on_reset()
         task_id = f"{self.env_name}/{split}/d{difficulty}/{index}"
         self._task_info = {"task_id": task_id, "split": split, "difficulty": difficulty}
@@ -255,11 +286,48 @@ class ToolEnv(gymnasium.Env):
         if problem is not None:
             return "", [], self._error_result(problem, terminated=False)
         calls = protocol.parse_tool_calls(text, self.tool_specs, self.max_call_bytes, self.max_calls_per_turn)
+        self._start_tool_clock()
         return text, calls, None
+
+    # --- tool time budgets --------------------------------------------------------------------------
+    def tool_time_left(self) -> float:
+        """Seconds of tool wall time left in the running turn, under the per-turn budget
+        (``turn_tool_budget_s``) and what the per-episode budget (``episode_tool_budget_s``) has left.
+        A call that starts with nothing left is not run; async calls are cut at the deadline; tools
+        that can stop themselves (the python sandbox) shorten their own time limit to it."""
+        return max(0.0, self._tool_clock.deadline - time.monotonic())
+
+    def tool_budget_text(self) -> str:
+        """The budget that bounds the running turn, in words (for error messages)."""
+        return self._tool_clock.budget
+
+    def _start_tool_clock(self) -> None:
+        clock, now = self._tool_clock, time.monotonic()
+        episode_left = self.episode_tool_budget_s - clock.used_s
+        clock.turn_start = now
+        if self.turn_tool_budget_s <= episode_left:
+            clock.deadline = now + self.turn_tool_budget_s
+            clock.budget = f"the per-turn tool time budget of {self.turn_tool_budget_s:g} s"
+        else:
+            clock.deadline = now + max(0.0, episode_left)
+            clock.budget = f"the per-episode tool time budget of {self.episode_tool_budget_s:g} s"
+
+    def _stop_tool_clock(self) -> float:
+        clock = self._tool_clock
+        elapsed = time.monotonic() - clock.turn_start
+        clock.used_s += elapsed
+        clock.deadline = math.inf
+        return elapsed
+
+    def _over_budget(self, call: ToolCall) -> CallOutcome:
+        error = f"{call.name}: not run: {self.tool_budget_text()} is used up"
+        return CallOutcome(protocol.tool_error_message(call, error), error)
 
     def _run_call(self, call: ToolCall) -> CallOutcome:
         if call.error is not None:
             return CallOutcome(protocol.tool_error_message(call), call.error)
+        if self.tool_time_left() <= 0:
+            return self._over_budget(call)
         try:
             result = self.tools[call.name].fn(**call.arguments)
             if inspect.isawaitable(result):  # an async tool from sync step()
@@ -272,18 +340,24 @@ class ToolEnv(gymnasium.Env):
         if call.error is not None:
             return CallOutcome(protocol.tool_error_message(call), call.error)
         tool = self.tools[call.name]
+        left = self.tool_time_left()
+        if left <= 0:
+            return self._over_budget(call)
+        timeout = min(tool.timeout_s, left)
         try:
             if inspect.iscoroutinefunction(tool.fn):
-                result = await asyncio.wait_for(tool.fn(**call.arguments), tool.timeout_s)
+                result = await asyncio.wait_for(tool.fn(**call.arguments), timeout)
             else:
-                result = await asyncio.wait_for(asyncio.to_thread(tool.fn, **call.arguments), tool.timeout_s)
+                result = await asyncio.wait_for(asyncio.to_thread(tool.fn, **call.arguments), timeout)
         except Exception as e:
-            return self._tool_failure(call, e)
+            return self._tool_failure(call, e, budget_cut=timeout < tool.timeout_s)
         return self._tool_success(call, result)
 
-    def _tool_failure(self, call: ToolCall, e: BaseException) -> CallOutcome:
+    def _tool_failure(self, call: ToolCall, e: BaseException, budget_cut: bool = False) -> CallOutcome:
         if isinstance(e, ToolError):
             error = f"{call.name}: {e}"
+        elif isinstance(e, TimeoutError) and budget_cut:
+            error = f"tool {call.name} stopped: {self.tool_budget_text()} is used up"
         elif isinstance(e, TimeoutError):
             error = f"tool {call.name} timed out after {self.tools[call.name].timeout_s:g} s"
         else:
@@ -298,6 +372,7 @@ class ToolEnv(gymnasium.Env):
         return CallOutcome(protocol.tool_response_message(result, call.name, call.id))
 
     def _finish_step(self, text: str, calls: list[ToolCall], outcomes: list[CallOutcome]) -> StepResult:
+        tool_time = self._stop_tool_clock()
         new_messages = [o.message for o in outcomes]
         self.messages.extend(new_messages)
         errors = [o.error for o in outcomes if o.error is not None]
@@ -312,6 +387,7 @@ class ToolEnv(gymnasium.Env):
             "turn": self.turn,
             "tool_calls": [c.name for c in calls],
             "tool_errors": errors,
+            "tool_time_s": tool_time,
             **self.step_info(),
         }
         reward = float(self.turn_reward(calls, outcomes))
@@ -331,7 +407,8 @@ class ToolEnv(gymnasium.Env):
 
     def _end_info(self, answer: str | None, solved: bool) -> dict[str, Any]:
         target = self.task.target if self.task else ""
-        return {"target": target, "answer": answer, "solved": solved, **self._stats, **self.final_info()}
+        stats = {**self._stats, "tool_time_s": self._tool_clock.used_s}
+        return {"target": target, "answer": answer, "solved": solved, **stats, **self.final_info()}
 
     def _error_result(self, problem: str, terminated: bool) -> StepResult:
         msg = {"role": "user", "content": f"error: {problem}"}
@@ -401,6 +478,14 @@ def parse_task_id(task_id: Any, env_name: str) -> tuple[str, int, int]:
 def _check_split(split: Any) -> None:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+
+
+def _check_budget(name: str, value: Any, default: float) -> float:
+    """A tool time budget in seconds (None: the env's default; math.inf: unlimited)."""
+    value = default if value is None else value
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds (or math.inf), got {value!r}")
+    return float(value)
 
 
 def _check_difficulty(difficulty: Any) -> None:

@@ -6,6 +6,12 @@ outputs (behind a per-run nonce) and the host compares them with the reference o
 expected values never enter the sandbox. ``info["tests_passed"]``/``["tests_total"]`` carry the
 pass counts for the code-test reward; ``info["sandbox"]`` says which protections are active.
 Difficulty d appends d-1 arithmetic post-steps to numeric tasks.
+
+The sandbox (envs/sandbox.py) must be the strong bwrap backend: without it the ``python`` tool
+refuses to run code (an ``error:`` observation says why) unless ``allow_weak_sandbox=True``
+accepts the weak one; ``sandbox_backend`` picks a backend by name. Tool time is budgeted per turn
+(``turn_tool_budget_s``, default 20 s) and per episode (``episode_tool_budget_s``, default 60 s),
+on top of each call's own limits: a turn of eight 10 s calls stops at the turn's budget.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import numpy as np
 
 from envs import protocol
 from envs.base import Task, Tool, ToolEnv, ToolError
-from envs.sandbox import Sandbox, SandboxLimits, describe
+from envs.sandbox import Sandbox, SandboxLimits, SandboxUnavailable, describe
 
 SYSTEM = (
     "Write the Python function solve. Test it with the python tool, "
@@ -67,11 +73,20 @@ def _arg_name(gen: Any) -> str:
 class PythonEnv(ToolEnv):
     env_name = "Python"
     default_max_turns = 6
+    default_turn_tool_budget_s = 20.0
+    default_episode_tool_budget_s = 60.0
     num_tests = 8
 
-    def __init__(self, *args: Any, sandbox_limits: SandboxLimits | dict | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        sandbox_limits: SandboxLimits | dict | None = None,
+        sandbox_backend: str = "auto",
+        allow_weak_sandbox: bool = False,
+        **kwargs: Any,
+    ):
         limits = SandboxLimits(**sandbox_limits) if isinstance(sandbox_limits, dict) else sandbox_limits
-        self.sandbox = Sandbox(limits)
+        self.sandbox = Sandbox(limits, backend=sandbox_backend, allow_weak=allow_weak_sandbox)
         super().__init__(*args, **kwargs)
 
     def make_tools(self) -> list[Tool]:
@@ -92,8 +107,15 @@ class PythonEnv(ToolEnv):
         ]
 
     def _run(self, code: str) -> str:
-        result = self.sandbox.run_python(code)
+        wall = min(self.sandbox.limits.wall_s, self.tool_time_left())
+        try:
+            result = self.sandbox.run_python(code, wall_s=wall)
+        except SandboxUnavailable as e:
+            raise ToolError(str(e)) from None
         text = describe(result)
+        if result.timed_out and wall < self.sandbox.limits.wall_s:
+            note = f"stopped after {wall:.1f} s: {self.tool_budget_text()} is used up"
+            raise ToolError(f"{note}\n{text}" if text != "(no output)" else note)
         if result.reason:
             raise ToolError(f"{result.reason}\n{text}" if text != "(no output)" else result.reason)
         if result.exit_code != 0:
@@ -168,7 +190,10 @@ def run_tests(sandbox: Sandbox, code: str, inputs: list[list[Any]], outputs: lis
         "    try:\n        _out.append(solve(*_a))\n    except Exception as _e:\n        _out.append(None)\n"
         f"print('{nonce}' + _json.dumps(_out, default=repr))\n"
     )
-    result = sandbox.run_python(harness)
+    try:
+        result = sandbox.run_python(harness)
+    except SandboxUnavailable:  # refused: the tool calls already told the policy why
+        return 0
     line = next((ln for ln in result.stdout.splitlines() if ln.startswith(nonce)), None)
     if line is None:
         return 0

@@ -13,11 +13,10 @@ import pytest
 from envs_helpers import FAST_SANDBOX, make_env
 
 from envs import protocol
-from envs.sandbox import namespace_mode
+from envs.sandbox import SANDBOX_UIDS, namespace_mode  # SANDBOX_UIDS: the throw-away uids
 
 TC = protocol.format_tool_call
 SECRET_VALUE = f"host-secret-{uuid.uuid4().hex}"
-SANDBOX_UIDS = range(200_000, 250_000)  # envs/sandbox.py's throw-away uid range
 
 
 def raw(body: str) -> str:
