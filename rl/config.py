@@ -15,12 +15,33 @@ the file's own values::
 
 Group entries (``group: name``) read ``configs/<group>/<name>.yaml`` and place it under the key
 listed in ``GROUP_TARGETS``.
+
+Merging: the schema, each ``defaults`` entry, the file itself and then each override, in that order,
+merge key by key (a later layer sets single fields and keeps the others); lists are replaced whole.
+A data mix (``env.mix``, ``sft.env_mix``: ``MIX_FIELDS``) is replaced whole too: the last layer that
+sets a mix decides it, so an experiment naming only ``my_env`` trains on ``my_env`` alone, not on
+``my_env`` plus the ``Calculator`` its defaults name. A mix whose every key starts with ``+`` extends
+the mix below it instead (those entries set or added, the others kept)::
+
+    env:
+      mix: {my_env: 1.0}         # exactly {my_env: 1.0}, whatever the defaults said
+    sft:
+      env_mix: {+my_env: 1.0}    # the inherited warm-start mix plus my_env
+
+On the command line ``env.mix={my_env: 1.0}`` replaces the mix (mind the space after the colon: YAML
+reads ``{my_env:1.0}`` as one key without a weight, which is rejected), while ``env.mix={+my_env: 1.0}``
+and ``env.mix.my_env=1.0`` set one entry. A curriculum stage's ``mix`` replaces ``env.mix`` for that
+stage; written with ``+`` keys it is ``env.mix`` plus those entries. ``env.kwargs`` and
+``sft.env_kwargs`` merge key by key like every other dict. ``python -m rl.train`` prints the resolved
+mixes, stages and warm-start data before it starts anything.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -387,7 +408,100 @@ def _compose(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
     if not isinstance(defaults, ListConfig | list):
         raise ConfigError(f"{path}: 'defaults' must be a list")
     parts = [_load_default(entry, path, (*seen, path)) for entry in defaults]
-    return OmegaConf.merge(*parts, node) if parts else node
+    return _merge(*parts, node) if parts else node
+
+
+MIX_FIELDS = ("env.mix", "sft.env_mix")
+"""Data mixes (env id -> weight) that a layer replaces instead of merging into (module docstring)."""
+EXTEND = "+"
+"""A mix whose every key starts with this extends the mix below it instead of replacing it."""
+
+
+def _merge(*layers: DictConfig) -> DictConfig:
+    """``OmegaConf.merge`` with the mix rule of the module docstring: a layer that sets a mix of
+    ``MIX_FIELDS`` replaces the mix below it, one whose keys all start with ``EXTEND`` is merged into it.
+    An extension stays marked while nothing below sets that mix (a file's ``defaults`` may not), so it
+    extends whatever the later-merged lower layers (in the end the schema's default) hold."""
+    out = layers[0]
+    for layer in layers[1:]:
+        out, layer = _apply_mix_rule(out, layer)
+        out = OmegaConf.merge(out, layer)
+    return out
+
+
+def _apply_mix_rule(base: DictConfig, layer: DictConfig) -> tuple[DictConfig, DictConfig]:
+    """``base`` with each mix that ``layer`` replaces emptied, ``layer`` with its extensions unmarked
+    where ``base`` has a mix to extend (copies; the inputs are not changed)."""
+    _check_stage_mixes(layer)
+    for key in MIX_FIELDS:
+        mix = OmegaConf.select(layer, key)
+        if not isinstance(mix, DictConfig):
+            continue  # unset (or not a mapping: the schema rejects it by name)
+        entries, extends = _mix_entries(key, mix)
+        below = OmegaConf.select(base, key)
+        if extends and (not isinstance(below, DictConfig) or _mix_entries(key, below)[1]):
+            continue  # nothing below to extend yet: stays marked
+        layer = copy.deepcopy(layer)
+        OmegaConf.update(layer, key, entries, merge=False)
+        if not extends and isinstance(below, DictConfig):
+            base = copy.deepcopy(base)
+            OmegaConf.update(base, key, {}, merge=False)
+    return base, layer
+
+
+def _mix_entries(key: str, mix: Any) -> tuple[dict[str, Any], bool]:
+    """A mix's entries with the ``EXTEND`` marker dropped, and whether it extends. A key without a
+    weight (YAML's ``{my_env:1.0}``) or a mix with some keys marked and some not is a ConfigError."""
+    entries = OmegaConf.to_container(mix, resolve=False) if isinstance(mix, DictConfig) else dict(mix)
+    for k, w in entries.items():
+        if w is None:
+            env, _, number = str(k).rpartition(":")
+            yaml_slip = env and _is_number(number)  # {my_env:1.0}: no space after the colon
+            hint = f" (YAML reads {{{k}}} as one key: write {{{env}: {number}}})" if yaml_slip else ""
+            raise ConfigError(f"{key}.{k}: no weight{hint}")
+    marked = [str(k).startswith(EXTEND) for k in entries]
+    if any(marked) and not all(marked):
+        raise ConfigError(f"{key}: every key starts with {EXTEND!r} (extend the inherited mix) or none does "
+                          f"(replace it), got {sorted(map(str, entries))}")  # fmt: skip
+    extends = bool(entries) and all(marked)
+    return ({str(k).removeprefix(EXTEND): w for k, w in entries.items()} if extends else entries), extends
+
+
+def _is_number(text: str) -> bool:
+    return re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", text) is not None
+
+
+def _check_stage_mixes(layer: DictConfig) -> None:
+    """A stage mix's spelling is checked where the layer is read (its ``EXTEND`` keys resolve later)."""
+    stage_list = OmegaConf.select(layer, "curriculum.stages")
+    if isinstance(stage_list, ListConfig):
+        for i, s in enumerate(stage_list):
+            if isinstance(s, DictConfig) and isinstance(s.get("mix"), DictConfig):
+                _mix_entries(f"curriculum.stages[{i}].mix", s.mix)
+
+
+def _override_layers(overrides: list[str] | tuple[str, ...]) -> list[DictConfig]:
+    """One layer per ``key=value`` override, merged in order. An override of one entry of a mix
+    (``env.mix.my_env=1.0``) sets that entry: its layer extends the mix rather than replacing it."""
+    layers = []
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        layer = OmegaConf.from_dotlist([o])
+        for mix_key in MIX_FIELDS:
+            mix = OmegaConf.select(layer, mix_key)
+            if key.startswith(mix_key + ".") and isinstance(mix, DictConfig):
+                marked = {EXTEND + str(k).removeprefix(EXTEND): w for k, w in mix.items()}
+                OmegaConf.update(layer, mix_key, marked, merge=False)
+        layers.append(layer)
+    return layers
+
+
+def _resolve_stage_mixes(cfg: TrainConfig) -> None:
+    """A stage mix with ``EXTEND`` keys becomes ``env.mix`` plus those entries."""
+    for i, s in enumerate(cfg.curriculum.stages):
+        if s.mix:
+            entries, extends = _mix_entries(f"curriculum.stages[{i}].mix", s.mix)
+            s.mix = {**cfg.env.mix, **entries} if extends else entries
 
 
 def _load_default(entry: Any, parent: Path, seen: tuple[Path, ...]) -> DictConfig:
@@ -414,11 +528,18 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     if bad:
         raise ConfigError(f"overrides must be key=value, got {bad}")
     try:
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
-        merged = OmegaConf.merge(schema, *layers)
+        merged = _merge(schema, *layers)
+        for override, layer in zip(overrides, _override_layers(overrides)):
+            layers.append(layer)
+            try:
+                merged = _merge(merged, layer)
+            except TypeError as e:  # OmegaConf cannot merge a mapping into a list
+                raise ConfigError(f"override {override!r}: {e}; a list (e.g. curriculum.stages) is set "
+                                  "as a whole: curriculum.stages=[{name: a, steps: 5}, ...]") from None  # fmt: skip
         cfg: TrainConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
         raise ConfigError(f"{path or '<schema>'}: {_explain(e)}") from None
+    _resolve_stage_mixes(cfg)
     _derive_seeds(cfg, layers)
     cfg.algorithm = cfg.algorithm.resolved() if cfg.algorithm.name in algorithms.PRESETS else cfg.algorithm
     validate(cfg)

@@ -25,6 +25,7 @@ from rl import checkpoint
 from rl.batching import train_minibatches
 from rl.config import ConfigError, RewardConfig, TrainConfig, check_nested_keys, load_config, stages, to_yaml
 from rl.metrics import MetricsLogger, summary_text, truncate_metrics, write_plots
+from rl.preflight import add_runtime_env_paths, check_checkpoints, plan_lines
 from rl.rollouts import WorkerPool, collect_step, evaluate, prepare_model_dir
 from rl.sft import call, warm_start, warm_start_warnings
 from rl.signal import NoSignalDetector
@@ -36,8 +37,10 @@ def parse(argv: list[str] | None) -> TrainConfig:
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    add_runtime_env_paths(cfg.ray.runtime_env)  # the actors import plug-ins from there: so do the checks
     check_envs(cfg)
     check_nested_keys(cfg)  # model.arch, rollout.engine, env.kwargs.<Env>: typos there fail here, by name
+    check_checkpoints(cfg)  # model.init_from is a checkpoint: seconds and one line, not an actor's traceback
     return cfg
 
 
@@ -119,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    print("\n".join(plan_lines(cfg)), flush=True)  # what it trains on, before it starts anything
     import ray
 
     run_dir = Path(cfg.run.dir)
