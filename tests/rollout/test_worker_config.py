@@ -1,0 +1,49 @@
+"""WorkerConfig's engine arguments that matter on a GPU, checked without starting an engine: the
+attention backend the latent MLA form needs there, and the GPU share for several engines on one GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rollout.worker import WorkerConfig, latent_attention_backend
+
+
+def _checkpoint(tmp_path, kv_lora_rank: int, rope: int, form: str | None = None):
+    cfg = {"model_type": "longhorizon_hybrid", "kv_lora_rank": kv_lora_rank, "qk_rope_head_dim": rope}
+    if form:
+        cfg["mla_cache_form"] = form
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+def test_latent_form_on_cuda_with_a_wide_head_takes_triton_attention(tmp_path, monkeypatch):
+    path = _checkpoint(tmp_path, kv_lora_rank=256, rope=64)  # gpu_1b: 320, padded to 512
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert latent_attention_backend(WorkerConfig(model_path=path, mla_cache_form="latent")) == "TRITON_ATTN"
+    assert latent_attention_backend(WorkerConfig(model_path=path, mla_cache_form="expanded")) is None
+    assert latent_attention_backend(WorkerConfig(model_path=path)) is None  # the checkpoint's: expanded
+    # the form can come from the checkpoint's config.json too
+    (tmp_path / "config.json").write_text(
+        json.dumps({"kv_lora_rank": 256, "qk_rope_head_dim": 64, "mla_cache_form": "latent"})
+    )
+    assert latent_attention_backend(WorkerConfig(model_path=path)) == "TRITON_ATTN"
+
+
+def test_narrow_latent_head_and_cpu_keep_vllms_pick(tmp_path, monkeypatch):
+    path = _checkpoint(tmp_path, kv_lora_rank=128, rope=64)  # 192: FlashAttention-3 takes it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert latent_attention_backend(WorkerConfig(model_path=path, mla_cache_form="latent")) is None
+    wide = _checkpoint(tmp_path, kv_lora_rank=256, rope=64)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert latent_attention_backend(WorkerConfig(model_path=wide, mla_cache_form="latent")) is None
+
+
+def test_gpu_fields_are_plain_config_fields(tmp_path):
+    path = _checkpoint(tmp_path, 32, 16)
+    c = WorkerConfig(model_path=path, attention_backend="FLASH_ATTN", gpu_memory_utilization=0.1)
+    assert (c.attention_backend, c.gpu_memory_utilization) == ("FLASH_ATTN", 0.1)
+    with pytest.raises(ValueError, match="mla_cache_form"):
+        WorkerConfig(model_path=path, mla_cache_form="compressed")
