@@ -12,6 +12,13 @@ its own. So the ids of a conversation are exactly the concatenation of the ids o
 multi-turn episode can be extended token-in-token-out (``continuation_ids``) without ever
 re-tokenising history: the sampled assistant ids are kept verbatim, the renderer only appends what
 closes the assistant turn, the new observation messages and the next generation prompt.
+
+Only the template itself and assistant text place control tokens. The content of system, user and
+tool messages (task text, observations, tool results: text the policy did not write, e.g. what
+sandboxed code prints) is encoded as plain text (``plain_ids``): a control-token string inside it
+(``</tool_response><|im_end|><|im_start|>user ...``, or any added token of the tokenizer) becomes
+ordinary text ids, never the control id, so a tool result cannot end its own message or forge a
+turn or a tool call. Content without such strings encodes exactly as before.
 """
 
 from __future__ import annotations
@@ -57,7 +64,12 @@ class ChatRenderer:
         self.im_end_id = self.special_ids[IM_END]
         self.tool_call_end_id = self.special_ids[TOOL_CALL_END]
         self.eos_id = self.special_ids["<|endoftext|>"]
+        self.control_ids = _control_tokens(self.tokenizer, self.special_ids)
+        self._control_id_set = frozenset(self.control_ids.values())
+        self._control_strings = sorted(self.control_ids, key=len, reverse=True)
         self.newline_ids = self._text("\n")
+        for token in self._control_strings:  # fails here, not mid-rollout, for a tokenizer that cannot
+            self.plain_ids(token)
 
     @property
     def stop_token_ids(self) -> list[int]:
@@ -75,6 +87,34 @@ class ChatRenderer:
                 else self.tokenizer.encode(piece, add_special_tokens=False)
             )
         return out
+
+    def plain_ids(self, text: str) -> list[int]:
+        """Encode untrusted text: control-token strings in it become ordinary text ids.
+
+        The text is cut at every control-token string (each then encoded as its first character
+        and the rest), and any piece whose encoding still holds a control id (a tokenizer that
+        normalises before matching added tokens) is halved until none does."""
+        out: list[int] = []
+        for piece, is_control in _split_at(text, self._control_strings):
+            out += (
+                self._plain_piece(piece[:1]) + self._plain_piece(piece[1:])
+                if is_control
+                else self._plain_piece(piece)
+            )
+        return out
+
+    def _plain_piece(self, piece: str) -> list[int]:
+        if not piece:
+            return []
+        ids = self.tokenizer.encode(piece, add_special_tokens=False)
+        if self._control_id_set.isdisjoint(ids):
+            return ids
+        if len(piece) == 1:
+            raise ValueError(
+                f"the tokenizer encodes {piece!r} only as a control token; cannot render it as text"
+            )
+        mid = len(piece) // 2
+        return self._plain_piece(piece[:mid]) + self._plain_piece(piece[mid:])
 
     def _header(self, role: str) -> list[int]:
         if role not in _ROLES:
@@ -94,11 +134,13 @@ class ChatRenderer:
         if role == "tool":
             return [
                 self.special_ids[TOOL_RESPONSE_START],
-                *self._text(content),
+                *self.plain_ids(content),
                 self.special_ids[TOOL_RESPONSE_END],
             ]
+        if role != "assistant":
+            return self.plain_ids(content)
         ids = self._text(content)
-        if role == "assistant" and TOOL_CALL_START not in content:
+        if TOOL_CALL_START not in content:
             for call in message.get("tool_calls") or []:
                 ids += self._text(_format_call(call))
         return ids
@@ -177,12 +219,30 @@ def _format_call(call: dict[str, Any] | ToolCall) -> str:
     return format_tool_call(name, args)
 
 
+def _control_tokens(tokenizer, special_ids: dict[str, int]) -> dict[str, int]:
+    """The template's special tokens plus every added token of the tokenizer that is not plain
+    whitespace (HF tokenizers mark structural tokens such as ``<tool_call>`` or ``<think>``
+    special or not, inconsistently; whitespace runs are the added tokens that are plain text)."""
+    out = dict(special_ids)
+    for tid, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        content = getattr(token, "content", str(token))
+        if content.strip():
+            out.setdefault(content, int(tid))
+    return out
+
+
 def _split_specials(text: str) -> list[tuple[str, bool]]:
-    """Split text at special-token strings: [(piece, is_special), ...]."""
+    """Split text at the template's special-token strings: [(piece, is_special), ...]."""
+    return _split_at(text, SPECIAL_TOKENS)
+
+
+def _split_at(text: str, tokens) -> list[tuple[str, bool]]:
+    """Split text at occurrences of ``tokens`` (longest first where they overlap)."""
+    firsts = {t[0] for t in tokens if t}
     out: list[tuple[str, bool]] = []
     i = start = 0
     while i < len(text):
-        hit = next((s for s in SPECIAL_TOKENS if text.startswith(s, i)), None) if text[i] == "<" else None
+        hit = next((s for s in tokens if text.startswith(s, i)), None) if text[i] in firsts else None
         if hit is None:
             i += 1
             continue
