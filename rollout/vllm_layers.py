@@ -33,7 +33,8 @@
   latent head, DeepSeek's). It is also approximate: in fp32, a plain DeepSeek-V3-style MLA model's
   logprobs differed from Hugging Face's by up to 1-2e-2, where plain attention agrees to 5e-7.
   Both forms here run on vLLM's generic paged attention, on CPU and GPU alike, and are tested on
-  CPU (no vLLM GPU engine was available to this project).
+  CPU; on a GPU (vLLM 0.26.0, one H200) only the expanded form has run so far, and the gpu_1b
+  preset does not match the learner there yet (bench/RESULTS.md, "Rollout on the H200").
 """
 
 from __future__ import annotations
