@@ -253,8 +253,20 @@ class LearnerConfig:
     device: str = "auto"
     """auto: cuda when available, else cpu."""
     dtype: str = "float32"
-    """Autocast dtype for forward: float32 or bfloat16 (bfloat16 needs a GPU)."""
+    """Autocast dtype for forward: float32 or bfloat16 (bfloat16 needs a GPU). With bfloat16 the matmuls
+    compute in bf16 while parameters, gradients and AdamW state stay fp32 (fp32 master weights)."""
     activation_checkpointing: bool = False
+    """Recompute activations in backward instead of keeping them, over ``checkpoint_scope``."""
+    checkpoint_scope: str = "layer"
+    """With activation_checkpointing: layer (attention and FFN of every decoder layer), ffn (only the
+    FFN / MoE sub-blocks: the attention kernels' outputs are kept, the wide expert activations are
+    recomputed), or attention (only the attention sub-blocks)."""
+    fast_paths: str = "auto"
+    """``model.fast``: auto (each op's fast path where it pays on the device), reference (the readable
+    loops), or per op, e.g. "moe=loop,attention=flex"."""
+    compile: bool = False
+    """Regional torch.compile of the element-wise regions (norms, AttnRes mixes, expert GLUs); a region
+    whose compilation fails runs eagerly (warned once), so a run never stops on it."""
     routing_replay: bool = True
     """Replay the rollout's expert choices in the learner forward (R3); gate weights are recomputed."""
     balancer: str = "frozen"

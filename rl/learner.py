@@ -81,10 +81,19 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _checkpoint_layers(model: nn.Module) -> None:
-    """Recompute each decoder layer's attention and FFN in backward instead of storing activations."""
+CHECKPOINT_SCOPES = {"layer": ("attention", "ffn"), "ffn": ("ffn",), "attention": ("attention",)}
+
+
+def _checkpoint_layers(model: nn.Module, scope: str = "layer") -> None:
+    """Recompute each decoder layer's sub-blocks named by ``scope`` (``CHECKPOINT_SCOPES``) in backward
+    instead of storing their activations: "layer" both, "ffn" only the FFN / MoE (selective: the
+    attention kernels' outputs stay, the wide expert activations are recomputed)."""
+    if scope not in CHECKPOINT_SCOPES:
+        raise ValueError(
+            f"learner.checkpoint_scope must be one of {sorted(CHECKPOINT_SCOPES)}, got {scope!r}"
+        )
     for layer in model.model.layers:
-        for name in ("attention", "ffn"):
+        for name in CHECKPOINT_SCOPES[scope]:
             fn = getattr(layer, name)
             setattr(layer, name, functools.partial(checkpoint, fn, use_reentrant=False))
 
@@ -92,8 +101,17 @@ def _checkpoint_layers(model: nn.Module) -> None:
 class Learner:
     def __init__(self, model_cfg: ModelConfig, cfg: LearnerConfig, algo: AlgorithmConfig) -> None:
         from model import ExpertBalancer
+        from model.fast import FastPaths
 
         self.cfg, self.algo = cfg, algo
+        try:
+            self.fast_paths = FastPaths.parse(cfg.fast_paths)
+        except ValueError as e:
+            raise ValueError(f"learner.fast_paths: {e}") from None
+        if cfg.checkpoint_scope not in CHECKPOINT_SCOPES:
+            raise ValueError(
+                f"learner.checkpoint_scope must be one of {sorted(CHECKPOINT_SCOPES)}, got {cfg.checkpoint_scope!r}"
+            )
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(cfg.seed)
@@ -110,7 +128,12 @@ class Learner:
         if cfg.lora.enabled:
             self.policy = self._wrap_lora(self.policy)
         if cfg.activation_checkpointing:
-            _checkpoint_layers(self.base_model)
+            _checkpoint_layers(self.base_model, cfg.checkpoint_scope)
+        self.compiled_regions = []
+        if cfg.compile:  # after the reference copy: no-grad reference passes stay eager
+            from model.compile import compile_regions
+
+            self.compiled_regions = compile_regions(self.base_model)
         hidden = self.base_model.config.hidden_size
         self.value_head = nn.Linear(hidden, 1).to(self.device) if (algo.vf_coef or 0) > 0 else None
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -134,6 +157,13 @@ class Learner:
         )
         return get_peft_model(model, peft_cfg)
 
+    def _paths(self):
+        """``model.fast`` choice of this learner, around forwards and backwards alike (a checkpointed
+        region recomputed in backward must take the path its forward took)."""
+        from model.fast import use_fast_paths
+
+        return use_fast_paths(self.fast_paths)
+
     def _autocast(self):
         if self.cfg.dtype == "bfloat16" and self.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -145,29 +175,45 @@ class Learner:
 
     # ------------------------------------------------------------------ forward
     def _free_routes(self, model, ids_1T, cu) -> torch.Tensor:
-        with torch.no_grad(), self._autocast():
+        with torch.no_grad(), self._paths(), self._autocast():
             return model(ids_1T, cu_seqlens=cu, output_router_choices=True).router_choices
 
     def forward(self, batch: TrainBatch, model=None, need_entropy: bool = False) -> ForwardOut:
-        """Learner logprobs of every token given its prefix (per packed sequence), entropy, values."""
+        """Learner logprobs of every token given its prefix (per packed sequence), entropy, values.
+
+        cu_seqlens and the replayed routes go to the model as the batch's host tensors, so the model
+        builds its sequence layout and checks the routes without a device sync. The LM head is the
+        chunked one (no [T, V] logits, entropy from the same chunks) where ``model.fast`` picks it."""
+        from model.fast import pick
+
         model = model if model is not None else self.policy
         ids_1T = batch.input_ids_T.to(self.device)[None]
-        cu = batch.cu_seqlens_N1.to(self.device)
+        cu_host = batch.cu_seqlens_N1
+        cu = cu_host.to(self.device)
         routes = None
         if self.cfg.routing_replay and batch.routed_experts_TLK is not None:
-            routes = batch.routed_experts_TLK.to(self.device)
+            routes = batch.routed_experts_TLK
             if bool((routes < 0).any()):
-                routes = torch.where(routes >= 0, routes, self._free_routes(model, ids_1T, cu))
+                dev_routes = routes.to(self.device)
+                routes = torch.where(dev_routes >= 0, dev_routes, self._free_routes(model, ids_1T, cu_host))
         targets_1T = torch.roll(ids_1T, -1, dims=1)
-        with self._autocast():
-            out = model(ids_1T, cu_seqlens=cu, routed_experts=routes, target_ids=targets_1T)
+        with self._paths():
+            plain = pick("lm_head", self.device) == "plain"
+        with self._paths(), self._autocast():
+            out = model(
+                ids_1T, cu_seqlens=cu_host, routed_experts=routes, target_ids=targets_1T,
+                return_logits=plain, return_entropy=need_entropy and not plain,
+            )  # fmt: skip
         logprobs_T = torch.zeros(ids_1T.shape[1], device=self.device, dtype=torch.float32)
         logprobs_T = torch.cat([logprobs_T[:1], out.token_logprobs[0, :-1]])
         starts = torch.zeros_like(logprobs_T, dtype=torch.bool)
         starts[cu[:-1].long()] = True
         logprobs_T = torch.where(starts, torch.zeros_like(logprobs_T), logprobs_T)
         entropy_T = None
-        if need_entropy:  # with grad only when the loss has an entropy term (it costs a [T, V] softmax)
+        if need_entropy and not plain:  # from the head's chunks; a gradient only for an entropy term
+            ent_T = out.entropy[0] if self.algo.entropy_coef > 0 else out.entropy[0].detach()
+            entropy_T = torch.cat([ent_T[:1], ent_T[:-1]])
+        elif need_entropy:  # with grad only when the loss has an entropy term (it costs a [T, V] softmax)
             with contextlib.nullcontext() if self.algo.entropy_coef > 0 else torch.no_grad():
                 logits_TV = torch.cat([out.logits[0, :1], out.logits[0, :-1]]).float()
                 entropy_T = logits_TV.logsumexp(-1) - (logits_TV.softmax(-1) * logits_TV).sum(-1)
@@ -253,7 +299,8 @@ class Learner:
                     old_T, micro.rollout_logprobs_T.to(self.device), micro.loss_mask_T.to(self.device)
                 )
             loss, m = policy_loss(self._loss_inputs(micro, fwd, old_T, old_v), self.algo)
-            loss.backward()
+            with self._paths():
+                loss.backward()
             for k, v in m.items():
                 sums[k] = max(sums[k], v) if k.endswith("_max") else sums[k] + v
         sums["grad_norm"] = float(self._clip_and_step())
@@ -278,7 +325,8 @@ class Learner:
             fwd = self.forward(micro)
             w_T = micro.token_weights_T.to(self.device)
             loss = -(w_T * fwd.logprobs_T).sum()
-            loss.backward()
+            with self._paths():
+                loss.backward()
             nll += float(loss.detach())
             correct += float((w_T * (fwd.logprobs_T.detach() > np.log(0.5)).float()).sum())
         norm = self._clip_and_step()

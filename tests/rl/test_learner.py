@@ -211,3 +211,41 @@ def test_activation_checkpointing_gives_the_same_update():
         results.append((m["loss"], torch.cat([p.detach().flatten() for p in learner.policy.parameters()])))
     assert results[0][0] == pytest.approx(results[1][0])
     assert torch.allclose(results[0][1], results[1][1], atol=1e-6)
+
+
+def _one_update(*overrides, sgd=False):
+    c = make_cfg(*overrides, "algorithm.entropy_coef=0.01", "learner.grad_clip=1e9")
+    learner = Learner(c.model, c.learner, c.algorithm)
+    if sgd:  # the update is the gradient itself (Adam's first step is ~sign(g), which hides nothing)
+        learner.optimizer = torch.optim.SGD(list(learner.policy.parameters()), lr=c.learner.lr)
+    start = torch.cat([p.detach().flatten() for p in learner.policy.parameters()])
+    m = learner.train_step(batches_for(learner, c, make_group()))
+    return m, torch.cat([p.detach().flatten() for p in learner.policy.parameters()]) - start
+
+
+def test_fast_paths_give_the_reference_update():
+    """Grouped MoE and the chunked LM head (logprob + entropy with its gradient) against the loops."""
+    ref_m, ref_d = _one_update("learner.fast_paths=reference", sgd=True)
+    fast_m, fast_d = _one_update("learner.fast_paths='moe=grouped,lm_head=chunked'", sgd=True)
+    for key in ("loss", "grad_norm", "entropy"):
+        assert fast_m[key] == pytest.approx(ref_m[key], rel=1e-5), key
+    assert float(ref_d.abs().max()) > 1e-4
+    assert float((ref_d - fast_d).norm() / ref_d.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("scope", ["ffn", "attention"])
+def test_selective_checkpointing_gives_the_same_update(scope):
+    plain_m, plain_p = _one_update()
+    m, p = _one_update("learner.activation_checkpointing=true", f"learner.checkpoint_scope={scope}")
+    assert m["loss"] == pytest.approx(plain_m["loss"])
+    assert torch.allclose(plain_p, p, atol=1e-6)
+
+
+def test_bad_learner_kernel_settings_are_named():
+    for override, field in (
+        ("learner.checkpoint_scope=everything", "learner.checkpoint_scope"),
+        ("learner.fast_paths='moe=fastest'", "learner.fast_paths"),
+    ):
+        c = make_cfg(override)
+        with pytest.raises(ValueError, match=field):
+            Learner(c.model, c.learner, c.algorithm)
