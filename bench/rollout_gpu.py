@@ -9,7 +9,8 @@ Parts (each a function; ``--parts`` picks a subset, in the order given):
   for the CPU preset (configs/model/cpu_tiny.yaml) and gpu_1b (random init): mean / max abs difference
   and KL(rollout || learner) estimated on the rollout's own samples (k1 = mean(lp_r - lp_l), unbiased
   but signed; k3 = mean(e^-d - 1 + d), unbiased and >= 0). The learner in bf16 is what rl/learner.py
-  runs: fp32 weights under torch.autocast(bf16); the engine holds the bf16-rounded weights. Also the
+  runs: fp32 weights under torch.autocast(bf16), with the model's reference operators (model.fast);
+  the engine holds the bf16-rounded weights. Also the
   share of (token, MoE layer) expert sets the engine chose equal to the learner's router, and greedy
   tokens against ``model.generate`` (required equal in fp32, reported in bf16).
 * ``mla``: the latent MLA cache form (TRITON_ATTN: its padded head is over FlashAttention-3's 256) on
@@ -250,19 +251,30 @@ def probe(run: Run, worker, preset: str, tag: str) -> dict:
     )
 
 
-def learner_pass(run: Run, model, ids: list[int], dtype: str):
-    """(log p(ids[t] | ids[<t]) for t >= 1 [T-1], router choices [T, L, K] | None) from the learner as
-    rl/learner.py runs it (bf16: fp32 weights under autocast)."""
+def learner_context(run: Run, dtype: str):
+    """The learner's numerics for a parity check: autocast in bf16 (as rl/learner.py), and the model's
+    reference operators (model.fast "reference": one SDPA per sequence, the MoE loop), the code the
+    tests hold the math to; the engine keeps whatever the process picks."""
     import contextlib
 
     torch = run.torch
-    ctx = (
-        torch.autocast(run.device.type, dtype=torch.bfloat16)
-        if dtype == "bf16" and run.cuda
-        else contextlib.nullcontext()
-    )
+    stack = contextlib.ExitStack()
+    if dtype == "bf16" and run.cuda:
+        stack.enter_context(torch.autocast(run.device.type, dtype=torch.bfloat16))
+    try:
+        from model import fast
+    except ImportError:  # a tree without fast paths: its only path is the reference
+        return stack
+    stack.enter_context(fast.use_fast_paths("reference"))
+    return stack
+
+
+def learner_pass(run: Run, model, ids: list[int], dtype: str):
+    """(log p(ids[t] | ids[<t]) for t >= 1 [T-1], router choices [T, L, K] | None) from the learner as
+    rl/learner.py runs it (bf16: fp32 weights under autocast)."""
+    torch = run.torch
     x = torch.tensor([ids], device=run.device)
-    with torch.no_grad(), ctx:
+    with torch.no_grad(), learner_context(run, dtype):
         out = model(x[:, :-1], target_ids=x[:, 1:], output_router_choices=True)
     choices = out.router_choices
     return out.token_logprobs[0].float().cpu(), None if choices is None else choices.cpu().numpy()
@@ -298,18 +310,11 @@ def compare_to_learner(run: Run, pr: dict, preset: str, dtype: str, seed: int = 
 
 
 def greedy_vs_generate(run: Run, pr: dict, preset: str, dtype: str) -> dict:
-    import contextlib
-
     torch = run.torch
     model = run.learner(preset)
-    ctx = (
-        torch.autocast(run.device.type, dtype=torch.bfloat16)
-        if dtype == "bf16" and run.cuda
-        else contextlib.nullcontext()
-    )
     rows = []
     for prompt, (toks, _) in zip(pr["greedy_prompts"], pr["greedy"]):
-        with torch.no_grad(), ctx:
+        with torch.no_grad(), learner_context(run, dtype):
             ref = model.generate(torch.tensor([prompt], device=run.device), max_new_tokens=len(toks))
         ref = ref[0, len(prompt) :].tolist()
         first_diff = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), None)
@@ -465,14 +470,14 @@ def part_kernels(run: Run) -> None:
     for i, seq in enumerate(ids):
         a, _ = learner_pass(run, dev_model, seq, "fp32")
         x = torch.tensor([seq])
-        with torch.no_grad():
+        with torch.no_grad(), learner_context(run, "fp32"):
             b = cpu_model(x[:, :-1], target_ids=x[:, 1:]).token_logprobs[0]
         res[f"seq{i}"] = dict(max_abs=float((a - b).abs().max()), mean_abs=float((a - b).abs().mean()))
     # packed: both sequences in one row with cu_seqlens, as rl/learner.py trains
     packed = torch.tensor([ids[0][:-1] + ids[1][:-1]], device=dev)
     tgt = torch.tensor([ids[0][1:] + ids[1][1:]], device=dev)
     cu = torch.tensor([0, len(ids[0]) - 1, len(ids[0]) + len(ids[1]) - 2], device=dev)
-    with torch.no_grad():
+    with torch.no_grad(), learner_context(run, "fp32"):
         pk = dev_model(packed, cu_seqlens=cu, target_ids=tgt).token_logprobs[0].cpu()
     sep = torch.cat([learner_pass(run, dev_model, s_, "fp32")[0] for s_ in ids])
     res["packed_vs_separate_max_abs"] = float((pk - sep).abs().max())
