@@ -129,6 +129,10 @@ class RolloutConfig:
     episode_timeout_s: float = 120.0
     max_episode_retries: int = 1
     """Times an episode that failed for infrastructure reasons (worker died) is re-run before the step fails."""
+    max_env_error_fraction: float = 0.5
+    """The run stops (exit code 3, checkpoints and metrics so far kept) when more than this fraction of a
+    step's episodes failed in the env (its constructor, reset or step raised); below it, the failed
+    episodes are left out of the loss and the run goes on. Every failure is in ``errors.jsonl``."""
     engine: dict[str, Any] = field(default_factory=dict)
     """Extra engine keyword arguments passed to the rollout worker (e.g. kv_cache_memory_bytes): fields of
     ``rollout.worker.WorkerConfig``, unknown ones rejected before the run (``check_nested_keys``)."""
@@ -346,14 +350,21 @@ class CurriculumConfig:
 # --------------------------------------------------------------------------- run, logging, ray
 
 
+RESUME_MODES = ("auto", "never", "force")
+
+
 @dataclass
 class RunConfig:
     dir: str = "runs/${name}"
     save_every: int = 10
     """Checkpoint every N steps (and at the end); 0 = only at the end."""
     keep_checkpoints: int = 2
-    resume: bool = True
-    """Resume from the newest checkpoint in ``dir`` when there is one."""
+    resume: str = "auto"
+    """auto (or true): resume from the newest checkpoint in ``dir`` when there is one, refused (exit 2,
+    differing keys listed) when the config differs from the one the run last ran with, apart from
+    ``RESUME_FREE_KEYS`` (rl/rundir.py); force: resume anyway, the change recorded (config.<n>.yaml,
+    config_changes.jsonl, ``run/config_version``); never (or false): start over, an earlier run in
+    ``dir`` moved to ``dir/previous/<n>/``."""
     eval_every: int = 0
     """Held-out eval every N steps (always before the first and after the last step); 0 = only those."""
     tensorboard: bool = True
@@ -369,6 +380,13 @@ class RunConfig:
     """Library chatter on the console: vLLM's and Ray's INFO lines, weight-saving/loading progress bars,
     library FutureWarnings. False (default): warnings and errors only, so the run's own progress
     stays readable (rl/console.py says what is set where)."""
+    transcripts_per_step: int = 4
+    """Episodes per training step (and per evaluation) written to ``transcripts/`` for reading: at least
+    one success, one failure and one env error when the step has them (rl/transcripts.py); 0 = none."""
+
+    def __post_init__(self) -> None:
+        # YAML/CLI booleans reach a str field as "True"/"False": the old bool spellings keep working
+        self.resume = {"true": "auto", "false": "never"}.get(str(self.resume).lower(), self.resume)
 
 
 @dataclass
@@ -604,6 +622,8 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.env.num_eval_tasks >= 1, "env.num_eval_tasks", "must be >= 1", errors)
     _validate_reward(cfg.reward, errors)
     _check(cfg.run.no_signal_steps >= 0, "run.no_signal_steps", "must be >= 0", errors)
+    _choice(cfg.run.resume, RESUME_MODES, "run.resume (true = auto, false = never)", errors)
+    _check(cfg.run.transcripts_per_step >= 0, "run.transcripts_per_step", "must be >= 0", errors)
     _check(cfg.sft.epochs >= 1 and cfg.sft.num_episodes >= 1 and cfg.sft.batch_episodes >= 1, "sft",
            "epochs, num_episodes and batch_episodes must be >= 1", errors)  # fmt: skip
     t = cfg.sft.target_success
@@ -678,6 +698,7 @@ def _validate_rollout(r: RolloutConfig, errors: list[str]) -> None:
     _check(r.temperature > 0, "rollout.temperature", "must be > 0 (sampling needs it)", errors)
     _check(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]", errors)
     _check(r.max_turns >= 1, "rollout.max_turns", "must be >= 1", errors)
+    _check(0 <= r.max_env_error_fraction <= 1, "rollout.max_env_error_fraction", "must be in [0, 1]", errors)
     _check(0 < r.max_tokens_per_turn < r.max_context_tokens, "rollout.max_tokens_per_turn",
            f"must be in (0, max_context_tokens={r.max_context_tokens})", errors)  # fmt: skip
 

@@ -6,13 +6,19 @@ Failure handling (nothing is dropped silently; every case is counted in the step
   ``info["error_where"] == "worker.generate"`` (rollout/manager.py). The driver then replaces every
   dead worker with a fresh actor on the current weights and re-runs the affected groups, up to
   ``rollout.max_episode_retries`` times; after that the step fails with the worker's error.
-- An episode whose env or tool crashed (``env.*``) stays an ERROR episode: it is counted
-  (``rollout/env_errors``) and kept out of the loss (an env fault says nothing about the policy).
-  When every episode of a step failed in the env, the run stops with the env's message.
+- An episode whose env crashed (``env.*``: its constructor, reset or step raised) stays an ERROR
+  episode: it is counted (``rollout/env_errors``, and per env ``rollout/env_errors/<env>``) and kept
+  out of the loss (an env fault says nothing about the policy); the driver writes it to errors.jsonl
+  (rl/errors.py). When more than ``rollout.max_env_error_fraction`` of a step's episodes failed in the
+  env (every one of them, at the least), the step raises ``EnvFailure`` with the first env error.
 - DAPO dynamic sampling drops zero-variance groups (counted in ``rollout/dropped_groups``) and
   collects more, up to ``algorithm.max_resample_rounds`` extra rounds.
 - ``signal/*`` (rl/signal.py) describes every group scored, before dynamic sampling drops any, so
   the driver can tell when a step had no learning signal at all.
+- An evaluation whose every episode failed in the env measured nothing: ``run_evaluation`` says so
+  (``Evaluation.failed``, ``eval/failed`` = 1, no ``eval/success_rate``), rather than reporting 0%.
+
+Per env of the step's mix, ``reward/env/<env>/{mean,success_rate}`` (over every episode of that env).
 
 Training tasks are a pure function of (seed, step, slot), so the data position after a resume is
 exactly the step counter.
@@ -29,9 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from envs.types import EpisodeGroup, EpisodeStatus
+from envs.types import Episode, EpisodeGroup, EpisodeStatus
 from rl.advantages import keep_group
 from rl.config import AlgorithmConfig, EnvConfig, RolloutConfig, StageConfig
+from rl.errors import EnvFailure, failure_message, is_env_failure
 from rl.signal import signal_metrics
 
 WORKER_FAILURE = "worker.generate"
@@ -41,6 +48,15 @@ WORKER_FAILURE = "worker.generate"
 class Collected:
     groups: list[EpisodeGroup]  # the groups to train on (env-error episodes removed)
     metrics: dict[str, float] = field(default_factory=dict)
+    episodes: list[Episode] = field(default_factory=list)  # every episode collected, failed ones included
+
+
+@dataclass
+class Evaluation:
+    metrics: dict[str, float | str]
+    episodes: list[Episode]
+    failed: str = ""
+    """Why the evaluation measured nothing (every episode failed in the env); "" when it measured."""
 
 
 def stage_env_kwargs(env: EnvConfig, name: str, stage: StageConfig) -> dict[str, Any]:
@@ -215,7 +231,7 @@ def collect_step(pool: WorkerPool, env: EnvConfig, rcfg: RolloutConfig, algo: Al
     kept: list[EpisodeGroup] = []
     all_groups: list[EpisodeGroup] = []
     scored: list[EpisodeGroup] = []  # without env errors, before dynamic sampling: what signal/* describes
-    errors, retries, dropped, first_error = 0, 0, 0, ""
+    errors, retries, dropped = 0, 0, 0
     for round_ in range(1 + (algo.max_resample_rounds if algo.dynamic_sampling else 0)):
         tasks = train_tasks(env, stage, seed, step, round_)
         groups, r = collect_with_recovery(
@@ -223,8 +239,8 @@ def collect_step(pool: WorkerPool, env: EnvConfig, rcfg: RolloutConfig, algo: Al
         )
         retries += r
         all_groups += groups
-        usable, e, msg = drop_env_errors(groups, min_size)
-        errors, first_error = errors + e, first_error or msg
+        usable, e, _ = drop_env_errors(groups, min_size)
+        errors += e
         scored += usable
         if algo.dynamic_sampling:
             dropped += sum(not keep_group(g) for g in usable)
@@ -232,16 +248,35 @@ def collect_step(pool: WorkerPool, env: EnvConfig, rcfg: RolloutConfig, algo: Al
         kept += usable
         if len(kept) >= stage.tasks_per_step:
             break
-    total = sum(len(g.episodes) for g in all_groups)
-    if errors == total:
-        raise RuntimeError(
-            f"every episode of step {step} failed in the env ({total} episodes): {first_error}"
-        )
+    episodes = [e for g in all_groups for e in g.episodes]
+    failed = [e for e in episodes if is_env_failure(e)]
+    if failed and (len(failed) == len(episodes) or len(failed) > rcfg.max_env_error_fraction * len(episodes)):
+        raise EnvFailure(failure_message(step, failed, len(episodes), rcfg.max_env_error_fraction), episodes)
     kept = kept[: stage.tasks_per_step]
     return Collected(kept, {**episode_metrics(all_groups, fn_names=term_names(rubric)), **signal_metrics(scored),
-                            "rollout/env_errors": float(errors),
+                            **per_env_metrics(episodes), "rollout/env_errors": float(errors),
                             "rollout/worker_retries": float(retries), "rollout/dropped_groups": float(dropped),
-                            "rollout/train_groups": float(len(kept)), "perf/rollout_s": time.time() - t0})  # fmt: skip
+                            "rollout/train_groups": float(len(kept)), "perf/rollout_s": time.time() - t0},
+                     episodes)  # fmt: skip
+
+
+def metric_name(env: str) -> str:
+    """An env id as a metric path segment ("/" of gymnasium namespaces would add levels)."""
+    return env.replace("/", ".")
+
+
+def per_env_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """``reward/env/<env>/mean`` and ``/success_rate`` per env, ``rollout/env_errors/<env>`` (a count)."""
+    by_env: dict[str, list[Episode]] = {}
+    for e in episodes:
+        by_env.setdefault(e.env_id, []).append(e)
+    out = {}
+    for env, eps in sorted(by_env.items()):
+        name, n = metric_name(env), len(eps)
+        out[f"reward/env/{name}/mean"] = sum(e.reward for e in eps) / n
+        out[f"reward/env/{name}/success_rate"] = sum(bool(e.info.get("solved", False)) for e in eps) / n
+        out[f"rollout/env_errors/{name}"] = float(sum(is_env_failure(e) for e in eps))
+    return out
 
 
 def term_names(rubric) -> list[str]:
@@ -275,11 +310,24 @@ def episode_metrics(groups: list[EpisodeGroup], prefix: str = "reward", fn_names
     return out
 
 
-def evaluate(pool: WorkerPool, env: EnvConfig, rcfg: RolloutConfig, stage: StageConfig, rubric=None) -> dict:
-    """Held-out success: greedy decoding, one episode per test-split task."""
+def run_evaluation(pool: WorkerPool, env: EnvConfig, rcfg: RolloutConfig, stage: StageConfig,
+                   rubric=None) -> Evaluation:  # fmt: skip
+    """Held-out success: greedy decoding, one episode per test-split task. When every episode failed in
+    the env (its constructor raised, say) nothing was measured: ``failed`` says why, and the metrics are
+    ``eval/failed`` = 1, ``eval/errors`` = 1 and ``eval/error`` (the first failure's text) only."""
     manager = make_manager(pool, rcfg, stage, 0.0, rubric, "eval-")
     groups = manager.collect(eval_tasks(env, stage), 1, seed=0)
-    return episode_metrics(groups, prefix="eval", fn_names=term_names(rubric))
+    episodes = [e for g in groups for e in g.episodes]
+    failed = [e for e in episodes if is_env_failure(e)]
+    if episodes and len(failed) == len(episodes):
+        why = f"every one of the {len(episodes)} evaluation episodes failed in the env: {failed[0].status_detail}"
+        return Evaluation({"eval/failed": 1.0, "eval/errors": 1.0, "eval/error": why}, episodes, why)
+    return Evaluation(episode_metrics(groups, prefix="eval", fn_names=term_names(rubric)), episodes)
+
+
+def evaluate(pool: WorkerPool, env: EnvConfig, rcfg: RolloutConfig, stage: StageConfig, rubric=None) -> dict:
+    """``run_evaluation``'s metrics."""
+    return run_evaluation(pool, env, rcfg, stage, rubric).metrics
 
 
 def prepare_model_dir(path: str) -> str:

@@ -41,3 +41,12 @@ class WorkerKillingCalculator(CalculatorEnv):
         if self.turn == 0:  # continue the episode whatever was sampled, so the next turn needs the worker
             action = protocol.format_tool_call("calculator", {"expression": "1 + 1"})
         return super().step(action)
+
+
+class UnbuildableCalculator(CalculatorEnv):
+    """A held-out env whose constructor raises (a missing data file, say)."""
+
+    env_name = "UnbuildableCalculator"
+
+    def __init__(self, **kwargs):
+        raise FileNotFoundError("test set not found: /nonexistent/tasks.jsonl")

@@ -1,9 +1,10 @@
-"""Small hand-built episodes for the rl tests (no env, no engine)."""
+"""Small hand-built episodes for the rl tests (no env, no engine), a scripted worker and failing envs."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from envs.calculator import CalculatorEnv
 from envs.types import Episode, EpisodeGroup, EpisodeStatus, Turn
 
 
@@ -80,3 +81,27 @@ def fails_on_odd_tasks(episode) -> float:
     if index % 2:
         raise ZeroDivisionError(f"odd task {index}")
     return 0.5
+
+
+class OddCrashingCalculator(CalculatorEnv):
+    """Calculator whose step raises on odd task indices (a user's env with a bug; "rl_factories:...")."""
+
+    env_name = "OddCrashingCalculator"
+
+    def reset(self, *, seed=None, options=None):
+        self._crash = int((options or {}).get("task_index", 0)) % 2 == 1
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        if self._crash:
+            raise ConnectionError("tool server unreachable")  # the line errors must point at
+        return super().step(action)
+
+
+class UnbuildableCalculator(CalculatorEnv):
+    """Calculator whose constructor raises (a held-out env that cannot be built)."""
+
+    env_name = "UnbuildableCalculator"
+
+    def __init__(self, **kwargs):
+        raise FileNotFoundError("test set not found: /nonexistent/tasks.jsonl")
