@@ -42,7 +42,7 @@ class Failure:
     phase: str  # "train" (collected for this step) or "eval" (the evaluation after this step; 0: before RL)
     episode_id: str
     env: str
-    task: str
+    task: str  # the task id; for an env that could not be built, its reset options ("split=test task_index=3")
     where: str  # env.make, env.reset or env.step
     error: str  # "Type: message"
     error_type: str
@@ -64,7 +64,8 @@ def failure_of(ep: Episode, step: int, phase: str) -> Failure:
     info = ep.info
     where = str(info.get("error_where", ""))
     error = ep.status_detail.removeprefix(f"{where}: ")
-    return Failure(step=step, phase=phase, episode_id=ep.episode_id, env=ep.env_id, task=ep.task_id,
+    task = ep.task_id or " ".join(f"{k}={v}" for k, v in (info.get("reset_options") or {}).items())
+    return Failure(step=step, phase=phase, episode_id=ep.episode_id, env=ep.env_id, task=task,
                    where=where, error=error, error_type=str(info.get("error_type", "")),
                    location=str(info.get("error_location", "")), code=str(info.get("error_code", "")),
                    traceback=str(info.get("error_traceback", "")))  # fmt: skip

@@ -128,7 +128,7 @@ class RolloutManager:
         try:
             env = make(task.env, **task.env_kwargs)
         except Exception as e:  # an env that cannot even be built is an ERROR episode
-            return EpisodeRun.broken(
+            run = EpisodeRun.broken(
                 "env.make",
                 e,
                 self.renderer,
@@ -138,6 +138,8 @@ class RolloutManager:
                 task_id=task.task_id,
                 env_id=task.env,
             )
+            run.episode.info["reset_options"] = copy.deepcopy(task.options)  # the task: never reset, no id
+            return run
         return EpisodeRun(
             env,
             self.renderer,

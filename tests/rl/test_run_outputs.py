@@ -118,6 +118,8 @@ def test_an_eval_env_that_cannot_be_built_is_a_failed_evaluation_not_zero_succes
     said: list[str] = []
     assert len(ErrorLog(tmp_path, said.append).record(0, "eval", ev.episodes)) == 3 and len(said) == 1
     assert "env.make of env rl_factories:UnbuildableCalculator failed: FileNotFoundError" in said[0]
+    rows = read_errors(tmp_path / "errors.jsonl")  # never reset, so no task id: the task's reset options
+    assert [r["task"] for r in rows] == [f"split=test task_index={i}" for i in range(3)]
     ok = {"eval/success_rate": 0.5, "eval/mean": 0.5}
     summary = finish(cfg, tmp_path, ev.metrics, ok)
     assert summary["status"] == "eval_failed" and summary["exit_code"] == EXIT_EVAL_FAILED
