@@ -25,7 +25,10 @@ Contract (every built-in env and every plug-in env follows it):
   used without terminating. Malformed input never raises: it becomes an error observation whose
   text starts with ``error:``.
   ``info`` on every step: ``task_id``, ``turn``, ``tool_calls`` (names), ``tool_errors`` (texts),
-  ``tool_time_s`` (wall time of the turn's tool calls; 0.0 without calls).
+  ``tool_time_s`` (wall time of the turn's tool calls; 0.0 without calls); on a step where a tool
+  raised something other than ``ToolError`` or a timeout (a bug in the tool, not a bad request) also
+  ``tool_crashes``: one dict per such call (``tool``, ``error``, ``location``, ``code``, ``traceback``;
+  the model still sees only ``error: tool <name> failed: ...``), which the driver writes to errors.jsonl.
   At the episode end (terminated or truncated) also: ``target``, ``answer`` (the model's extracted
   answer or None), ``solved`` (bool), ``num_tool_calls``, ``num_tool_errors``, ``tool_time_s``
   (the episode's), plus env extras.
@@ -62,6 +65,7 @@ import numpy as np
 
 from envs import protocol
 from envs.spaces import AssistantTurnSpace, MessagesSpace
+from envs.tracebacks import exception_info
 from envs.types import Message, ToolCall
 
 SPLITS = ("train", "test")
@@ -116,6 +120,9 @@ class StepResult(NamedTuple):
 class CallOutcome:
     message: Message
     error: str | None = None
+    crash: dict[str, str] | None = None
+    """A tool that raised something other than ``ToolError`` or a timeout (a bug, not a bad request):
+    ``envs.tracebacks.exception_info`` plus ``tool``, reported in the step's ``info["tool_crashes"]``."""
 
 
 @dataclass
@@ -360,8 +367,10 @@ class ToolEnv(gymnasium.Env):
             error = f"tool {call.name} stopped: {self.tool_budget_text()} is used up"
         elif isinstance(e, TimeoutError):
             error = f"tool {call.name} timed out after {self.tools[call.name].timeout_s:g} s"
-        else:
+        else:  # the model sees the error as usual; the traceback goes to the run (info["tool_crashes"])
             error = f"tool {call.name} failed: {type(e).__name__}: {e}"
+            crash = {"tool": call.name, **exception_info(e)}
+            return CallOutcome(protocol.tool_error_message(call, error), error, crash)
         return CallOutcome(protocol.tool_error_message(call, error), error)
 
     def _tool_success(self, call: ToolCall, result: Any) -> CallOutcome:
@@ -390,6 +399,9 @@ class ToolEnv(gymnasium.Env):
             "tool_time_s": tool_time,
             **self.step_info(),
         }
+        crashes = [o.crash for o in outcomes if o.crash is not None]
+        if crashes:
+            info["tool_crashes"] = crashes
         reward = float(self.turn_reward(calls, outcomes))
         terminated = ended_by_tool or not calls
         truncated = not terminated and self.turn >= self.max_turns

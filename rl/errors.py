@@ -2,11 +2,14 @@
 
 An episode whose env failed (its constructor, ``reset`` or ``step`` raised: ``info["error_where"]``
 starting with ``env.``) is an ERROR episode; rollout/episode.py keeps the exception's traceback and
-location in its info (envs/tracebacks.py). The driver hands every collected and evaluated episode to
-``ErrorLog.record``, which
+location in its info (envs/tracebacks.py). A tool of a ``ToolEnv`` that raised something other than
+``ToolError`` or a timeout (a bug in the tool) leaves the episode running (the model is shown the
+error) and its traceback in the turn's ``info["tool_crashes"]`` (envs/base.py). The driver hands every
+collected and evaluated episode to ``ErrorLog.record``, which
 
-- appends one ``errors.jsonl`` row per failure (``Failure``: step, phase, episode id, env, task, where,
-  error, location, the line of code, the traceback);
+- appends one ``errors.jsonl`` row per failure (``Failure``: step, phase, episode id, env, task, where
+  (``env.make`` / ``env.reset`` / ``env.step``, or ``tool <name>``), error, location, the line of code,
+  the traceback);
 - prints the first failure of each kind (exception type + location) on the console, with the user's
   file and line, once per run dir (a resumed run remembers the kinds it has shown).
 
@@ -71,14 +74,30 @@ def failure_of(ep: Episode, step: int, phase: str) -> Failure:
                    traceback=str(info.get("error_traceback", "")))  # fmt: skip
 
 
+def tool_crashes(ep: Episode, step: int, phase: str) -> list[Failure]:
+    """The tool crashes of ``ep``'s turns (``info["tool_crashes"]``, envs/base.py)."""
+    crashes = [c for t in ep.turns for c in t.info.get("tool_crashes") or []]
+    return [Failure(step=step, phase=phase, episode_id=ep.episode_id, env=ep.env_id, task=ep.task_id,
+                    where=f"tool {c.get('tool', '?')}", error=str(c.get("error", "")),
+                    error_type=str(c.get("error_type", "")), location=str(c.get("location", "")),
+                    code=str(c.get("code", "")), traceback=str(c.get("traceback", ""))) for c in crashes]  # fmt: skip
+
+
 def env_failures(episodes: Iterable[Episode], step: int, phase: str) -> list[Failure]:
-    return [failure_of(e, step, phase) for e in episodes if is_env_failure(e)]
+    """Env failures (ERROR episodes) and tool crashes of ``episodes``."""
+    out = []
+    for e in episodes:
+        out += [failure_of(e, step, phase)] if is_env_failure(e) else []
+        out += tool_crashes(e, step, phase)
+    return out
 
 
 def describe(f: Failure) -> str:
     """One failure for the console: what failed where, the user's line, where the rest is."""
     at = f"\n  at {f.location}" + (f": {f.code}" if f.code else "") if f.location else ""
-    return f"{f.where} of env {f.env} failed: {f.error}{at}\n  (task {f.task}, episode {f.episode_id})"
+    what = (f"{f.where} of env {f.env} raised {f.error} (the model was shown the error; the episode went on)"
+            if f.where.startswith("tool ") else f"{f.where} of env {f.env} failed: {f.error}")  # fmt: skip
+    return f"{what}{at}\n  (task {f.task}, episode {f.episode_id})"
 
 
 class EnvFailure(RuntimeError):

@@ -18,7 +18,9 @@ Failure handling (nothing is dropped silently; every case is counted in the step
 - An evaluation whose every episode failed in the env measured nothing: ``run_evaluation`` says so
   (``Evaluation.failed``, ``eval/failed`` = 1, no ``eval/success_rate``), rather than reporting 0%.
 
-Per env of the step's mix, ``reward/env/<env>/{mean,success_rate}`` (over every episode of that env).
+Per env of the step's mix, ``reward/env/<env>/{mean,success_rate}`` (over every episode of that env),
+and ``rollout/tool_crashes/<env>``: tool calls that raised something other than ``ToolError`` or a
+timeout (the episode goes on, the model sees the error; the traceback goes to errors.jsonl).
 
 Training tasks are a pure function of (seed, step, slot), so the data position after a resume is
 exactly the step counter.
@@ -266,7 +268,8 @@ def metric_name(env: str) -> str:
 
 
 def per_env_metrics(episodes: list[Episode]) -> dict[str, float]:
-    """``reward/env/<env>/mean`` and ``/success_rate`` per env, ``rollout/env_errors/<env>`` (a count)."""
+    """``reward/env/<env>/mean`` and ``/success_rate`` per env; counts: ``rollout/env_errors/<env>``
+    (episodes that failed in the env) and ``rollout/tool_crashes/<env>`` (tool calls that raised a bug)."""
     by_env: dict[str, list[Episode]] = {}
     for e in episodes:
         by_env.setdefault(e.env_id, []).append(e)
@@ -276,6 +279,8 @@ def per_env_metrics(episodes: list[Episode]) -> dict[str, float]:
         out[f"reward/env/{name}/mean"] = sum(e.reward for e in eps) / n
         out[f"reward/env/{name}/success_rate"] = sum(bool(e.info.get("solved", False)) for e in eps) / n
         out[f"rollout/env_errors/{name}"] = float(sum(is_env_failure(e) for e in eps))
+        out[f"rollout/tool_crashes/{name}"] = float(sum(len(t.info.get("tool_crashes") or []) for e in eps
+                                                        for t in e.turns))  # fmt: skip
     return out
 
 

@@ -105,3 +105,17 @@ class UnbuildableCalculator(CalculatorEnv):
 
     def __init__(self, **kwargs):
         raise FileNotFoundError("test set not found: /nonexistent/tasks.jsonl")
+
+
+class BuggyToolCalculator(CalculatorEnv):
+    """Calculator whose tool has a bug: it raises KeyError (not a ToolError) on every call."""
+
+    env_name = "BuggyToolCalculator"
+
+    def make_tools(self):
+        import dataclasses
+
+        def calculator(expression: str) -> str:
+            return {"ops": {}}["ops"][expression]  # the user's tool bug the errors must point at
+
+        return [dataclasses.replace(t, fn=calculator) for t in super().make_tools()]

@@ -92,6 +92,25 @@ def test_env_failures_go_to_errors_jsonl_and_each_kind_is_printed_once(renderer,
     assert {r["step"] for r in read_errors(tmp_path / "errors.jsonl")} == {1}
 
 
+def test_a_tool_that_raises_a_bug_is_recorded_and_the_episode_goes_on(renderer, tmp_path):
+    from envs import protocol
+
+    call = protocol.format_tool_call("calculator", {"expression": "1 + 1"})
+    cfg = config('{"rl_factories:BuggyToolCalculator": 1.0}', "rollout.tasks_per_step=1", "rollout.max_turns=2")
+    pool = SimpleNamespace(workers=[ScriptedWorker(renderer, answer=call)])
+    c = collect_step(pool, cfg.env, cfg.rollout, cfg.algorithm, stages(cfg)[0], cfg.seed, 1)
+    assert all(e.status == EpisodeStatus.TRUNCATED for e in c.episodes)  # not ERROR: the model saw the error
+    assert c.metrics["rollout/tool_crashes/rl_factories:BuggyToolCalculator"] == 4  # 2 episodes x 2 turns
+    assert "error: tool calculator failed: KeyError" in c.episodes[0].turns[0].observation[0]["content"]
+    said: list[str] = []
+    rows = ErrorLog(tmp_path, said.append).record(1, "train", c.episodes)
+    line = next(i for i, text in enumerate(inspect.getsource(rl_factories).splitlines(), 1) if '["ops"][expression]' in text)
+    assert len(rows) == 4 and {r.where for r in rows} == {"tool calculator"}
+    assert all(r.location == f"{rl_factories.__file__}:{line} in calculator" for r in rows)
+    assert all("KeyError" in r.traceback and r.task.startswith("BuggyToolCalculator/") for r in rows)
+    assert len(said) == 1 and "tool calculator of env rl_factories:BuggyToolCalculator raised KeyError" in said[0]
+
+
 def test_a_step_where_most_episodes_fail_in_the_env_stops_with_that_error(renderer):
     only = f'{{"{CRASHING}": 1.0}}'
     cfg = config(only, "rollout.tasks_per_step=4")
