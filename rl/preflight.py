@@ -5,7 +5,9 @@ seconds and one line, not an actor's traceback a minute later:
 
 - ``add_runtime_env_paths``: the config's ``ray.runtime_env`` (``working_dir``, ``py_modules``,
   ``env_vars.PYTHONPATH``) makes modules importable in the job's actors; the driver resolves envs and
-  reward functions itself first, so the same entries go on its own ``sys.path`` before it does.
+  reward functions itself first, so the same entries go on its own ``sys.path`` before it does (and a
+  runtime env that Ray would refuse to merge with a submitted job's is refused now, not at ``ray.init``).
+  docs/plugins.md lists the ways a user's modules reach a job.
 - ``check_checkpoints``: ``model.init_from`` (and a warm-start directory that would be loaded or
   replaced) is a readable checkpoint directory of our model.
 - ``plan_lines``: the resolved data mixes, curriculum stages, reward and warm start, printed at start,
@@ -57,12 +59,42 @@ def runtime_env_paths(runtime_env: Mapping[str, Any], cwd: Path | None = None) -
 
 
 def add_runtime_env_paths(runtime_env: Mapping[str, Any], cwd: Path | None = None) -> list[str]:
-    """Put ``runtime_env_paths`` at the front of the driver's ``sys.path``; returns the paths added."""
+    """Put ``runtime_env_paths`` at the front of the driver's ``sys.path``; returns the paths added.
+    Under ``ray job submit`` it first refuses what Ray would refuse later (``check_job_runtime_env``)."""
+    check_job_runtime_env(runtime_env)
     new = [p for p in runtime_env_paths(runtime_env, cwd) if p not in sys.path]
     sys.path[:0] = new
     if new:
         importlib.invalidate_caches()  # entry points (dist-info) and modules under the new paths
     return new
+
+
+JOB_CONFIG_VAR = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+"""Set by Ray in the driver of a submitted job: the job's config as JSON, its runtime env included."""
+
+
+def check_job_runtime_env(runtime_env: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> None:
+    """Ray merges the runtime env of a submitted job (``ray job submit --runtime-env-json`` /
+    ``--working-dir``) with the driver's (``ray.runtime_env``), and at ``ray.init``, after every other
+    check, refuses a field or an environment variable that both set (unless
+    RAY_OVERRIDE_JOB_RUNTIME_ENV=1, which lets the driver's win): a one-line ConfigError here instead."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(JOB_CONFIG_VAR)
+    if not runtime_env or not raw or environ.get("RAY_OVERRIDE_JOB_RUNTIME_ENV") == "1":
+        return
+    try:
+        job = json.loads(raw).get("runtime_env") or {}
+    except (ValueError, AttributeError):
+        return
+    both = sorted((set(job) & set(runtime_env)) - {"env_vars"})
+    both += [
+        f"env_vars.{k}"
+        for k in sorted(set(job.get("env_vars") or {}) & set(runtime_env.get("env_vars") or {}))
+    ]
+    if both:
+        raise ConfigError(f"ray.runtime_env sets {', '.join(both)}, which the submitted job's runtime env sets too "
+                          "(ray job submit --runtime-env-json / --working-dir); Ray refuses to merge the two: "
+                          "set each in one place")  # fmt: skip
 
 
 def _is_uri(path: str) -> bool:

@@ -313,3 +313,18 @@ def test_entry_points_of_a_package_on_the_runtime_envs_pythonpath_resolve(tmp_pa
     cfg = parse(["--config", CI_TINY, *overrides, pythonpath])
     assert cfg.env.mix == {"unit_ep": 1.0}
     assert add_runtime_env_paths(cfg.ray.runtime_env) == []  # already there: added once
+
+
+def test_a_runtime_env_that_ray_would_not_merge_with_the_jobs_is_refused_before_ray():
+    from rl.preflight import JOB_CONFIG_VAR, check_job_runtime_env
+
+    job = {
+        JOB_CONFIG_VAR: json.dumps({"runtime_env": {"py_modules": ["gcs://x.zip"], "env_vars": {"A": "1"}}})
+    }
+    check_job_runtime_env({"env_vars": {"B": "2"}, "working_dir": "."}, job)  # disjoint: Ray merges them
+    check_job_runtime_env({"py_modules": ["p"]}, {})  # not a submitted job
+    check_job_runtime_env({"py_modules": ["p"]}, {**job, "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1"})
+    with pytest.raises(
+        ConfigError, match=r"ray.runtime_env sets py_modules, env_vars.A, which the submitted job"
+    ):
+        check_job_runtime_env({"py_modules": ["p"], "env_vars": {"A": "2"}}, job)
