@@ -24,19 +24,18 @@ Contract (every built-in env and every plug-in env follows it):
   (plus any per-turn reward the env defines). ``truncated`` is True when ``max_turns`` turns were
   used without terminating. Malformed input never raises: it becomes an error observation whose
   text starts with ``error:``.
-  ``info`` on every step: ``task_id``, ``turn``, ``tool_calls`` (names), ``tool_errors`` (texts),
-  ``tool_time_s`` (wall time of the turn's tool calls; 0.0 without calls); on a step where a tool
-  raised something other than ``ToolError`` or a timeout (a bug in the tool, not a bad request) also
-  ``tool_crashes``: one dict per such call (``tool``, ``error``, ``location``, ``code``, ``traceback``;
+  ``info`` on every step: ``task_id``, ``turn``, ``tool_calls`` (names), ``tool_errors`` (texts);
+  on a step where a tool raised something other than ``ToolError`` or a timeout (a bug in the
+  tool, not a bad request) also ``tool_crashes``: one dict per such call (``tool``, ``error``, ``location``, ``code``, ``traceback``;
   the model still sees only ``error: tool <name> failed: ...``), which the driver writes to errors.jsonl.
   At the episode end (terminated or truncated) also: ``target``, ``answer`` (the model's extracted
-  answer or None), ``solved`` (bool), ``num_tool_calls``, ``num_tool_errors``, ``tool_time_s``
-  (the episode's), plus env extras.
+  answer or None), ``solved`` (bool), ``num_tool_calls``, ``num_tool_errors``, plus env extras.
 * Tool time budgets (constructor ``turn_tool_budget_s`` / ``episode_tool_budget_s``, defaults per
   env class, unlimited here): a turn's calls share a deadline, the sooner of the per-turn budget
   and what the episode budget has left; a call that would start past it is not run (``error:``
   observation naming the budget), ``astep`` cuts calls at it, and tools may read
-  ``tool_time_left()`` to stop themselves in time.
+  ``tool_time_left()`` to stop themselves in time. ``tool_time_used_s`` is the episode's tool wall
+  time so far (not in ``info``: infos stay deterministic for a seed and actions).
 * ``async astep(action)``: the same, with tool calls run off the event loop (latency-bound tools
   overlap across episodes); ``gather_steps(envs, actions)`` steps many episodes concurrently.
 * ``expert_action() -> str``: the scripted expert's next assistant turn for the current state;
@@ -319,12 +318,15 @@ class ToolEnv(gymnasium.Env):
             clock.deadline = now + max(0.0, episode_left)
             clock.budget = f"the per-episode tool time budget of {self.episode_tool_budget_s:g} s"
 
-    def _stop_tool_clock(self) -> float:
+    def _stop_tool_clock(self) -> None:
         clock = self._tool_clock
-        elapsed = time.monotonic() - clock.turn_start
-        clock.used_s += elapsed
+        clock.used_s += time.monotonic() - clock.turn_start
         clock.deadline = math.inf
-        return elapsed
+
+    @property
+    def tool_time_used_s(self) -> float:
+        """Wall time the episode's tool calls took so far (turns with calls, start to end)."""
+        return self._tool_clock.used_s
 
     def _over_budget(self, call: ToolCall) -> CallOutcome:
         error = f"{call.name}: not run: {self.tool_budget_text()} is used up"
@@ -381,7 +383,7 @@ class ToolEnv(gymnasium.Env):
         return CallOutcome(protocol.tool_response_message(result, call.name, call.id))
 
     def _finish_step(self, text: str, calls: list[ToolCall], outcomes: list[CallOutcome]) -> StepResult:
-        tool_time = self._stop_tool_clock()
+        self._stop_tool_clock()
         new_messages = [o.message for o in outcomes]
         self.messages.extend(new_messages)
         errors = [o.error for o in outcomes if o.error is not None]
@@ -396,7 +398,6 @@ class ToolEnv(gymnasium.Env):
             "turn": self.turn,
             "tool_calls": [c.name for c in calls],
             "tool_errors": errors,
-            "tool_time_s": tool_time,
             **self.step_info(),
         }
         crashes = [o.crash for o in outcomes if o.crash is not None]
@@ -419,8 +420,7 @@ class ToolEnv(gymnasium.Env):
 
     def _end_info(self, answer: str | None, solved: bool) -> dict[str, Any]:
         target = self.task.target if self.task else ""
-        stats = {**self._stats, "tool_time_s": self._tool_clock.used_s}
-        return {"target": target, "answer": answer, "solved": solved, **stats, **self.final_info()}
+        return {"target": target, "answer": answer, "solved": solved, **self._stats, **self.final_info()}
 
     def _error_result(self, problem: str, terminated: bool) -> StepResult:
         msg = {"role": "user", "content": f"error: {problem}"}

@@ -355,7 +355,7 @@ class BwrapBackend:
             "user_namespace": f"fresh per call (uid {INSIDE_UID} inside, no nested user namespaces)",
             "seccomp": "denies " + seccomp.describe(),
             "cgroup": cg,
-            "limits": f"{scope}: memory={lim.memory_mb}MB pids={lim.nproc} cpu={lim.cpu_s}s cpus={lim.cpus:g}",
+            "limits": f"{scope}: memory={lim.memory_mb}MB pids={lim.nproc} cpu={lim.cpu_s}s",
             "rlimits": self._rlimit_text(),
             "wall_s": lim.wall_s,
         }
@@ -413,7 +413,7 @@ class BwrapBackend:
         try:
             if self.layout is not None:
                 group = sandbox_cgroup.create(
-                    self.layout, self.limits.memory_mb, self.limits.nproc + PIDS_OVERHEAD, self.limits.cpus
+                    self.layout, self.limits.memory_mb, self.limits.nproc + PIDS_OVERHEAD
                 )
             fds = self._open_fds(host_dir, code, opened)
             scratch = os.path.join(host_dir, "scratch") if self.as_root else None

@@ -23,6 +23,9 @@ SIGNAL_REASONS = {
 }
 
 
+_POSITIVE_LIMITS = ("cpu_s", "wall_s", "memory_mb", "file_mb", "nproc", "nofile", "tmpfs_mb", "tmpfs_inodes")
+
+
 @dataclass
 class SandboxLimits:
     """Limits of one call. With the bwrap backend and cgroups, ``memory_mb``, ``nproc`` and
@@ -37,11 +40,10 @@ class SandboxLimits:
     nofile: int = 64
     tmpfs_mb: int = 64  # /tmp and /dev/shm together
     tmpfs_inodes: int = 4096  # files on that tmpfs (also bounds tmpfs xattr memory: 1 KiB each)
-    cpus: float = 1.0  # CPU bandwidth of one call, in cores (cgroups only)
     output_chars: int = 4000
 
     def __post_init__(self) -> None:
-        for name in ("cpu_s", "wall_s", "memory_mb", "file_mb", "nproc", "nofile", "tmpfs_mb", "cpus"):
+        for name in _POSITIVE_LIMITS:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"SandboxLimits.{name} must be a positive number, got {value!r}")

@@ -134,14 +134,18 @@ def host_fixtures():
 
 
 def _sandbox_processes() -> list[int]:
+    """Processes of sandbox uids, except those of other processes' sandboxes on a shared machine
+    (the bwrap backend puts each call in a cgroup named after the host process that made it)."""
     pids = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
                 uid = int((d / "status").read_text().split("\nUid:")[1].split()[0])
+                cgroups = (d / "cgroup").read_text()
             except (OSError, IndexError):
                 continue
-            if uid in SANDBOX_UIDS:
+            foreign = "/call-" in cgroups and f"/call-{os.getpid()}-" not in cgroups
+            if uid in SANDBOX_UIDS and not foreign:
                 pids.append(int(d.name))
     return pids
 
