@@ -33,11 +33,15 @@ def step_rows(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if "learner/version" in r}
 
 
+CONSOLE: dict[str, str] = {}
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("runs") / "a"
     out = train(run, "run.save_every=1", "run.keep_checkpoints=3")
     assert "held_out_success_after" in out.stdout  # the summary is printed
+    CONSOLE["uninterrupted"] = out.stdout
     return run
 
 
@@ -61,6 +65,36 @@ def test_run_outputs(uninterrupted):
     assert [p.name for p in sorted((run / "checkpoints").iterdir())] == [f"step_00000{i}" for i in (1, 2, 3)]
 
 
+def test_debugging_outputs(uninterrupted):
+    """Transcripts, per-env metrics, per-phase times, one console line per step (no progress bar)."""
+    run = uninterrupted
+    for step in (1, 2, 3):
+        lines = (run / "transcripts" / f"step_00000{step}.jsonl").read_text().splitlines()
+        rows = [json.loads(line) for line in lines]
+        assert len(rows) == 4 and all(r["turns"] and r["turns"][0]["prompt_text"] for r in rows)
+        assert all(r["sampled_tokens"] == sum(t["sampled_tokens"] for t in r["turns"]) for r in rows)
+    assert {p.name for p in (run / "transcripts").glob("eval_*.jsonl")} == {"eval_000000.jsonl", "eval_000003.jsonl"}
+    for r in step_rows(run).values():
+        assert 0 <= r["reward/env/Calculator/success_rate"] <= 1 and r["rollout/env_errors/Calculator"] == 0
+        assert all(r[f"perf/{k}"] > 0 for k in ("rollout_s", "train_s", "sync_s", "step_s"))
+    assert not (run / "errors.jsonl").exists()  # nothing failed
+    steps = [line.split()[1] for line in CONSOLE["uninterrupted"].splitlines() if line.startswith("step ")]
+    assert steps == ["1/3", "2/3", "3/3"]
+
+
+def test_rerunning_the_finished_run_prints_its_summary_and_adds_no_row(uninterrupted, capsys):
+    import ray
+
+    from rl.train import main
+
+    files = {p.name: p.read_bytes() for p in uninterrupted.iterdir() if p.is_file()}
+    assert main(["--config", CONFIG, f"run.dir={uninterrupted}", "run.save_every=1", "run.keep_checkpoints=3"]) == 0
+    out = capsys.readouterr().out
+    assert "is a finished run (step 3)" in out and "held_out_success_after" in out
+    assert {p.name: p.read_bytes() for p in uninterrupted.iterdir() if p.is_file()} == files
+    assert not ray.is_initialized()
+
+
 def test_kill_and_resume_matches_the_uninterrupted_run(uninterrupted, tmp_path):
     """Resume from the step-2 checkpoint: step 3 must reproduce the uninterrupted run's step 3."""
     resumed = tmp_path / "b"
@@ -71,3 +105,6 @@ def test_kill_and_resume_matches_the_uninterrupted_run(uninterrupted, tmp_path):
     for key in TRAIN_KEYS:
         assert a[key] == b[key], key
     assert sorted(step_rows(resumed)) == [1, 2, 3]  # no duplicated or lost steps in metrics.jsonl
+    evals = [r["step"] for r in read_metrics(resumed / "metrics.jsonl") if "eval/success_rate" in r]
+    assert evals == [0, 3]  # one evaluation before and one after RL
+    assert (resumed / "config.1.yaml").read_text().startswith("# resumed at step 2")  # the config history
