@@ -6,9 +6,9 @@ within itself, exactly what ``GatedMLA`` computes with one SDPA per sequence (th
 ``model.fast`` op "attention" = "loop"). Two one-call forms:
 
 * ``varlen``: PyTorch's varlen flash attention (``torch.nn.attention.varlen.varlen_attn``, FA2 inside
-  PyTorch, CUDA) over ``SeqLayout.cu_seqlens_N1``. FA2 wants one head size for q, k and v, so v is
-  zero-padded to Dqk and the padding columns of the output dropped (exact; 1.5x the P V product
-  at gpu_1b's 192 / 128).
+  PyTorch, CUDA) over ``SeqLayout.cu_seqlens_N1``. FA2 has fp16/bf16 kernels only (fp32 inputs take
+  ``flex``) and wants one head size for q, k and v, so v is zero-padded to Dqk and the padding
+  columns of the output dropped (exact; 1.5x the P V product at gpu_1b's 192 / 128).
 * ``flex``: FlexAttention with a document-causal block mask built from the layout once per forward
   (``document_block_mask``: for every 128-token query block, the key blocks it sees, split into
   full blocks and partial ones that evaluate ``doc[q] == doc[k] and q >= k``); compiled on CUDA,
@@ -39,6 +39,8 @@ def varlen_causal_attention(
     B, T, H, _ = q_BTHQ.shape
     V = v_BTHV.shape[-1]
     q_RHQ, k_RHQ, v_RHV = (x.reshape(B * T, H, x.shape[-1]) for x in (q_BTHQ, k_BTHQ, v_BTHV))
+    if form == "varlen" and q_RHQ.dtype not in (torch.float16, torch.bfloat16):
+        form = "flex"  # flash attention has no fp32 kernel
     if form == "varlen":
         o_RHV = _varlen(q_RHQ, k_RHQ, v_RHV, layout, scale)
     elif form == "flex":

@@ -1,0 +1,712 @@
+"""Learner throughput on one GPU: tokens/s, MFU, peak memory and time per component, beside the peer.
+
+One process. For the gpu_1b preset (``configs/model/gpu_1b.yaml``) it builds the project's learner
+(``rl.learner.Learner``: bf16 autocast, fp32 master weights, fused AdamW, routing replay on every token)
+and times its real train step (forward, PG loss, backward, clip, AdamW) on packed micro-batches of
+16K and 64K tokens made of varlen episodes of mixed lengths (log-uniform 128..6144 tokens, prompts
+without loss). Before anything is timed it checks one train step on the fast paths against the same
+step on the reference paths (``model.fast``): loss, gradient norm and token logprobs within bf16
+tolerance; a failed check stops the run (exit 1).
+
+Reported per micro-batch size: step time, tokens/s, MFU = 6 x active matmul parameters x tokens / step
+time / bf16 GEMM peak (the peak is measured in the same run: an 8192^3 bf16 matmul), peak memory, and
+the time of each component measured alone at the same shapes on inputs captured from the step (KDA,
+MLA, MoE: forward + backward of one layer times the layer count; LM head + loss; optimizer: clip +
+AdamW), and the kernel launches / host syncs of one profiled step (``--profile``). Active matmul
+parameters = every nn.Linear weight and the router weights, with the routed experts counted top_k /
+num_experts times; the embedding lookup is not a matmul and is not counted.
+
+The peer: transformers' ``KimiLinearForCausalLM`` (KDA + MLA + MoE; flash-linear-attention's kernels
+when ``fla`` is importable, else transformers' PyTorch fallbacks; experts through transformers'
+grouped_mm implementation where the version has it) at matched size (hidden size, layers, layer
+pattern, heads, KDA head size, MLA ranks, experts, top-k, shared experts, vocabulary; its experts act
+on the hidden size, it has no latent MoE), same bf16 autocast, fused AdamW and token count per step,
+as equal-length rows (its best case: no packing). The ratio ours / peer of tokens/s is reported.
+
+Results: ``<out>/learner_mfu.json`` (everything) and ``<out>/learner_mfu.md`` (the table), rewritten
+after every part. ``--small`` runs the same plumbing on a CPU with a tiny config (fp32).
+
+Device run: the H200 lacks omegaconf (imported by rl.config), einops and fla-core (the peer's kernels);
+all three are pure-Python wheels, fetched once into the git-ignored ``.bench-carry/`` with
+``pip download --no-deps --dest .bench-carry fla-core==0.6.0 einops omegaconf==2.4.0`` and carried
+(``carry: [".bench-carry"]``, 1.4 MB)::
+
+    pip install -q --no-index --no-deps --target /tmp/site .bench-carry/*.whl &&
+    PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/triton-cache TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache \
+    python3 bench/learner_mfu.py --out $OUT --tokens 16384 --profile
+
+then ``--tokens 65536`` in a second call (one call is limited to 10 minutes; ``--budget`` stops
+starting new parts past it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SMALL_ARCH = {
+    "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4,
+    "linear_attn_config": {"head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 4},
+    "num_attention_heads": 2, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+    "v_head_dim": 16, "num_experts": 8, "num_experts_per_token": 2, "moe_intermediate_size": 32,
+    "routed_expert_hidden_size": 32, "intermediate_size": 128, "first_k_dense_replace": 1,
+    "attn_res_block_size": 2,
+}  # fmt: skip
+
+
+@dataclass
+class Report:
+    env: dict = field(default_factory=dict)
+    checks: list = field(default_factory=list)
+    runs: list = field(default_factory=list)
+    peer: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    def save(self, out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "learner_mfu.json").write_text(json.dumps(asdict(self), indent=1, default=str))
+        (out / "learner_mfu.md").write_text(markdown(self) + "\n")
+
+
+# ------------------------------------------------------------------------------------------ setup
+def load_arch(path: Path) -> dict:
+    import yaml  # not omegaconf: the preset is a flat mapping
+
+    raw = yaml.safe_load(path.read_text())
+    return raw["model"] if set(raw) == {"model"} else raw
+
+
+def episode_lengths(total: int, rng: np.random.Generator, lo: int = 128, hi: int = 6144) -> list[int]:
+    """Mixed lengths, log-uniform in [lo, hi], the last one cut so the micro-batch holds exactly ``total``."""
+    out, used = [], 0
+    while used < total:
+        n = round(math.exp(rng.uniform(math.log(lo), math.log(min(hi, total)))))
+        n = min(n, total - used)
+        out.append(n)
+        used += n
+    return out
+
+
+def make_batch(lengths: list[int], config, seed: int = 0):
+    """A packed TrainBatch: random tokens, the first ~20% of each episode a prompt (no loss), one
+    advantage per episode, rollout logprobs near the policy's, a replayed expert per token and MoE layer."""
+    from rl.types import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    T, N = sum(lengths), len(lengths)
+    cu = torch.zeros(N + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
+    seq = torch.repeat_interleave(torch.arange(N), torch.tensor(lengths))
+    pos = torch.arange(T) - cu[:-1].long()[seq]
+    prompt = torch.tensor([max(1, n // 5) for n in lengths])[seq]
+    mask = pos >= prompt
+    adv = torch.where(torch.rand(N, generator=g) < 0.5, -1.0, 1.0)[seq] * mask
+    L, E, K = len(config.moe_layer_indices), config.num_experts, config.num_experts_per_token
+    routes = torch.rand(T, L, E, generator=g).argsort(-1)[..., :K] if L else None
+    return TrainBatch(
+        input_ids_T=torch.randint(0, config.vocab_size, (T,), generator=g),
+        cu_seqlens_N1=cu,
+        loss_mask_T=mask,
+        advantages_T=adv.float(),
+        rollout_logprobs_T=torch.where(mask, -math.log(config.vocab_size), 0.0).float(),
+        token_weights_T=mask.float() / mask.sum().clamp_min(1),
+        seq_ids_T=seq,
+        value_mask_T=torch.zeros(T, dtype=torch.bool),
+        value_targets_T=torch.zeros(T),
+        value_weights_T=torch.zeros(T),
+        routed_experts_TLK=routes,
+        episode_ids=[f"e{i}" for i in range(N)],
+    )
+
+
+def make_learner(arch: dict, device: str, dtype: str, tokens: int, args, fast_paths: str = "auto"):
+    from rl.config import load_config
+    from rl.learner import Learner
+
+    cfg = load_config(None, [])
+    cfg.model = replace(cfg.model, arch=arch, seed=0)
+    cfg.learner = replace(
+        cfg.learner, device=device, dtype=dtype, micro_batch_tokens=tokens, torch_threads=torch.get_num_threads(), lr=1e-5,
+        fast_paths=fast_paths, activation_checkpointing=args.checkpoint != "none",
+        checkpoint_scope=args.checkpoint if args.checkpoint != "none" else "layer", compile=args.compile,
+    )  # fmt: skip
+    learner = Learner(cfg.model, cfg.learner, cfg.algorithm)
+    if device == "cuda":  # fused AdamW: what a GPU learner runs (the Learner's default is foreach)
+        params = [p for g in learner.optimizer.param_groups for p in g["params"]]
+        learner.optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), fused=True)
+    return learner
+
+
+def matmul_params(model: torch.nn.Module, top_k: int, num_experts: int) -> int:
+    """Active matmul parameters: nn.Linear weights (routed experts at top_k / num_experts), router weights,
+    3-D expert weights (the peer's fused experts, also at top_k / num_experts). No embedding."""
+    from model.moe import MoEGate, SparseMoE
+
+    total, routed = 0, 0
+    expert_ids = set()
+    for m in model.modules():
+        if isinstance(m, SparseMoE):
+            for p in m.experts.parameters():
+                expert_ids.add(id(p))
+                routed += p.numel()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and id(m.weight) not in expert_ids:
+            total += m.weight.numel()
+        elif isinstance(m, MoEGate) or type(m).__name__.endswith(("Router", "Gate")):
+            total += m.weight.numel() if isinstance(getattr(m, "weight", None), torch.Tensor) else 0
+        elif type(m).__name__.endswith("Experts"):
+            routed += sum(p.numel() for p in m.parameters(recurse=False))
+    return total + routed * top_k // max(num_experts, 1)
+
+
+# ------------------------------------------------------------------------------------------ timing
+class Clock:
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def time(self, fn, reps: int = 3, warmup: int = 1) -> float:
+        """Median seconds of ``fn()``."""
+        for _ in range(warmup):
+            fn()
+        out = []
+        for _ in range(reps):
+            self.sync()
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            out.append(time.perf_counter() - t0)
+        return float(np.median(out))
+
+
+def gemm_peak(clock: Clock, cuda: bool) -> float:
+    n = 8192 if cuda else 512
+    dt = torch.bfloat16 if cuda else torch.float32
+    a, b = (torch.randn(n, n, device="cuda" if cuda else "cpu", dtype=dt) for _ in range(2))
+    s = clock.time(lambda: a @ b, reps=10, warmup=3)
+    return 2 * n**3 / s
+
+
+def train_step(learner, batch) -> dict:
+    return learner.train_step([[batch]])
+
+
+def snapshot(learner):
+    return {k: v.detach().clone() for k, v in learner.base_model.state_dict().items()}
+
+
+def restore(learner, snap) -> None:
+    learner.base_model.load_state_dict(snap)
+    learner.optimizer.state.clear()
+    learner.step_count = learner.version = 0
+
+
+# ------------------------------------------------------------------------------------------ op probe
+def probe_ops(report: Report, arch: dict, cuda: bool) -> str:
+    """Each fast op alone against its reference at the preset's layer sizes on packed lengths 1, 15, 64,
+    65, 300 (and 1600 on a GPU), output and every gradient, in fp32 and under bf16 autocast (GPU). Per op
+    the first candidate that runs and agrees is the one the timed learner uses; a failing one is
+    reported and skipped, so one broken backend on the device does not cost the whole run."""
+    from kernels.testing import error_ratio
+    from model import HybridConfig
+    from model.fast import use_fast_paths
+    from model.layers import ShortConvolution, seq_layout
+    from model.lm_head import chunked_logprobs_entropy, logits_entropy
+    from model.mla import GatedMLA
+    from model.modeling import token_logprobs
+    from model.moe import SparseMoE
+
+    config = HybridConfig(**arch)
+    dev = torch.device("cuda" if cuda else "cpu")
+    lengths = [1, 15, 64, 65, 300] + ([1600] if cuda else [])
+    T, D, V = sum(lengths), config.hidden_size, config.vocab_size
+    layout = seq_layout(1, T, torch.tensor([0, *np.cumsum(lengths).tolist()]), dev)
+    lac = config.linear_attn_config
+    C = int(lac["num_heads"]) * int(lac["head_dim"])
+    mla_idx = next(i for i in range(config.num_hidden_layers) if not config.is_kda_layer(i))
+    torch.manual_seed(0)
+    mods = {
+        "moe": SparseMoE(config), "attention": GatedMLA(config, mla_idx),
+        "conv": ShortConvolution(C, int(lac["short_conv_kernel_size"])), "lm_head": torch.nn.Linear(D, V, bias=False),
+    }  # fmt: skip
+    for m in mods.values():
+        m.to(dev)
+        for p in m.parameters():
+            if p.ndim >= 2:
+                torch.nn.init.normal_(p, std=0.05)
+    xs = {op: torch.randn(1, T, C if op == "conv" else D, device=dev) for op in mods}
+    targets = torch.randint(0, V, (1, T), device=dev)
+    reference = {"moe": "loop", "attention": "loop", "conv": "torch", "lm_head": "plain"}
+    candidates = {
+        "moe": ["grouped"],
+        "attention": ["varlen", "flex"],
+        "conv": ["triton"],
+        "lm_head": ["chunked"],
+    }
+
+    def run(op: str, choice: str, half: bool) -> list[torch.Tensor]:
+        m, x = mods[op], xs[op].detach().requires_grad_()
+        autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if half else contextlib.nullcontext()
+        with use_fast_paths("reference", **{op: choice}), autocast:
+            if op == "moe":
+                y = m(x)[0]
+            elif op == "attention":
+                y = m(x, layout, layout.cu_seqlens_N1.long())[0]
+            elif op == "conv":
+                y = m(x, layout, need_state=False)[0]
+            elif choice == "chunked":
+                y = torch.stack(chunked_logprobs_entropy(m, x, targets, with_entropy=True))
+            else:
+                logits = m(x)
+                y = torch.stack([token_logprobs(logits, targets), logits_entropy(logits)])
+            g = torch.randn(y.shape, device=dev, generator=torch.Generator(dev).manual_seed(1)).to(y.dtype)
+            grads = torch.autograd.grad(y, [x, *m.parameters()], g, allow_unused=True)
+        return [y.detach().float()] + [None if t is None else t.float() for t in grads]
+
+    chosen = dict(reference)
+    for op in mods:
+        refs = {half: run(op, reference[op], half) for half in ((False, True) if cuda else (False,))}
+        for cand in candidates[op]:
+            ok = True
+            for half, ref in refs.items():
+                tol = 3e-2 if half else 1e-4
+                row = {"kind": "op probe", "op": op, "impl": cand, "dtype": "bfloat16" if half else "float32",
+                       "tokens": T, "tolerance": tol}  # fmt: skip
+                try:
+                    got = run(op, cand, half)
+                    errs = [error_ratio(a, b) for a, b in zip(ref, got) if a is not None and b is not None]
+                    row.update(max_err_ratio=max(errs), out_err_ratio=errs[0], ok=max(errs) <= tol)
+                except Exception as e:  # a backend missing or broken on this device
+                    row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+                report.checks.append(row)
+                ok = ok and row["ok"]
+                print(f"[probe] {op}={cand} {row['dtype']}: {'OK' if row['ok'] else 'FAILED'} "
+                      f"{row.get('max_err_ratio', row.get('error'))}", flush=True)  # fmt: skip
+            if ok:
+                chosen[op] = cand
+                break
+    report.env["fast_paths_used"] = chosen
+    return ",".join(f"{k}={v}" for k, v in chosen.items())
+
+
+# ------------------------------------------------------------------------------------------ check
+def check_fast_vs_reference(report: Report, learner, batch, half: bool) -> bool:
+    """One train step on the reference paths and one on the fast paths from the same weights; tolerances
+    for bf16 autocast (``half``) or fp32 (GEMM rounding only)."""
+    from model.fast import FastPaths
+
+    snap, results, fast_paths = snapshot(learner), {}, learner.fast_paths
+    for name in ("reference", "fast"):
+        learner.fast_paths = FastPaths.reference() if name == "reference" else fast_paths
+        lp = learner.logprobs(batch)
+        restore(learner, snap)
+        m = train_step(learner, batch)
+        results[name] = {"loss": m["loss"], "grad_norm": m["grad_norm"], "logprobs": lp}
+        restore(learner, snap)
+    learner.fast_paths = fast_paths
+    ref, fast = results["reference"], results["fast"]
+    mask = batch.loss_mask_T
+    d = (ref["logprobs"] - fast["logprobs"]).abs()
+    tol = {"loss_abs": 5e-3 + 2e-2 * abs(ref["loss"]), "grad_norm_rel": 5e-2, "logprob_mean_abs": 2e-2}
+    if not half:  # fp32: the fast paths are GEMM-rounding away from the references
+        tol = {"loss_abs": 1e-5 + 1e-4 * abs(ref["loss"]), "grad_norm_rel": 1e-3, "logprob_mean_abs": 1e-4}
+    got = {
+        "loss_abs": abs(ref["loss"] - fast["loss"]),
+        "grad_norm_rel": abs(ref["grad_norm"] - fast["grad_norm"]) / max(ref["grad_norm"], 1e-12),
+        "logprob_mean_abs": float(d[mask].mean()),
+        "logprob_max_abs": float(d[mask].max()),
+    }
+    ok = all(got[k] <= v for k, v in tol.items())
+    row = {"kind": "train step fast vs reference", "dtype": "bfloat16" if half else "float32",
+           "tokens": batch.num_tokens, "ok": ok, "measured": got,
+           "tolerance": tol, "reference": {k: ref[k] for k in ("loss", "grad_norm")},
+           "fast": {k: fast[k] for k in ("loss", "grad_norm")}}  # fmt: skip
+    report.checks.append(row)
+    print(f"[check] {row['dtype']} {'OK' if ok else 'FAILED'} {json.dumps(row['measured'])} ref {row['reference']} "
+          f"fast {row['fast']}", flush=True)  # fmt: skip
+    return ok
+
+
+# ------------------------------------------------------------------------------------------ components
+def capture_inputs(learner, batch) -> dict:
+    """Inputs of the first KDA, MLA and MoE layer and of the LM head, from one no-grad forward."""
+    from model.kda import KimiDeltaAttention
+    from model.mla import GatedMLA
+    from model.moe import SparseMoE
+
+    model = learner.base_model
+    kinds = {KimiDeltaAttention: "kda", GatedMLA: "mla", SparseMoE: "moe"}
+    seen, hooks = {}, []
+    for m in model.modules():
+        kind = kinds.get(type(m))
+        if kind and kind not in seen:
+            seen[kind] = None
+
+            def hook(mod, args, kwargs, kind=kind):
+                if seen[kind] is None:
+                    seen[kind] = (mod, args, kwargs)
+
+            hooks.append(m.register_forward_pre_hook(hook, with_kwargs=True))
+    hooks.append(model.model.norm.register_forward_hook(lambda mod, a, out: seen.__setitem__("head", out)))
+    try:
+        with torch.no_grad():
+            learner.forward(batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _leaf(x):
+    return x.detach().clone().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+
+
+def component_times(learner, batch, clock: Clock, counts: dict) -> dict:
+    from model.fast import pick
+    from model.lm_head import chunked_logprobs_entropy, logits_entropy
+
+    cap = capture_inputs(learner, batch)
+    out = {}
+    for kind in ("kda", "mla", "moe"):
+        if cap.get(kind) is None:
+            continue
+        mod, args, kwargs = cap[kind]
+        args = tuple(_leaf(a) for a in args)
+
+        def run(mod=mod, args=args, kwargs=kwargs):
+            with learner._paths(), learner._autocast():
+                y = mod(*args, **kwargs)[0]
+            with learner._paths():
+                y.backward(torch.ones_like(y))
+
+        per_layer = clock.time(run)
+        out[kind] = {"per_layer_s": per_layer, "layers": counts[kind], "s": per_layer * counts[kind]}
+    h = _leaf(cap["head"])
+    targets = batch.input_ids_T.to(h.device).roll(-1)[None]
+    head = learner.base_model.lm_head
+
+    def run_head():
+        with learner._paths(), learner._autocast():
+            if pick("lm_head", h.device) == "chunked":
+                lp, ent = chunked_logprobs_entropy(head, h, targets, with_entropy=True)
+            else:
+                logits = head(h)
+                lp = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0]
+                ent = logits_entropy(logits).detach()
+        (lp.sum() + 0.01 * ent.sum()).backward()
+
+    out["lm_head_loss"] = {"s": clock.time(run_head)}
+    out["optimizer"] = {"s": clock.time(learner._clip_and_step)}  # grads are those of the last step
+    return out
+
+
+def profile_step(learner, batch, cuda: bool) -> dict:
+    """Kernel launches and GPU time of one step; host syncs counted by CUDA's sync debug mode."""
+    act = torch.profiler.ProfilerActivity
+    acts = [act.CPU] + ([act.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        train_step(learner, batch)
+        if cuda:
+            torch.cuda.synchronize()
+    rows, launches = [], 0
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "self_device_time_total", 0) if cuda else 0
+        if cuda and dev_us > 0:
+            rows.append((ev.key[:70], dev_us / 1e3, ev.count))
+            launches += ev.count
+    rows.sort(key=lambda r: -r[1])
+    syncs = None
+    if cuda:
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train_step(learner, batch)
+            torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("default")
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return {"kernels_per_step": launches, "host_syncs_per_step": syncs, "top_kernels_ms": rows[:15]}
+
+
+# ------------------------------------------------------------------------------------------ runs
+def run_ours(report: Report, learner, tokens: int, args, clock: Clock, peak: float, cuda: bool) -> None:
+    config = learner.base_model.config
+    lengths = episode_lengths(tokens, np.random.default_rng(tokens))
+    batch = make_batch(lengths, config, seed=tokens)
+    n_mm = matmul_params(learner.base_model, config.num_experts_per_token, config.num_experts)
+    t0 = time.time()
+    for _ in range(args.warmup):  # compilation, autotuning, allocator warm-up
+        train_step(learner, batch)
+    warm_s = time.time() - t0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    step_s = clock.time(lambda: train_step(learner, batch), reps=args.steps, warmup=0)
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    layers = learner.base_model.model.layers
+    counts = {"kda": sum(layer.is_kda for layer in layers), "mla": sum(not layer.is_kda for layer in layers),
+              "moe": sum(layer.is_moe for layer in layers)}  # fmt: skip
+    comps = component_times(learner, batch, clock, counts) if args.components else {}
+    prof = profile_step(learner, batch, cuda) if args.profile else {}
+    row = {
+        "impl": "ours", "tokens": tokens, "episodes": len(lengths), "lengths_min_max": [min(lengths), max(lengths)],
+        "step_s": step_s, "tokens_per_s": tokens / step_s, "mfu": 6 * n_mm * tokens / step_s / peak,
+        "active_matmul_params": n_mm, "peak_mem_gib": peak_gib, "warmup_s": warm_s, "components": comps,
+        "checkpoint": args.checkpoint, "compile": args.compile, "fast_paths": str(learner.fast_paths), **prof,
+    }  # fmt: skip
+    report.runs.append(row)
+    print(f"[ours] {tokens} tokens ({len(lengths)} episodes): {step_s * 1e3:.0f} ms/step, "
+          f"{row['tokens_per_s']:.0f} tok/s, MFU {row['mfu'] * 100:.1f}%, peak "
+          f"{peak_gib if peak_gib is None else round(peak_gib, 1)} GiB, components "
+          f"{ {k: round(v['s'] * 1e3, 1) for k, v in comps.items()} } ms", flush=True)  # fmt: skip
+    batch = None  # frees it (the timing closure holds the same cell) before the next part
+    learner.optimizer.zero_grad(set_to_none=True)
+    free(cuda)
+
+
+def peer_config(arch: dict):
+    from transformers.models.kimi_linear import KimiLinearConfig
+
+    from model import HybridConfig
+
+    lac = HybridConfig(**arch).linear_attn_config  # with the layer pattern filled in
+    return KimiLinearConfig(
+        vocab_size=arch["vocab_size"], hidden_size=arch["hidden_size"], num_hidden_layers=arch["num_hidden_layers"],
+        intermediate_size=arch["intermediate_size"], moe_intermediate_size=arch["moe_intermediate_size"],
+        num_attention_heads=arch["num_attention_heads"], num_key_value_heads=arch["num_attention_heads"],
+        kv_lora_rank=arch["kv_lora_rank"], q_lora_rank=arch.get("q_lora_rank"),
+        qk_nope_head_dim=arch["qk_nope_head_dim"], qk_rope_head_dim=arch["qk_rope_head_dim"],
+        v_head_dim=arch["v_head_dim"], num_experts=arch["num_experts"],
+        num_experts_per_token=arch["num_experts_per_token"], num_shared_experts=arch.get("num_shared_experts", 1),
+        moe_renormalize=True, routed_scaling_factor=arch.get("routed_scaling_factor", 1.0), hidden_act="silu",
+        tie_word_embeddings=False, first_k_dense_replace=arch.get("first_k_dense_replace", 1),
+        pad_token_id=None, bos_token_id=None, eos_token_id=None,
+        linear_attn_config={"head_dim": lac["head_dim"], "num_heads": lac["num_heads"],
+                            "short_conv_kernel_size": lac.get("short_conv_kernel_size", 4),
+                            **{k: lac[k] for k in ("kda_layers", "full_attn_layers") if k in lac}},
+    )  # fmt: skip
+
+
+def run_peer(report: Report, arch: dict, tokens: int, args, clock: Clock, peak: float, cuda: bool) -> None:
+    try:
+        from transformers.models.kimi_linear import KimiLinearForCausalLM
+
+        config = peer_config(arch)
+    except Exception as e:  # an older transformers without the model, or a changed config
+        report.peer.append({"tokens": tokens, "error": f"{type(e).__name__}: {e}"})
+        print(f"[peer] not measured: {type(e).__name__}: {e}", flush=True)
+        return
+    try:
+        import fla  # noqa: F401
+
+        kernels = "fla"
+    except ImportError:
+        kernels = "torch fallbacks (fla not importable)"
+    dev = torch.device("cuda" if cuda else "cpu")
+    model = None
+    for impl in ("grouped_mm", None):  # transformers' grouped experts where this version has them
+        try:
+            if impl:
+                config._experts_implementation = impl
+            config._attn_implementation = "sdpa"
+            torch.manual_seed(0)
+            model = KimiLinearForCausalLM(config).to(dev).train()
+            break
+        except Exception as e:
+            report.notes.append(f"peer experts_implementation={impl}: {type(e).__name__}: {e}")
+    if model is None:
+        report.peer.append({"tokens": tokens, "error": "could not build the peer (see notes)"})
+        return
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=cuda)
+    rows = max(1, tokens // args.peer_row)
+    ids = torch.randint(0, config.vocab_size, (rows, tokens // rows), device=dev)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with autocast:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    try:
+        for _ in range(args.warmup):
+            step()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        step_s = clock.time(step, reps=args.steps, warmup=0)
+    except Exception as e:
+        report.peer.append({"tokens": tokens, "error": f"{type(e).__name__}: {e}", "kernels": kernels})
+        print(f"[peer] failed: {type(e).__name__}: {e}", flush=True)
+        model = opt = None
+        free(cuda)
+        return
+    n_mm = matmul_params(model, config.num_experts_per_token, config.num_experts)
+    row = {"impl": "KimiLinearForCausalLM", "tokens": rows * (tokens // rows), "rows": rows, "kernels": kernels,
+           "experts_implementation": getattr(model.config, "_experts_implementation", None), "step_s": step_s,
+           "tokens_per_s": rows * (tokens // rows) / step_s, "active_matmul_params": n_mm,
+           "mfu": 6 * n_mm * rows * (tokens // rows) / step_s / peak,
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}  # fmt: skip
+    report.peer.append(row)
+    print(f"[peer] {row['tokens']} tokens as {rows} rows ({kernels}): {step_s * 1e3:.0f} ms/step, "
+          f"{row['tokens_per_s']:.0f} tok/s, MFU {row['mfu'] * 100:.1f}%", flush=True)  # fmt: skip
+    model = opt = None
+    free(cuda)
+
+
+def free(cuda: bool) -> None:
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------ output
+def markdown(report: Report) -> str:
+    lines = [
+        "| micro-batch tokens | impl | step | tokens/s | MFU | peak memory | KDA | MLA | MoE | LM head + loss | "
+        "optimizer | kernels / syncs per step | ours / peer tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    peers = {p["tokens"]: p for p in report.peer if "error" not in p}
+    for r in report.runs:
+        c = r.get("components", {})
+        ms = lambda k: f"{c[k]['s'] * 1e3:.0f} ms" if k in c else "-"  # noqa: B023 (used at once)
+        peer = peers.get(r["tokens"])
+        ratio = f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else "-"
+        mem = f"{r['peak_mem_gib']:.1f} GiB" if r.get("peak_mem_gib") is not None else "-"
+        ks = f"{r.get('kernels_per_step', '-')} / {r.get('host_syncs_per_step', '-')}"
+        lines.append(f"| {r['tokens']} | ours | {r['step_s'] * 1e3:.0f} ms | {r['tokens_per_s']:.0f} | "
+                     f"{r['mfu'] * 100:.1f}% | {mem} | {ms('kda')} | {ms('mla')} | {ms('moe')} | "
+                     f"{ms('lm_head_loss')} | {ms('optimizer')} | {ks} | {ratio} |")  # fmt: skip
+    for p in report.peer:
+        if "error" in p:
+            lines.append(f"| {p['tokens']} | peer | not measured: {p['error'][:120]} |")
+        else:
+            mem = f"{p['peak_mem_gib']:.1f} GiB" if p.get("peak_mem_gib") is not None else "-"
+            lines.append(f"| {p['tokens']} | KimiLinearForCausalLM ({p['kernels']}, {p['rows']} rows) | "
+                         f"{p['step_s'] * 1e3:.0f} ms | {p['tokens_per_s']:.0f} | {p['mfu'] * 100:.1f}% | {mem} | "
+                         "- | - | - | - | - | - | 1.00x |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
+    ap.add_argument("--small", action="store_true", help="CPU, tiny config, fp32: the plumbing only")
+    ap.add_argument("--preset", type=Path, default=ROOT / "configs/model/gpu_1b.yaml")
+    ap.add_argument("--tokens", default="16384,65536", help="micro-batch sizes to time")
+    ap.add_argument("--check-tokens", type=int, default=8192, help="micro-batch of the bf16 check")
+    ap.add_argument("--check-fp32-tokens", type=int, default=2048, help="micro-batch of the fp32 check (GPU)")
+    ap.add_argument("--no-fp32-check", dest="fp32_check", action="store_false", help="GPU: bf16 check only")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--checkpoint", default="none", choices=["none", "layer", "ffn", "attention"])
+    ap.add_argument("--compile", action="store_true", help="learner.compile (regional torch.compile)")
+    ap.add_argument("--no-peer", dest="peer", action="store_false")
+    ap.add_argument("--peer-row", type=int, default=1024, help="the peer's row length (tokens per sequence)")
+    ap.add_argument("--no-components", dest="components", action="store_false")
+    ap.add_argument("--profile", action="store_true", help="kernel launches and host syncs of one step")
+    ap.add_argument("--skip-check", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--budget", type=float, default=560.0, help="seconds: no new part starts after this")
+    args = ap.parse_args()
+    t_start = time.time()
+    cuda = torch.cuda.is_available() and not args.small
+    if args.small:
+        torch.set_num_threads(1)  # tiny ops on a shared CPU: more threads only wait for each other
+        arch = dict(SMALL_ARCH)
+        if args.tokens == ap.get_default("tokens"):
+            args.tokens = "1024,2048"
+        args.check_tokens = min(args.check_tokens, 512)
+    else:
+        arch = load_arch(args.preset)
+    report = Report()
+    report.env = {
+        "date": time.strftime("%Y-%m-%d %H:%M"), "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
+        "torch": torch.__version__, "python": platform.python_version(), "command": " ".join(sys.argv),
+        "arch": "small" if args.small else str(args.preset.relative_to(ROOT) if args.preset.is_relative_to(ROOT) else args.preset),
+    }  # fmt: skip
+    try:
+        import transformers
+
+        report.env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    clock = Clock(cuda)
+    peak = gemm_peak(clock, cuda)
+    report.env["gemm_peak_tflops"] = peak / 1e12
+    from model.fast import pick
+
+    dev = torch.device("cuda" if cuda else "cpu")
+    report.env["fast_paths"] = {op: pick(op, dev) for op in ("moe", "attention", "conv", "lm_head")}
+    print(f"[env] {json.dumps(report.env)}", flush=True)
+    fast_paths = probe_ops(report, arch, cuda) if not args.skip_check else "auto"
+    report.save(args.out)
+    device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
+    learner = make_learner(arch, device, dtype, max(int(t) for t in args.tokens.split(",")), args, fast_paths)
+    if not args.skip_check:
+        config = learner.base_model.config
+        checks = [("bfloat16", args.check_tokens)] if cuda else []
+        if args.fp32_check or not cuda:
+            checks.append(("float32", args.check_fp32_tokens if cuda else args.check_tokens))
+        for check_dtype, tokens in checks:  # bf16 as timed; fp32 holds the kernels to the references tightly
+            batch = make_batch(episode_lengths(tokens, np.random.default_rng(1)), config, seed=1)
+            learner.cfg = replace(learner.cfg, dtype=check_dtype)
+            ok = check_fast_vs_reference(report, learner, batch, check_dtype == "bfloat16")
+            learner.cfg = replace(learner.cfg, dtype=dtype)
+            report.save(args.out)
+            del batch
+            free(cuda)
+            if not ok:
+                print("[check] the fast paths disagree with the references: nothing timed", flush=True)
+                return 1
+    for tokens in [int(t) for t in args.tokens.split(",") if t]:
+        for part in ("ours", "peer") if args.peer else ("ours",):
+            if time.time() - t_start > args.budget:
+                report.notes.append(f"budget reached before {part} at {tokens} tokens")
+                continue
+            for attempt in range(2):
+                try:
+                    if part == "ours":
+                        run_ours(report, learner, tokens, args, clock, peak, cuda)
+                    else:
+                        run_peer(report, arch, tokens, args, clock, peak, cuda)
+                    break
+                except torch.OutOfMemoryError as e:
+                    report.notes.append(
+                        f"{part} at {tokens} tokens, checkpoint={args.checkpoint}: out of memory"
+                    )
+                    print(f"[oom] {part} {tokens} checkpoint={args.checkpoint}: {str(e)[:200]}", flush=True)
+                    learner.optimizer.zero_grad(set_to_none=True)
+                    free(cuda)
+                    if part != "ours" or args.checkpoint != "none" or attempt:
+                        break
+                    from rl.learner import _checkpoint_layers  # once on, it stays on for the later sizes
+
+                    _checkpoint_layers(learner.base_model, "layer")
+                    args.checkpoint = "layer"
+            report.save(args.out)
+    print(markdown(report), flush=True)
+    print(f"[done] {time.time() - t_start:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""bench/learner_mfu.py --small on the CPU: the fast-vs-reference check passes and gates the timings,
+a broken fast path stops the run before anything is timed, the report holds what the device run needs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "learner_mfu.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("learner_mfu", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["learner_mfu"] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop("learner_mfu", None)
+
+
+def run(bench, monkeypatch, out: Path, *extra: str) -> int:
+    argv = ["learner_mfu.py", "--small", "--no-peer", "--tokens", "384", "--steps", "1", "--warmup", "0",
+            "--out", str(out), *extra]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    return bench.main()
+
+
+def test_small_run_checks_then_times(bench, monkeypatch, tmp_path):
+    assert run(bench, monkeypatch, tmp_path) == 0
+    report = json.loads((tmp_path / "learner_mfu.json").read_text())
+    probes = {r["op"]: r for r in report["checks"] if r["kind"] == "op probe" and r["ok"]}
+    assert {"moe", "lm_head"} <= set(probes)  # CPU: no Triton conv, no flash / flex backward
+    (check,) = [r for r in report["checks"] if r["kind"] == "train step fast vs reference"]
+    assert check["ok"] and check["dtype"] == "float32" and check["measured"]["grad_norm_rel"] <= 1e-3
+    (row,) = report["runs"]
+    assert row["tokens"] == 384 and row["tokens_per_s"] > 0 and row["mfu"] > 0
+    assert "moe='grouped'" in row["fast_paths"] and "lm_head='chunked'" in row["fast_paths"]
+    assert set(row["components"]) == {"kda", "mla", "moe", "lm_head_loss", "optimizer"}
+    assert row["components"]["kda"]["layers"] == 3 and row["components"]["moe"]["layers"] == 3
+    assert report["env"]["gemm_peak_tflops"] > 0
+    assert "| 384 | ours |" in (tmp_path / "learner_mfu.md").read_text()
+
+
+def _break_grouped_moe(monkeypatch):
+    from model.moe import SparseMoE
+
+    real = SparseMoE._routed_grouped
+    monkeypatch.setattr(SparseMoE, "_routed_grouped", lambda self, z, route: 1.5 * real(self, z, route))
+
+
+def test_a_wrong_fast_op_is_rejected_by_the_probe_and_not_timed(bench, monkeypatch, tmp_path):
+    _break_grouped_moe(monkeypatch)
+    assert run(bench, monkeypatch, tmp_path) == 0
+    report = json.loads((tmp_path / "learner_mfu.json").read_text())
+    (probe,) = [r for r in report["checks"] if r.get("op") == "moe"]
+    assert not probe["ok"] and probe["max_err_ratio"] > 0.1
+    assert (
+        report["env"]["fast_paths_used"]["moe"] == "loop" and "moe='loop'" in report["runs"][0]["fast_paths"]
+    )
+
+
+def test_a_wrong_train_step_stops_the_run_before_timing(bench, monkeypatch, tmp_path):
+    _break_grouped_moe(monkeypatch)
+    monkeypatch.setattr(bench, "probe_ops", lambda *a: "moe=grouped")  # as if the probe had missed it
+    assert run(bench, monkeypatch, tmp_path) == 1
+    report = json.loads((tmp_path / "learner_mfu.json").read_text())
+    assert not report["checks"][-1]["ok"] and report["runs"] == []
+
+
+def test_matmul_parameter_count_counts_active_experts_only(bench):
+    from model import HybridConfig
+    from model.modeling import HybridForCausalLM
+
+    config = HybridConfig(**bench.SMALL_ARCH)
+    model = HybridForCausalLM(config)
+    n = bench.matmul_params(model, config.num_experts_per_token, config.num_experts)
+    expert = sum(p.numel() for p in model.model.layers[1].block_sparse_moe.experts[0].parameters())
+    linear = sum(m.weight.numel() for m in model.modules() if type(m).__name__ == "Linear")
+    routers = sum(layer.block_sparse_moe.gate.weight.numel() for layer in model.model.layers if layer.is_moe)
+    moe_layers = len(config.moe_layer_indices)
+    inactive = (config.num_experts - config.num_experts_per_token) * expert * moe_layers
+    assert n == linear - inactive + routers
