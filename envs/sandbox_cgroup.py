@@ -208,25 +208,37 @@ def _probe() -> CgroupProbe:
 
 
 def _mounts() -> list[tuple[str, str, str, set[str]]]:
-    """(fstype, mount root, mount point, super options) of every cgroup mount."""
-    out = []
-    with contextlib.suppress(OSError):
-        for line in _read("/proc/self/mountinfo").splitlines():
-            left, _, right = line.partition(" - ")
-            f, r = left.split(), right.split()
-            if r and r[0] in ("cgroup", "cgroup2"):
-                out.append((r[0], f[3], f[4], set(r[2].split(",")) if len(r) > 2 else set()))
-    return out
+    try:
+        return parse_mountinfo(_read("/proc/self/mountinfo"))
+    except OSError:
+        return []
 
 
 def _own_cgroups() -> dict[str, str]:
-    """Controller (or "unified") -> our cgroup path, from /proc/self/cgroup."""
+    try:
+        return parse_proc_cgroup(_read("/proc/self/cgroup"))
+    except OSError:
+        return {}
+
+
+def parse_mountinfo(text: str) -> list[tuple[str, str, str, set[str]]]:
+    """(fstype, mount root, mount point, super options) of every cgroup mount in a mountinfo text."""
+    out = []
+    for line in text.splitlines():
+        left, _, right = line.partition(" - ")
+        f, r = left.split(), right.split()
+        if len(f) > 4 and r and r[0] in ("cgroup", "cgroup2"):
+            out.append((r[0], f[3], f[4], set(r[2].split(",")) if len(r) > 2 else set()))
+    return out
+
+
+def parse_proc_cgroup(text: str) -> dict[str, str]:
+    """Controller (or "unified" for the v2 line) -> cgroup path, from a /proc/<pid>/cgroup text."""
     out = {}
-    with contextlib.suppress(OSError):
-        for line in _read("/proc/self/cgroup").splitlines():
-            _, names, path = line.split(":", 2)
-            for name in names.split(",") if names else ["unified"]:
-                out[name] = path
+    for line in text.splitlines():
+        _, names, path = line.split(":", 2)
+        for name in names.split(",") if names else ["unified"]:
+            out[name] = path
     return out
 
 
@@ -245,15 +257,15 @@ def _layout_v2(mounts, own) -> CgroupLayout | str:
         parent = delegated
     else:
         ours = _on_disk(root, point, own.get("unified", "/"))
-        available = set(_read(os.path.join(ours, "cgroup.controllers")).split())
-        missing = [c for c in V2_REQUIRED if c not in available]
-        if missing:
-            return f"v2: controllers {missing} are not available in {ours} (bound to v1, or not delegated)"
         if own.get("unified", "/") != "/" or root != "/":
             return (
                 f"v2: our cgroup {ours} holds processes, so it cannot give controllers to children; "
                 f"set {DELEGATED_ENV} to an empty delegated cgroup"
             )
+        available = set(_read(os.path.join(ours, "cgroup.controllers")).split())
+        missing = [c for c in V2_REQUIRED if c not in available]
+        if missing:
+            return f"v2: controllers {missing} are not available in {ours} (bound to v1, or not delegated)"
         parent = os.path.join(ours, PARENT_NAME)
         _write(os.path.join(ours, "cgroup.subtree_control"), " ".join(f"+{c}" for c in V2_REQUIRED))
     os.makedirs(parent, exist_ok=True)

@@ -492,3 +492,43 @@ def test_seccomp_syscall_numbers_match_libseccomp(arch):
     table = seccomp.ARCHES[arch]
     for name, nr in table.numbers.items():
         assert lib.seccomp_syscall_resolve_name_arch(table.audit, name.encode()) == nr, (arch, name)
+
+
+# --- cgroup discovery (the v2 path cannot run on a v1 host: its logic on a fake tree) ------------------
+HYBRID_MOUNTINFO = """31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids
+33 31 0:30 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw"""
+
+
+def test_cgroup_mounts_and_paths_are_parsed():
+    from envs.sandbox_cgroup import parse_mountinfo, parse_proc_cgroup
+
+    mounts = parse_mountinfo(HYBRID_MOUNTINFO)
+    assert [(m[0], m[2]) for m in mounts][-1] == ("cgroup2", "/sys/fs/cgroup/unified") and len(mounts) == 4
+    assert {"cpu", "cpuacct"} <= mounts[2][3]
+    own = parse_proc_cgroup("4:memory:/process_api/ab\n2:cpu,cpuacct:/\n0::/user.slice/x.scope\n")
+    assert own == {"memory": "/process_api/ab", "cpu": "/", "cpuacct": "/", "unified": "/user.slice/x.scope"}
+
+
+def test_cgroup_v2_layout_on_a_fake_tree(tmp_path, monkeypatch):
+    from envs import sandbox_cgroup as cg
+
+    monkeypatch.delenv(cg.DELEGATED_ENV, raising=False)
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    mounts = [("cgroup2", "/", str(tmp_path), set())]
+    assert "holds processes" in cg._layout_v2(mounts, {"unified": "/system.slice/x.service"})
+    layout = cg._layout_v2(mounts, {"unified": "/"})
+    parent = tmp_path / cg.PARENT_NAME
+    assert layout.version == 2 and layout.parents == {"unified": str(parent)}
+    assert (tmp_path / "cgroup.subtree_control").read_text() == "+memory +pids"
+    group = cg.create(layout, 256, 18)
+    d = Path(group.dirs["unified"])
+    assert (d / "memory.max").read_text() == str(256 * 1024 * 1024) and (d / "pids.max").read_text() == "18"
+    assert group.procs_files == [str(d / "cgroup.procs")]
+    (d / "cpu.stat").write_text("usage_usec 1500000\nuser_usec 1000000\n")
+    (d / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    assert group.cpu_seconds() == 1.5 and group.oom_kills() == 1
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu io\n")
+    assert "not available" in cg._layout_v2(mounts, {"unified": "/"})
