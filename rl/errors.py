@@ -148,14 +148,10 @@ def read_errors(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.is_file() else []
 
 
-def truncate_errors(path: str | Path, last_step: int, finished: bool) -> None:
-    """A resumed run's errors.jsonl without what it redoes: collections after the in-flight one
-    (``last_step + 1``) and evaluations from ``last_step`` on when the run had finished its steps (the
-    final evaluation runs after the last checkpoint), after ``last_step`` otherwise."""
+def truncate_errors(path: str | Path, last_train: int, last_eval: int) -> None:
+    """A resumed run's errors.jsonl without the rows of what it redoes: collections after step
+    ``last_train`` and evaluations after step ``last_eval`` (rl/rundir.py says which those are)."""
     rows = read_errors(path)
-    if not rows:
-        return
-    last_eval = last_step - 1 if finished else last_step
-    keep = [r for r in rows if r["step"] <= (last_step + 1 if r["phase"] == "train" else last_eval)]
+    keep = [r for r in rows if r["step"] <= (last_train if r["phase"] == "train" else last_eval)]
     if len(keep) < len(rows):
         Path(path).write_text("".join(json.dumps(r) + "\n" for r in keep))

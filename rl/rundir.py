@@ -108,7 +108,9 @@ def open_run(cfg: TrainConfig, total_steps: int) -> RunDir:
               + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in _rows(changes)), flush=True)  # fmt: skip
     forced = version if changes or _forced_before(path) else 0
     finished = state.step >= total_steps
-    truncate_errors(path / ERRORS_FILE, state.step, finished)
+    # kept: the collection the checkpoint holds in flight (step + 1), the evaluations up to the step's own
+    # (the final one runs after the last checkpoint, so a finished run redoes it)
+    truncate_errors(path / ERRORS_FILE, state.step + (state.in_flight is not None), state.step - finished)
     if finished:  # the final evaluation runs again: its rows of the interrupted attempt go
         drop_final_rows(path / "metrics.jsonl", state.step)
     return RunDir(path, latest, state, config_version=forced, changes=changes)

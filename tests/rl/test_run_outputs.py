@@ -88,7 +88,7 @@ def test_env_failures_go_to_errors_jsonl_and_each_kind_is_printed_once(renderer,
     resumed = ErrorLog(tmp_path, said.append)  # a resumed run remembers what it has shown
     resumed.record(3, "train", step1.episodes)
     assert len(said) == 1
-    truncate_errors(tmp_path / "errors.jsonl", last_step=0, finished=False)  # resumed from step 0: keeps 1
+    truncate_errors(tmp_path / "errors.jsonl", last_train=1, last_eval=0)  # what a resume redoes goes
     assert {r["step"] for r in read_errors(tmp_path / "errors.jsonl")} == {1}
 
 

@@ -145,3 +145,19 @@ def test_run_resume_values():
     assert {"run.resume", "run.stop_after_steps", "run.verbose", "run.progress_bar", "run.dir", "ray"} <= set(
         RESUME_FREE_KEYS
     )
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_a_resume_drops_the_error_rows_of_what_it_redoes(tmp_path, in_flight):
+    from rl_factories import group
+
+    run = tmp_path / "r"
+    cfg = started(run, 2)
+    if in_flight:  # the checkpoint holds step 3's groups: their collection is not redone
+        checkpoint.save(run, checkpoint.RunState(step=2, in_flight=[group([1.0, 0.0])]),
+                        lambda p: Path(p).write_text("learner"), keep=2)  # fmt: skip
+    rows = [(2, "train"), (2, "eval"), (3, "train"), (3, "eval")]  # a stopped run: step 3 failed to collect
+    (run / "errors.jsonl").write_text("".join(json.dumps({"step": s, "phase": p}) + "\n" for s, p in rows))
+    open_run(cfg, total(cfg))
+    kept = [(r["step"], r["phase"]) for r in map(json.loads, (run / "errors.jsonl").read_text().splitlines())]
+    assert kept == [(2, "train"), (2, "eval")] + ([(3, "train")] if in_flight else [])
