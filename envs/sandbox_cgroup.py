@@ -167,6 +167,8 @@ def _limits_v1(dirs: dict[str, str], memory_mb: int, pids_max: int) -> None:
     mem = dirs["memory"]
     _write(os.path.join(mem, "memory.limit_in_bytes"), str(memory_mb * MB))
     _write_if_exists(os.path.join(mem, "memory.memsw.limit_in_bytes"), str(memory_mb * MB))  # no swap
+    # v1 charges TCP buffers only to groups with a TCP limit (v2 charges them to memory.current)
+    _write_if_exists(os.path.join(mem, "memory.kmem.tcp.limit_in_bytes"), str(memory_mb * MB))
     _write(os.path.join(dirs["pids"], "pids.max"), str(pids_max))
 
 
