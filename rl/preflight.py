@@ -3,6 +3,9 @@
 ``rl.train`` calls these right after loading the config, so that a mistake it can see from here costs
 seconds and one line, not an actor's traceback a minute later:
 
+``preflight(cfg)`` runs every check below (``rl.train`` and ``rl.sft`` call it):
+
+- ``check_envs``: every env id the run names resolves (registry, "module:Class", entry point).
 - ``add_runtime_env_paths``: the config's ``ray.runtime_env`` (``working_dir``, ``py_modules``,
   ``env_vars.PYTHONPATH``) makes modules importable in the job's actors; the driver resolves envs and
   reward functions itself first, so the same entries go on its own ``sys.path`` before it does (and a
@@ -24,10 +27,36 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rl.config import ConfigError, TrainConfig, stages
+from rl.config import ConfigError, TrainConfig, check_nested_keys, stages
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 """Weight files of a Hugging Face checkpoint directory (``save_pretrained`` writes model.safetensors)."""
+
+
+def preflight(cfg: TrainConfig) -> None:
+    """Every check that needs no actor, in the order a user's mistake is most likely found; ConfigError."""
+    add_runtime_env_paths(cfg.ray.runtime_env)  # the actors import plug-ins from there: so do the checks
+    check_envs(cfg)
+    check_nested_keys(cfg)  # model.arch, rollout.engine, env.kwargs.<Env>: typos there fail here, by name
+    check_checkpoints(cfg)  # model.init_from is a checkpoint: seconds and one line, not an actor's traceback
+
+
+def check_envs(cfg: TrainConfig) -> None:
+    """Every env the run names must resolve now, not in an actor twenty minutes in."""
+    from envs.registry import resolve_env
+
+    names = {
+        *cfg.env.mix,
+        cfg.env.eval_env,
+        *cfg.sft.env_mix,
+        *(n for s in cfg.curriculum.stages for n in s.mix or {}),
+    }
+    for name in sorted(names):
+        try:
+            resolve_env(name)
+        except (ValueError, ImportError, AttributeError) as e:
+            raise ConfigError(f"env {name!r}: {e}") from None
+
 
 
 # --------------------------------------------------------------------------- plug-ins on the driver's path

@@ -28,7 +28,7 @@ from typing import Any
 
 from envs.types import Episode, EpisodeStatus, Turn
 from rl.batching import episode_row, pack
-from rl.config import SFTConfig, TrainConfig, check_nested_keys, load_config
+from rl.config import ConfigError, SFTConfig, TrainConfig, load_config
 
 
 def call(obj: Any, method: str, *args: Any) -> Any:
@@ -256,13 +256,21 @@ def sft_learner_config(cfg: TrainConfig):
 
 def main(argv: list[str] | None = None) -> int:
     from rl.learner import Learner
+    from rl.preflight import preflight
 
     p = argparse.ArgumentParser(prog="python -m rl.sft", description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    check_nested_keys(cfg)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        preflight(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if cfg.sft.target_success is not None:
+        print("note: python -m rl.sft starts no rollout engine, so sft.target_success is not checked here; "
+              "it trains for sft.max_steps / all epochs (rl.train checks the target)")  # fmt: skip
     out_dir = cfg.sft.output_dir or str(Path(cfg.run.dir) / "sft")
     episodes = expert_episodes(cfg.sft, sft_env_kwargs(cfg))
     learner = Learner(cfg.model, sft_learner_config(cfg), cfg.algorithm)

@@ -35,10 +35,10 @@ from pathlib import Path
 
 from rl import checkpoint
 from rl.batching import train_minibatches
-from rl.config import ConfigError, RewardConfig, TrainConfig, check_nested_keys, load_config, stages
+from rl.config import ConfigError, RewardConfig, TrainConfig, load_config, stages
 from rl.errors import EXIT_CONFIG, EXIT_ENV_FAILURE, EXIT_EVAL_FAILED, EXIT_OK, EnvFailure
 from rl.metrics import MetricsLogger, summary_text, truncate_metrics, write_plots
-from rl.preflight import add_runtime_env_paths, check_checkpoints, plan_lines
+from rl.preflight import plan_lines, preflight
 from rl.rollouts import WorkerPool, collect_step, prepare_model_dir, run_evaluation
 from rl.rundir import RunOutputs, open_run
 from rl.sft import call, warm_start, warm_start_warnings
@@ -51,28 +51,8 @@ def parse(argv: list[str] | None) -> TrainConfig:
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    add_runtime_env_paths(cfg.ray.runtime_env)  # the actors import plug-ins from there: so do the checks
-    check_envs(cfg)
-    check_nested_keys(cfg)  # model.arch, rollout.engine, env.kwargs.<Env>: typos there fail here, by name
-    check_checkpoints(cfg)  # model.init_from is a checkpoint: seconds and one line, not an actor's traceback
+    preflight(cfg)
     return cfg
-
-
-def check_envs(cfg: TrainConfig) -> None:
-    """Every env the run names must resolve now, not in an actor twenty minutes in."""
-    from envs.registry import resolve_env
-
-    names = {
-        *cfg.env.mix,
-        cfg.env.eval_env,
-        *cfg.sft.env_mix,
-        *(n for s in cfg.curriculum.stages for n in s.mix or {}),
-    }
-    for name in sorted(names):
-        try:
-            resolve_env(name)
-        except (ValueError, ImportError, AttributeError) as e:
-            raise ConfigError(f"env {name!r}: {e}") from None
 
 
 def build_reward(cfg: RewardConfig):
