@@ -221,7 +221,7 @@ def test_fast_path_choice_parses_resolves_and_names_bad_values():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     with use_fast_paths("auto"):
         assert [fast.pick(op, cpu) for op in ("moe", "attention", "conv", "lm_head")] == [
-            "grouped", "loop", "torch", "plain"]  # fmt: skip
+            "grouped", "loop", "torch", "chunked"]  # fmt: skip
         assert fast.pick("conv", cuda) == "triton" and fast.pick("lm_head", cuda) == "chunked"
         assert fast.pick("attention", cuda) in ("varlen", "flex")
     with use_fast_paths("reference"):
