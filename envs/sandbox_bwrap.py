@@ -14,11 +14,15 @@ One call runs as follows (as root; the parts that need root are skipped otherwis
    library, the shared libraries they load), a handful of tools (sh, sleep, cat, echo, ls, env,
    true, false), a synthetic ``/etc`` (passwd, group, hosts; a root-only shadow), ``/proc`` of the
    new PID namespace, a ``/dev`` with null, zero and urandom only, and the tmpfs as ``/tmp`` and
-   ``/dev/shm``; remounts the root read-only, loads the seccomp filter and runs
-   ``python3 -I /tmp/sandbox/main.py`` with an empty environment, in a new session.
-4. The host waits, polling the cgroup's CPU time: past ``cpu_s`` (all processes together) or
-   ``wall_s`` it kills the group. When the code's main process ends, bwrap's PID-namespace init
-   ends and the kernel kills whatever is left in the namespace. The group is removed.
+   ``/dev/shm``; remounts the root read-only, loads the seccomp filter and runs, in a new session
+   and with an empty environment, ``sh -c "python3 -I main.py"`` in ``/tmp/sandbox`` as the PID
+   namespace's init (``--as-pid-1``): when the code's main process ends, sh ends, and the kernel
+   kills whatever the code left in the namespace.
+4. The host waits on a pidfd, polling the cgroup's CPU time: past ``cpu_s`` (all processes
+   together) or ``wall_s`` it kills the namespace's init (then, if needed, the group). The group
+   is removed. Deviation: ``wall_s`` counts from the moment bwrap reports the code started, so the
+   set-up (bounded separately by ``SETUP_TIMEOUT_S``) on a loaded machine is not the code's time;
+   the env's tool time budgets count real time.
 
 No host path is visible (no project checkout, home, /run, /sys, /var, host /etc, GPU devices), no
 host socket is reachable (no filesystem socket is bound; abstract sockets and the loopback belong
