@@ -14,8 +14,9 @@ from the routing itself: no host sync, whatever the expert loads.
 ``grouped_mm`` takes weights in nn.Linear layout [G, N, K] and dispatches to PyTorch's grouped
 matrix product (``torch._grouped_mm``) where it has a kernel for the device and dtype: CUDA with
 bf16 on sm90+ (the CUTLASS kernel; torch's CUDA fallback for other dtypes copies the offsets to
-the host and loops, which is what this module avoids), and CPU in fp32/bf16/fp16 from torch 2.9.
-Everything else (float64, fp32 on CUDA, unaligned shapes) takes the loop in ``naive.py``.
+the host and loops, which is what this module avoids), and CPU in fp32/bf16/fp16 from torch 2.9
+(16-byte rows). Other CUDA cases (fp32, fp16, older GPUs, unaligned shapes) take the Triton kernel
+in ``triton.py``; the rest (float64, unaligned CPU shapes) the loop in ``naive.py``.
 ``align = grouped_mm_alignment(...)`` pads each group to 16 bytes of rows on CUDA (torchtitan
 pads likewise for the weight-gradient product, whose contraction runs over a group's rows).
 """
@@ -112,8 +113,12 @@ def _torch_at_least(major: int, minor: int) -> bool:
 
 
 def grouped_mm_backend(x_SK: torch.Tensor, w_GNK: torch.Tensor) -> str:
-    """Which implementation ``grouped_mm`` runs for these operands: "torch" or "naive"."""
-    return "torch" if _torch_grouped_mm_ok(x_SK, w_GNK) else "naive"
+    """Which implementation ``grouped_mm`` runs for these operands: "torch", "triton" or "naive"."""
+    if _torch_grouped_mm_ok(x_SK, w_GNK):
+        return "torch"
+    if x_SK.is_cuda and x_SK.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return "triton"
+    return "naive"
 
 
 def grouped_mm_alignment(device: torch.device, dtype: torch.dtype) -> int:
@@ -138,7 +143,7 @@ def grouped_mm(x_SK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) ->
     """y [S, N] with y[offs[g-1]:offs[g]] = x[offs[g-1]:offs[g]] @ w[g]^T; differentiable in x and w.
 
     offs: int32 [G] non-decreasing group ends, offs[-1] <= S. Rows past offs[-1] are not computed
-    (undefined on the torch path; zero on the loop path): callers never read them.
+    (undefined on the torch path; zero on the Triton and loop paths): callers never read them.
     """
     if x_SK.ndim != 2 or w_GNK.ndim != 3 or x_SK.shape[1] != w_GNK.shape[2]:
         raise ValueError(
@@ -148,8 +153,13 @@ def grouped_mm(x_SK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) ->
         raise ValueError(
             f"offs must have one end per group ({w_GNK.shape[0]}), got shape {tuple(offs_G.shape)}"
         )
-    if grouped_mm_backend(x_SK, w_GNK) == "torch":
+    backend = grouped_mm_backend(x_SK, w_GNK)
+    if backend == "torch":
         return _GradContiguous.apply(
             torch._grouped_mm(x_SK, w_GNK.transpose(-2, -1), offs=offs_G.to(torch.int32))
         )
+    if backend == "triton":
+        from kernels.moe.triton import grouped_mm_triton
+
+        return grouped_mm_triton(x_SK, w_GNK, offs_G)
     return grouped_mm_naive(x_SK, w_GNK, offs_G)

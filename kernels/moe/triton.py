@@ -1,0 +1,124 @@
+"""Triton grouped matrix product for the cases PyTorch's has no device kernel for (fp32 / fp16 on CUDA,
+GPUs before sm90): y[rows of g] = x[rows of g] @ w[g]^T with the group ends ``offs`` read on the device.
+
+Forward (and dx, the same kernel on w transposed): one program per (row tile, column tile); the row
+tiles of every group are laid out on the device from ``offs`` (``_tile_schedule``: a static upper
+bound of cdiv(S, BM) + G tiles, spare programs exit), so the launch needs no host sync. dw[g] =
+dy[rows of g]^T @ x[rows of g]: one program per (group, column tile, k tile) looping over the group's
+rows. fp32 inputs multiply in IEEE fp32 (``input_precision="ieee"``), half inputs on the tensor cores
+with fp32 accumulation. Tested under TRITON_INTERPRET=1 against ``naive.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BM, BN, BK = 64, 64, 32
+
+
+def _tile_schedule(offs_G: torch.Tensor, block_m: int, max_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row tile: its group (G = spare) and first row, from the group ends, on the device."""
+    offs = offs_G.long()
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
+    tiles = (offs - starts + block_m - 1) // block_m
+    tile_end = tiles.cumsum(0)
+    t = torch.arange(max_tiles, device=offs.device)
+    group = torch.searchsorted(tile_end, t, right=True)
+    g = group.clamp(max=offs.numel() - 1)
+    first_row = starts[g] + (t - (tile_end[g] - tiles[g])) * block_m
+    return group.to(torch.int32), first_row.to(torch.int32)
+
+
+@triton.jit
+def _gmm_rows(x_ptr, w_ptr, y_ptr, offs_ptr, tile_group_ptr, tile_row_ptr, N, K, G,
+              sxm, sxk, swg, swn, swk, sym, syn,
+              PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    tile = tl.program_id(0)
+    g = tl.load(tile_group_ptr + tile)
+    if g < G:
+        row0 = tl.load(tile_row_ptr + tile)
+        row_end = tl.load(offs_ptr + g)
+        rows = row0 + tl.arange(0, BM)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        rm, cm = rows < row_end, cols < N
+        acc = tl.full([BM, BN], 0.0, dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            km = ks < K
+            a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * sxm + ks[None, :] * sxk,
+                        mask=rm[:, None] & km[None, :], other=0.0)  # fmt: skip
+            b = tl.load(w_ptr + g.to(tl.int64) * swg + cols[None, :] * swn + ks[:, None] * swk,
+                        mask=km[:, None] & cm[None, :], other=0.0)  # fmt: skip
+            acc += tl.dot(a, b, input_precision=PREC)
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * sym + cols[None, :] * syn,
+                 acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] & cm[None, :])  # fmt: skip
+
+
+@triton.jit
+def _gmm_dw(dy_ptr, x_ptr, dw_ptr, offs_ptr, N, K, sdm, sdn, sxm, sxk,
+            PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    g = tl.program_id(0)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    ks = tl.program_id(2) * BK + tl.arange(0, BK)
+    cm, km = cols < N, ks < K
+    row_end = tl.load(offs_ptr + g)
+    row_start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    acc = tl.full([BN, BK], 0.0, dtype=tl.float32)
+    for r0 in range(row_start, row_end, BM):
+        rows = r0 + tl.arange(0, BM)
+        rm = rows < row_end
+        d = tl.load(dy_ptr + rows.to(tl.int64)[:, None] * sdm + cols[None, :] * sdn,
+                    mask=rm[:, None] & cm[None, :], other=0.0)  # fmt: skip
+        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * sxm + ks[None, :] * sxk,
+                    mask=rm[:, None] & km[None, :], other=0.0)  # fmt: skip
+        acc += tl.dot(tl.trans(d), a, input_precision=PREC)
+    out = dw_ptr + g.to(tl.int64) * N * K + cols[:, None] * K + ks[None, :]
+    tl.store(out, acc.to(dw_ptr.dtype.element_ty), mask=cm[:, None] & km[None, :])
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for half inputs
+
+
+def _rows(x_SK: torch.Tensor, w, w_strides, N: int, offs_G: torch.Tensor) -> torch.Tensor:
+    """y [S, N] = per group x @ W^T where W[g][n, k] is at w + g*s0 + n*s1 + k*s2."""
+    S, K = x_SK.shape
+    G = offs_G.numel()
+    y = torch.zeros(S, N, device=x_SK.device, dtype=x_SK.dtype)  # rows past offs[-1] stay zero
+    max_tiles = triton.cdiv(S, BM) + G
+    group, first_row = _tile_schedule(offs_G, BM, max_tiles)
+    grid = (max_tiles, triton.cdiv(N, BN))
+    _gmm_rows[grid](x_SK, w, y, offs_G, group, first_row, N, K, G, x_SK.stride(0), x_SK.stride(1),
+                    *w_strides, y.stride(0), y.stride(1), PREC=_prec(x_SK.dtype), BM=BM, BN=BN, BK=BK)  # fmt: skip
+    return y
+
+
+class GroupedMMTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_SK, w_GNK, offs_G):
+        ctx.save_for_backward(x_SK, w_GNK, offs_G)
+        return _rows(x_SK, w_GNK, w_GNK.stride(), w_GNK.shape[1], offs_G)
+
+    @staticmethod
+    def backward(ctx, dy_SN):
+        x_SK, w_GNK, offs_G = ctx.saved_tensors
+        G, N, K = w_GNK.shape
+        dy_SN = dy_SN.contiguous()
+        s0, s1, s2 = w_GNK.stride()
+        dx = _rows(dy_SN, w_GNK, (s0, s2, s1), K, offs_G) if ctx.needs_input_grad[0] else None  # dy @ w[g]
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = torch.empty(G, N, K, device=w_GNK.device, dtype=w_GNK.dtype)
+            grid = (G, triton.cdiv(N, BN), triton.cdiv(K, BK))
+            _gmm_dw[grid](dy_SN, x_SK, dw, offs_G, N, K, dy_SN.stride(0), dy_SN.stride(1), x_SK.stride(0),
+                          x_SK.stride(1), PREC=_prec(x_SK.dtype), BM=BM, BN=BN, BK=BK)  # fmt: skip
+        return dx, dw, None
+
+
+def grouped_mm_triton(x_SK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    """Same contract as ``kernels.moe.grouped_mm`` (rows past offs[-1] are zero here)."""
+    if x_SK.dtype != w_GNK.dtype:
+        raise ValueError(f"x and w must share a dtype, got {x_SK.dtype} and {w_GNK.dtype}")
+    return GroupedMMTriton.apply(x_SK, w_GNK, offs_G.to(torch.int32).contiguous())
