@@ -6,7 +6,7 @@ to); the choice is process-wide, read at each call, with "auto" resolved by the 
 | op | reference | fast path | "auto" on CUDA | "auto" on CPU |
 |---|---|---|---|---|
 | ``moe`` | ``loop``: one GLU per expert (``SparseMoE._routed_loop``) | ``grouped``: permute, grouped GEMM, unpermute (``kernels.moe``) | grouped | grouped (measured faster) |
-| ``attention`` | ``loop``: one SDPA per sequence | ``varlen``: PyTorch's varlen flash attention; ``flex``: FlexAttention with a document-causal block mask | varlen if importable, else flex | loop |
+| ``attention`` | ``loop``: one SDPA per sequence | ``varlen``: PyTorch's varlen flash attention; ``flex``: FlexAttention with a document-causal block mask | bf16/fp16: varlen if importable, else flex; fp32: loop | loop |
 | ``conv`` | ``torch``: the shifted-tap PyTorch conv | ``triton``: one varlen causal conv kernel (``kernels.conv``) | triton | torch |
 | ``lm_head`` | ``plain``: [T, V] logits, then log-softmax | ``chunked``: logits per token chunk, recomputed in backward (``model.lm_head``) | chunked | chunked (measured faster) |
 
@@ -100,8 +100,12 @@ def _varlen_attn_available() -> bool:
     return True
 
 
-def pick(op: str, device: torch.device) -> str:
-    """The implementation ``op`` runs for tensors on ``device`` ("auto" resolved)."""
+def pick(op: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """The implementation ``op`` runs for tensors on ``device`` of ``dtype`` ("auto" resolved).
+
+    Attention in fp32 on CUDA stays on the reference: flash attention has no fp32 kernel, and the
+    compiled FlexAttention kernels for fp32 at the MLA head sizes need more shared memory than an
+    H200 has (279 KB > 232 KB, measured), so they fail to compile."""
     choice = getattr(_current, op)
     if choice != "auto":
         return choice
@@ -109,7 +113,9 @@ def pick(op: str, device: torch.device) -> str:
     if op == "moe":
         return "grouped"
     if op == "attention":
-        return ("varlen" if _varlen_attn_available() else "flex") if cuda else "loop"
+        if not cuda or dtype == torch.float32:
+            return "loop"
+        return "varlen" if _varlen_attn_available() else "flex"
     if op == "conv":
         return "triton" if cuda else "torch"
     if op == "lm_head":

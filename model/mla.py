@@ -110,7 +110,7 @@ class GatedMLA(nn.Module):
         B, S, H, _ = k_nope.shape
         q_BTHQ = torch.cat([q_nope, q_pe], dim=-1)
         k_BSHQ = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, S, H, self.rope)], dim=-1)
-        form = fast.pick("attention", q_BTHQ.device)
+        form = fast.pick("attention", q_BTHQ.device, q_BTHQ.dtype)
         if past == 0 and form != "loop" and layout.cu_seqlens_N1 is not None:
             return varlen_causal_attention(q_BTHQ, k_BSHQ, v, layout, self.scale, form)
         outs = []

@@ -224,6 +224,8 @@ def test_fast_path_choice_parses_resolves_and_names_bad_values():
             "grouped", "loop", "torch", "chunked"]  # fmt: skip
         assert fast.pick("conv", cuda) == "triton" and fast.pick("lm_head", cuda) == "chunked"
         assert fast.pick("attention", cuda) in ("varlen", "flex")
+        assert fast.pick("attention", cuda, torch.bfloat16) in ("varlen", "flex")
+        assert fast.pick("attention", cuda, torch.float32) == "loop"  # no fp32 kernel fits an H200
     with use_fast_paths("reference"):
         assert fast.pick("moe", cuda) == "loop" and fast.pick("attention", cuda) == "loop"
 
