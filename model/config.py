@@ -13,6 +13,17 @@ theirs: ``linear_attn_config`` holds the KDA settings and the 1-based layer patt
   ``moe_balancing_quantile`` the load quantile p of "load_quantile".
 * ``attn_res_block_size``: decoder layers per Block-AttnRes block; 0 or None gives the plain
   pre-norm residual stream.
+
+Switches for Kimi Linear checkpoints (``model.convert``), K3's behaviour by default:
+
+* ``linear_attn_config["use_full_rank_gate"]``: True (K3) gives KDA's output gate sigmoid(W_g x) with
+  a full-rank ``g_proj``; False gives Kimi Linear's low-rank sigmoid(W_gb W_ga x) (``g_a_proj`` d ->
+  head_dim, ``g_b_proj`` head_dim -> H*head_dim).
+* ``mla_norm_eps``: eps of MLA's ``q_a_layernorm`` / ``kv_a_layernorm``; None (K3) uses
+  ``rms_norm_eps``, Kimi Linear's are 1e-6.
+* ``num_expert_group`` / ``topk_group``: DeepSeek-V3 group-limited routing (experts split into
+  ``num_expert_group`` groups, a group scored by the sum of its two best biased scores, only the
+  ``topk_group`` best groups selectable); 1 / 1 (K3 and Kimi Linear) is plain top-k.
 """
 
 from __future__ import annotations
@@ -62,6 +73,7 @@ class HybridConfig(PretrainedConfig):
         v_head_dim: int = 32,
         mla_use_nope: bool = True,
         mla_use_output_gate: bool = True,
+        mla_norm_eps: float | None = None,
         num_experts: int = 8,
         num_experts_per_token: int = 2,
         num_shared_experts: int = 1,
@@ -72,6 +84,8 @@ class HybridConfig(PretrainedConfig):
         moe_renormalize: bool = True,
         routed_scaling_factor: float = 1.0,
         first_k_dense_replace: int = 0,
+        num_expert_group: int = 1,
+        topk_group: int = 1,
         intermediate_size: int = 512,
         attn_res_block_size: int | None = 2,
         hidden_act: str = "situ",
@@ -105,6 +119,7 @@ class HybridConfig(PretrainedConfig):
         self.v_head_dim = v_head_dim
         self.mla_use_nope = mla_use_nope
         self.mla_use_output_gate = mla_use_output_gate
+        self.mla_norm_eps = mla_norm_eps
         self.num_experts = num_experts
         self.num_experts_per_token = num_experts_per_token
         self.num_shared_experts = num_shared_experts
@@ -115,6 +130,8 @@ class HybridConfig(PretrainedConfig):
         self.moe_renormalize = moe_renormalize
         self.routed_scaling_factor = routed_scaling_factor
         self.first_k_dense_replace = first_k_dense_replace
+        self.num_expert_group = num_expert_group
+        self.topk_group = topk_group
         self.intermediate_size = intermediate_size
         self.attn_res_block_size = attn_res_block_size
         self.hidden_act = hidden_act
@@ -181,6 +198,20 @@ class HybridConfig(PretrainedConfig):
             (
                 self.num_experts == 0 or 0 < self.num_experts_per_token < self.num_experts,
                 f"need 0 < num_experts_per_token ({self.num_experts_per_token}) < num_experts ({self.num_experts})",
+            ),
+            (
+                self.num_experts == 0
+                or (
+                    self.num_expert_group >= 1
+                    and self.num_experts % self.num_expert_group == 0
+                    and (self.num_expert_group == 1 or self.num_experts // self.num_expert_group >= 2)
+                ),
+                f"num_expert_group ({self.num_expert_group}) must divide num_experts ({self.num_experts}) "
+                "into groups of at least 2 experts",
+            ),
+            (
+                1 <= self.topk_group <= self.num_expert_group,
+                f"need 1 <= topk_group ({self.topk_group}) <= num_expert_group ({self.num_expert_group})",
             ),
             (
                 not self.attn_res_block_size or self.attn_res_block_size > 0,

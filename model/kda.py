@@ -8,7 +8,8 @@ decay logits z = f_b(f_a(x)) + dt_bias (low rank = head_dim), and per channel:
 
 Gate math runs in fp32 and the kernel gets g already mapped (FLA's ``use_gate_in_kernel=False``
 with a caller-guaranteed bound, as NeMo's K3 port does). Output: o_proj(sigmoid(g_proj x) *
-RMSNorm_head(o)) with a full-rank gate (K3) rather than Kimi Linear's low-rank one.
+RMSNorm_head(o)) with a full-rank gate (K3), or with ``linear_attn_config["use_full_rank_gate"]``
+false Kimi Linear's low-rank one, sigmoid(g_b_proj(g_a_proj x)) of rank head_dim.
 Parameter names follow FLA/NeMo so checkpoints map onto vLLM's KimiDeltaAttention.
 """
 
@@ -57,7 +58,12 @@ class KimiDeltaAttention(nn.Module):
         self.b_proj = nn.Linear(d, self.num_heads, bias=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.dt_bias = nn.Parameter(torch.zeros(HD))
-        self.g_proj = nn.Linear(d, HD, bias=False)
+        self.full_rank_gate = bool(lac.get("use_full_rank_gate", True))
+        if self.full_rank_gate:
+            self.g_proj = nn.Linear(d, HD, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(d, self.head_dim, bias=False)
+            self.g_b_proj = nn.Linear(self.head_dim, HD, bias=False)
         self.o_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(HD, d, bias=False)
         self.reset_gate_parameters()
@@ -79,6 +85,10 @@ class KimiDeltaAttention(nn.Module):
         A_log, dt_bias = self.initial_gate_values()
         self.A_log.copy_(A_log)
         self.dt_bias.copy_(dt_bias)
+
+    def output_gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Pre-sigmoid output gate [..., H*D]: full rank (K3) or low rank (Kimi Linear)."""
+        return self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
 
     def log_decay(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """g [B, T, H, D] in fp32."""
@@ -123,7 +133,9 @@ class KimiDeltaAttention(nn.Module):
             output_final_state=return_state,
             cu_seqlens=cu_seqlens,
         )
-        o_BTHV = self.o_norm(o_BTHV.to(x_BTD.dtype)) * torch.sigmoid(self.g_proj(x_BTD)).view(B, T, H, Dh)
+        o_BTHV = self.o_norm(o_BTHV.to(x_BTD.dtype)) * torch.sigmoid(self.output_gate_logits(x_BTD)).view(
+            B, T, H, Dh
+        )
         y_BTD = self.o_proj(o_BTHV.reshape(B, T, H * Dh))
         new_state = KDAState(final_NHKV, conv_q, conv_k, conv_v) if return_state else None
         return y_BTD, new_state

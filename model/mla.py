@@ -38,14 +38,16 @@ class GatedMLA(nn.Module):
         self.q_lora_rank = config.q_lora_rank
         self.scale = (self.nope + self.rope) ** -0.5
         H, qk = self.num_heads, self.nope + self.rope
+        # the latent norms' eps: rms_norm_eps (K3) unless mla_norm_eps is set (Kimi Linear: 1e-6)
+        lat_eps = config.rms_norm_eps if config.mla_norm_eps is None else config.mla_norm_eps
         if self.q_lora_rank:
             self.q_a_proj = nn.Linear(d, self.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=lat_eps)
             self.q_b_proj = nn.Linear(self.q_lora_rank, H * qk, bias=False)
         else:
             self.q_proj = nn.Linear(d, H * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.rope, bias=False)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=lat_eps)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
         self.use_output_gate = config.mla_use_output_gate
         if self.use_output_gate:

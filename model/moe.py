@@ -3,7 +3,9 @@
 Router (``MoEGate``, DeepSeek/NeMo naming: ``gate.weight``, ``gate.e_score_correction_bias``):
 s = sigmoid(W_r x) in fp32; experts = top-k of (s + b); weights = the *unbiased* s of the chosen
 experts, renormalised (moe_renormalize), times routed_scaling_factor. b is a buffer (no gradient)
-set by ``model.balancing.ExpertBalancer``.
+set by ``model.balancing.ExpertBalancer``. With ``num_expert_group`` > 1 (DeepSeek-V3 group-limited
+routing, off for K3 and Kimi Linear) only experts of the ``topk_group`` groups with the largest
+sum of their two best biased scores are selectable; balancing statistics then see the masked scores.
 
 Routing replay (R3): given expert indices [T, k] are used for the selection while the weights are
 still the router's s at those indices, so the router keeps learning.
@@ -48,6 +50,7 @@ class MoEGate(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_token
         self.renormalize, self.scaling = config.moe_renormalize, config.routed_scaling_factor
+        self.num_groups, self.topk_groups = config.num_expert_group, config.topk_group
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
         self.balancing_mode = config.moe_balancing
@@ -99,6 +102,8 @@ class MoEGate(nn.Module):
             and self.balancing_mode != "frozen"
             and torch.is_grad_enabled()
         )
+        if self.num_groups > 1:
+            biased_TE = self._limit_to_groups(biased_TE)
         needs_cutoff = collect and self.balancing_mode.startswith("quantile")  # alpha_i = (k+1)-th value
         top_vals, top_idx = biased_TE.topk(self.top_k + 1 if needs_cutoff else self.top_k, dim=-1)
         experts_TK = top_idx[:, : self.top_k]
@@ -113,6 +118,15 @@ class MoEGate(nn.Module):
         if collect:
             self._record(scores_TE, top_vals[:, -1], experts_TK)
         return RouterOutput(experts_TK, weights_TK)
+
+    def _limit_to_groups(self, biased_TE: torch.Tensor) -> torch.Tensor:
+        """-inf outside the topk_group best groups (group score: sum of its two best biased scores)."""
+        T, E = biased_TE.shape
+        grouped_TGN = biased_TE.view(T, self.num_groups, E // self.num_groups)
+        group_scores_TG = grouped_TGN.topk(2, dim=-1).values.sum(-1)
+        keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool)
+        keep_TG.scatter_(1, group_scores_TG.topk(self.topk_groups, dim=-1).indices, True)
+        return grouped_TGN.masked_fill(~keep_TG[..., None], float("-inf")).view(T, E)
 
     def _check_replay(self, replay_TK: torch.Tensor, T: int) -> torch.Tensor:
         if tuple(replay_TK.shape) != (T, self.top_k):

@@ -152,7 +152,7 @@ class KDAStateLayer(nn.Module, MambaBase):
         beta_NH = torch.sigmoid(kda.b_proj(x_ND).float())
         g_NHK = kda.log_decay(x_ND[:, None])[:, 0]
         o_NHV = kda_pool_step_(q_NHK, k_NHK, v.view(N, H, D).float(), g_NHK, beta_NH, rec, slots_N, D**-0.5)
-        o_NHV = kda.o_norm(o_NHV.to(x_ND.dtype)) * torch.sigmoid(kda.g_proj(x_ND)).view(N, H, D)
+        o_NHV = kda.o_norm(o_NHV.to(x_ND.dtype)) * torch.sigmoid(kda.output_gate_logits(x_ND)).view(N, H, D)
         return kda.o_proj(o_NHV.reshape(N, H * D))
 
 
