@@ -16,7 +16,8 @@ under ``mlp`` or ``block_sparse_moe``) and transformers' in-memory one (``conv1d
 ``forget_gate.*``, ``mlp.experts.gate_up_proj`` / ``down_proj`` as [E, ...] tensors). Every target
 tensor must be produced exactly once with its shape; anything left over is an error. Dtypes are
 kept (the router bias stays fp32 in our model anyway). The whole state dict is held in memory and
-written as one file.
+written as one file. The source's other top-level files (tokenizer, chat template, generation
+config) are copied beside it.
 
 Refused with a message naming the field: attention biases, grouped-query MLA
 (``num_key_value_heads`` != ``num_attention_heads``: transformers' own Kimi Linear cannot run it
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -249,11 +251,25 @@ def convert_kimi_linear(src: str | Path, dst: str | Path) -> HybridConfig:
     config = kimi_linear_config(src)
     state = kimi_linear_state_dict(read_safetensors(src), config)
     dst.mkdir(parents=True, exist_ok=True)
+    config.architectures = ["HybridForCausalLM"]  # what model.save_pretrained writes (vLLM reads it)
     config.save_pretrained(str(dst))
     save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    copy_side_files(src, dst)
     return config
 
 
+def copy_side_files(src: Path, dst: Path) -> list[str]:
+    """Copy the checkpoint's other top-level files (tokenizer, chat template, generation config,
+    the tokenizer's remote code) so DST_DIR carries the checkpoint's own tokenizer."""
+    copied = []
+    for path in sorted(src.iterdir()):
+        if path.is_file() and path.name not in _NOT_COPIED and path.suffix != ".safetensors":
+            shutil.copy2(path, dst / path.name)
+            copied.append(path.name)
+    return copied
+
+
+_NOT_COPIED = {"config.json", "model.safetensors.index.json"}
 CONVERTERS = {"kimi_linear": convert_kimi_linear}
 
 

@@ -9,6 +9,8 @@ randomised first (transformers initialises them to constants, which would hide a
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -67,7 +69,10 @@ def pair(request, tmp_path_factory):
     _randomise(theirs, seed=1)
     src, dst = tmp_path_factory.mktemp("kl_src"), tmp_path_factory.mktemp("kl_dst")
     theirs.save_pretrained(src)
+    (src / "tokenizer_config.json").write_text("{}")  # stands for the checkpoint's tokenizer files
     assert main(["kimi_linear", str(src), str(dst)]) == 0
+    assert (dst / "tokenizer_config.json").is_file() and (dst / "generation_config.json").is_file()
+    assert json.loads((dst / "config.json").read_text())["architectures"] == ["HybridForCausalLM"]
     ours = HybridForCausalLM.from_pretrained(dst).eval()
     return request.param, theirs, ours
 
