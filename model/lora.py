@@ -9,7 +9,19 @@ name against the end of each module path, so "up_proj" does not catch "routed_ex
 from __future__ import annotations
 
 ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "g_proj", "o_proj")
-KDA = ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj", "o_proj")
+# g_a_proj / g_b_proj: the low-rank output gate of converted Kimi Linear checkpoints
+KDA = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "f_a_proj",
+    "f_b_proj",
+    "b_proj",
+    "g_proj",
+    "g_a_proj",
+    "g_b_proj",
+    "o_proj",
+)
 EXPERTS = ("gate_proj", "up_proj", "down_proj")
 LATENT = ("routed_expert_down_proj", "routed_expert_up_proj")
 
