@@ -64,6 +64,9 @@ def kimi_linear_config(src: Path) -> HybridConfig:
         raise ValueError(
             f"moe_router_activation_func must be 'sigmoid' (Kimi Linear's router), got {router!r}"
         )
+    for field, want in (("moe_layer_freq", 1), ("num_nextn_predict_layers", 0)):
+        if raw.get(field, want) != want:  # transformers' Kimi Linear ignores both: refuse, not guess
+            raise ValueError(f"{field} must be {want} (as in transformers' Kimi Linear), got {raw[field]!r}")
     if raw.get("mla_use_nope", True) is not True:
         raise ValueError("mla_use_nope must be true: only NoPE MLA is supported")
     kl = KimiLinearConfig.from_pretrained(str(src))

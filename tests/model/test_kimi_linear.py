@@ -199,3 +199,46 @@ def test_converted_model_trains_and_round_trips(pair, tmp_path):
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
     lora = get_peft_model(reloaded, LoraConfig(r=2, target_modules=lora_target_modules()))
     assert any(n.endswith("g_a_proj.lora_A.default.weight") for n, _ in lora.named_parameters())
+
+
+# config.json as Moonshot publishes it (Kimi-Linear-48B-A3B's fields, tiny sizes): K3-style names,
+# linear_attn_config with 1-based layer lists, first_k_dense_replace, fields transformers ignores
+PUBLISHED_CONFIG = {
+    "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
+    "auto_map": {"AutoModelForCausalLM": "modeling_kimi.KimiLinearForCausalLM"},
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "first_k_dense_replace": 1, "head_dim": 72,
+    "hidden_act": "silu", "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 48,
+    "kv_lora_rank": 8, "linear_attn_config": {"full_attn_layers": [3], "head_dim": 8, "kda_layers": [1, 2, 4],
+                                              "num_heads": 2, "short_conv_kernel_size": 4},
+    "mla_use_nope": True, "model_max_length": 1048576, "moe_intermediate_size": 16, "moe_layer_freq": 1,
+    "moe_renormalize": True, "moe_router_activation_func": "sigmoid", "num_attention_heads": 2,
+    "num_expert_group": 1, "num_experts": 6, "num_experts_per_token": 2, "num_hidden_layers": 4,
+    "num_key_value_heads": 2, "num_nextn_predict_layers": 0, "num_shared_experts": 1, "q_lora_rank": None,
+    "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "rms_norm_eps": 1e-05, "rope_scaling": None,
+    "rope_theta": 10000.0, "routed_scaling_factor": 2.446, "tie_word_embeddings": False, "topk_group": 1,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_grouped_topk": True, "v_head_dim": 8, "vocab_size": 96,
+}  # fmt: skip
+
+
+def test_published_config_form_converts_exactly(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(PUBLISHED_CONFIG))
+    torch.manual_seed(0)
+    theirs = KimiLinearForCausalLM(KimiLinearConfig.from_pretrained(src)).eval()
+    assert theirs.config.layer_types[2] == "full_attention" and theirs.config.mlp_layer_types[0] == "dense"
+    _randomise(theirs, seed=4)
+    theirs.save_pretrained(tmp_path / "saved")
+    for f in (tmp_path / "saved").glob("*.safetensors"):
+        f.rename(src / f.name)  # the weights beside the published-form config.json
+    assert main(["kimi_linear", str(src), str(tmp_path / "dst")]) == 0
+    ours = HybridForCausalLM.from_pretrained(tmp_path / "dst").eval()
+    assert (
+        ours.config.linear_attn_config["full_attn_layers"] == [3] and ours.config.first_k_dense_replace == 1
+    )
+    ids = _ids(30, seed=6)
+    with torch.no_grad():
+        assert _rel_err(ours(ids).logits, theirs(ids).logits) < REL_TOL
+    (src / "config.json").write_text(json.dumps({**PUBLISHED_CONFIG, "moe_layer_freq": 2}))
+    with pytest.raises(ValueError, match="moe_layer_freq"):
+        kimi_linear_config(src)
