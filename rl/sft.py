@@ -114,26 +114,21 @@ def check_tasks(cfg: SFTConfig, env_kwargs: dict[str, dict], exclude_keys: set[s
 class SFTCheck:
     """The warm start's greedy success on validation tasks, measured by rollout engines.
 
-    ``workers`` are ``RolloutWorker`` objects or their actor handles; each call exports the learner's
-    weights to ``weights_dir``, loads them into every worker in place and runs one greedy episode per
-    task with the same episode loop and budgets as RL evaluation."""
+    ``pool`` holds the workers (``pool.workers``: ``RolloutWorker`` objects or their actor handles); each
+    call exports the learner's weights to ``weights_dir``, loads them into every worker in place and runs
+    one greedy episode per task through ``rl.rollouts.make_manager``, as RL evaluation does."""
 
-    def __init__(self, workers: list, tasks: list, rollout_cfg, stage, weights_dir: str) -> None:
-        self.workers, self.tasks, self.weights_dir = workers, tasks, weights_dir
+    def __init__(self, pool: Any, tasks: list, rollout_cfg, stage, weights_dir: str) -> None:
+        self.pool, self.tasks, self.weights_dir = pool, tasks, weights_dir
         self.rollout_cfg, self.stage = rollout_cfg, stage
 
     def __call__(self, learner: Any) -> float:
-        from rl.rollouts import episode_metrics
-        from rollout.episode import EpisodeBudget, SamplingConfig
-        from rollout.manager import RolloutManager
+        from rl.rollouts import episode_metrics, make_manager
 
         update = call(learner, "export_weights", self.weights_dir)
-        for w in self.workers:
+        for w in self.pool.workers:
             call(w, "update_weights", update.path, update.version)
-        r, st = self.rollout_cfg, self.stage
-        budget = EpisodeBudget(max_turns=r.max_turns, max_tokens_per_turn=st.max_tokens_per_turn,
-                               max_episode_tokens=st.max_context_tokens, max_wall_s=r.episode_timeout_s)  # fmt: skip
-        manager = RolloutManager(self.workers, budget, SamplingConfig(temperature=0.0, top_p=1.0))
+        manager = make_manager(self.pool, self.rollout_cfg, self.stage, 0.0, id_prefix="sftcheck-")
         groups = manager.collect(self.tasks, 1, seed=0)
         return episode_metrics(groups, prefix="check")["check/success_rate"]
 
@@ -235,7 +230,7 @@ def _checker(cfg: TrainConfig, run_dir: Path, learner: Any, episodes: list[Episo
                       max(s.max_context_tokens for s in plan))  # fmt: skip
     try:
         tasks = check_tasks(cfg.sft, sft_env_kwargs(cfg), {e.info["task_key"] for e in episodes})
-        yield SFTCheck(pool.workers, tasks, cfg.rollout, plan[0], weights)
+        yield SFTCheck(pool, tasks, cfg.rollout, plan[0], weights)
     finally:
         pool.shutdown()
         shutil.rmtree(weights, ignore_errors=True)
