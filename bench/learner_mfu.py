@@ -309,40 +309,60 @@ def probe_ops(report: Report, arch: dict, cuda: bool) -> str:
 
 
 # ------------------------------------------------------------------------------------------ check
-def check_fast_vs_reference(report: Report, learner, batch, half: bool) -> bool:
-    """One train step on the reference paths and one on the fast paths from the same weights; tolerances
-    for bf16 autocast (``half``) or fp32 (GEMM rounding only)."""
+def _step_results(learner, batch, paths, dtype: str) -> dict:
+    """Token logprobs, loss and grad norm of one train step on ``paths`` in ``dtype``; weights restored."""
     from model.fast import FastPaths
 
-    snap, results, fast_paths = snapshot(learner), {}, learner.fast_paths
-    for name in ("reference", "fast"):
-        learner.fast_paths = FastPaths.reference() if name == "reference" else fast_paths
+    snap, saved = snapshot(learner), (learner.fast_paths, learner.cfg)
+    learner.fast_paths = FastPaths.reference() if paths == "reference" else paths
+    learner.cfg = replace(learner.cfg, dtype=dtype)
+    try:
         lp = learner.logprobs(batch)
         restore(learner, snap)
         m = train_step(learner, batch)
-        results[name] = {"loss": m["loss"], "grad_norm": m["grad_norm"], "logprobs": lp}
+        return {"loss": m["loss"], "grad_norm": m["grad_norm"], "logprobs": lp}
+    finally:
         restore(learner, snap)
-    learner.fast_paths = fast_paths
-    ref, fast = results["reference"], results["fast"]
-    mask = batch.loss_mask_T
-    d = (ref["logprobs"] - fast["logprobs"]).abs()
-    tol = {"loss_abs": 5e-3 + 2e-2 * abs(ref["loss"]), "grad_norm_rel": 5e-2, "logprob_mean_abs": 2e-2}
-    if not half:  # fp32: the fast paths are GEMM-rounding away from the references
-        tol = {"loss_abs": 1e-5 + 1e-4 * abs(ref["loss"]), "grad_norm_rel": 1e-3, "logprob_mean_abs": 1e-4}
-    got = {
-        "loss_abs": abs(ref["loss"] - fast["loss"]),
-        "grad_norm_rel": abs(ref["grad_norm"] - fast["grad_norm"]) / max(ref["grad_norm"], 1e-12),
-        "logprob_mean_abs": float(d[mask].mean()),
-        "logprob_max_abs": float(d[mask].max()),
-    }
-    ok = all(got[k] <= v for k, v in tol.items())
+        learner.fast_paths, learner.cfg = saved
+
+
+def _distance(a: dict, b: dict, mask) -> dict:
+    d = (a["logprobs"] - b["logprobs"]).abs()[mask]
+    return {"loss_abs": abs(a["loss"] - b["loss"]),
+            "grad_norm_rel": abs(a["grad_norm"] - b["grad_norm"]) / max(b["grad_norm"], 1e-12),
+            "logprob_mean_abs": float(d.mean()), "logprob_max_abs": float(d.max())}  # fmt: skip
+
+
+def check_fast_vs_reference(report: Report, learner, batch, half: bool) -> bool:
+    """One train step on the reference paths and one on the fast paths from the same weights.
+
+    fp32: the fast paths are GEMM-rounding away from the references (absolute tolerances). bf16: two
+    bf16 computations of a deep random-init model differ by bf16 rounding compounded over the layers,
+    so both are measured against the fp32 reference step, and the fast paths pass when their error is
+    at most 1.5x the bf16 reference's own (plus a small floor)."""
+    fast_paths, mask = learner.fast_paths, batch.loss_mask_T
+    ref = _step_results(learner, batch, "reference", "bfloat16" if half else "float32")
+    fast = _step_results(learner, batch, fast_paths, "bfloat16" if half else "float32")
     row = {"kind": "train step fast vs reference", "dtype": "bfloat16" if half else "float32",
-           "tokens": batch.num_tokens, "ok": ok, "measured": got,
-           "tolerance": tol, "reference": {k: ref[k] for k in ("loss", "grad_norm")},
+           "tokens": batch.num_tokens, "reference": {k: ref[k] for k in ("loss", "grad_norm")},
            "fast": {k: fast[k] for k in ("loss", "grad_norm")}}  # fmt: skip
+    if half:
+        truth = _step_results(learner, batch, "reference", "float32")
+        ref_err, got = _distance(ref, truth, mask), _distance(fast, truth, mask)
+        tol = {k: 1.5 * v + floor for (k, v), floor in zip(ref_err.items(), (1e-4, 1e-3, 1e-3, 1e-2))}
+        row.update(
+            vs="float32 reference step",
+            reference_error=ref_err,
+            fast_vs_bf16_reference=_distance(fast, ref, mask),
+        )
+    else:
+        got = _distance(fast, ref, mask)
+        tol = {"loss_abs": 1e-5 + 1e-4 * abs(ref["loss"]), "grad_norm_rel": 1e-3, "logprob_mean_abs": 1e-4}
+    ok = all(got[k] <= v for k, v in tol.items())
+    row.update(ok=ok, measured=got, tolerance=tol)
     report.checks.append(row)
-    print(f"[check] {row['dtype']} {'OK' if ok else 'FAILED'} {json.dumps(row['measured'])} ref {row['reference']} "
-          f"fast {row['fast']}", flush=True)  # fmt: skip
+    print(f"[check] {row['dtype']} {'OK' if ok else 'FAILED'} {json.dumps(got)} tolerance {json.dumps(tol)} "
+          f"ref {row['reference']} fast {row['fast']}", flush=True)  # fmt: skip
     return ok
 
 
@@ -624,6 +644,7 @@ def main() -> int:
     ap.add_argument("--peer-row", type=int, default=1024, help="the peer's row length (tokens per sequence)")
     ap.add_argument("--no-components", dest="components", action="store_false")
     ap.add_argument("--profile", action="store_true", help="kernel launches and host syncs of one step")
+    ap.add_argument("--no-probe", dest="probe", action="store_false", help="skip the per-op probes (auto paths)")
     ap.add_argument("--skip-check", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, default=560.0, help="seconds: no new part starts after this")
     args = ap.parse_args()
@@ -657,20 +678,21 @@ def main() -> int:
     dev = torch.device("cuda" if cuda else "cpu")
     report.env["fast_paths"] = {op: pick(op, dev) for op in ("moe", "attention", "conv", "lm_head")}
     print(f"[env] {json.dumps(report.env)}", flush=True)
-    fast_paths = probe_ops(report, arch, cuda) if not args.skip_check else "auto"
+    fast_paths = probe_ops(report, arch, cuda) if args.probe and not args.skip_check else "auto"
     report.save(args.out)
     device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
     learner = make_learner(arch, device, dtype, max(int(t) for t in args.tokens.split(",")), args, fast_paths)
     if not args.skip_check:
         config = learner.base_model.config
-        checks = [("bfloat16", args.check_tokens)] if cuda else []
-        if args.fp32_check or not cuda:
-            checks.append(("float32", args.check_fp32_tokens if cuda else args.check_tokens))
-        for check_dtype, tokens in checks:  # bf16 as timed; fp32 holds the kernels to the references tightly
+        checks = (
+            [("float32", args.check_fp32_tokens if cuda else args.check_tokens)]
+            if args.fp32_check or not cuda
+            else []
+        )
+        checks += [("bfloat16", args.check_tokens)] if cuda else []
+        for check_dtype, tokens in checks:  # fp32 holds the kernels to the references tightly; bf16 as timed
             batch = make_batch(episode_lengths(tokens, np.random.default_rng(1)), config, seed=1)
-            learner.cfg = replace(learner.cfg, dtype=check_dtype)
             ok = check_fast_vs_reference(report, learner, batch, check_dtype == "bfloat16")
-            learner.cfg = replace(learner.cfg, dtype=dtype)
             report.save(args.out)
             del batch
             free(cuda)
