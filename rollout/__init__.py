@@ -12,6 +12,8 @@ from typing import Any
 
 _LAZY = {
     "ChatRenderer": "rollout.renderer",
+    "TemplateRenderer": "rollout.template_renderer",
+    "load_renderer": "rollout.template_renderer",
     "load_tokenizer": "rollout.tokenizer",
     "RolloutWorker": "rollout.worker",
     "WorkerConfig": "rollout.worker",

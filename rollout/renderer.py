@@ -94,27 +94,7 @@ class ChatRenderer:
         The text is cut at every control-token string (each then encoded as its first character
         and the rest), and any piece whose encoding still holds a control id (a tokenizer that
         normalises before matching added tokens) is halved until none does."""
-        out: list[int] = []
-        for piece, is_control in _split_at(text, self._control_strings):
-            out += (
-                self._plain_piece(piece[:1]) + self._plain_piece(piece[1:])
-                if is_control
-                else self._plain_piece(piece)
-            )
-        return out
-
-    def _plain_piece(self, piece: str) -> list[int]:
-        if not piece:
-            return []
-        ids = self.tokenizer.encode(piece, add_special_tokens=False)
-        if self._control_id_set.isdisjoint(ids):
-            return ids
-        if len(piece) == 1:
-            raise ValueError(
-                f"the tokenizer encodes {piece!r} only as a control token; cannot render it as text"
-            )
-        mid = len(piece) // 2
-        return self._plain_piece(piece[:mid]) + self._plain_piece(piece[mid:])
+        return plain_text_ids(self.tokenizer, text, self._control_strings, self._control_id_set)
 
     def _header(self, role: str) -> list[int]:
         if role not in _ROLES:
@@ -229,6 +209,34 @@ def _control_tokens(tokenizer, special_ids: dict[str, int]) -> dict[str, int]:
         if content.strip():
             out.setdefault(content, int(tid))
     return out
+
+
+def plain_text_ids(
+    tokenizer, text: str, control_strings: list[str], control_ids: frozenset[int]
+) -> list[int]:
+    """``text`` encoded with no id of ``control_ids`` (see ``ChatRenderer.plain_ids``); ``control_strings``
+    longest first. Shared with ``rollout.template_renderer``."""
+    out: list[int] = []
+    for piece, is_control in _split_at(text, control_strings):
+        pieces = (piece[:1], piece[1:]) if is_control else (piece,)
+        for p in pieces:
+            out += _plain_piece(tokenizer, p, control_ids)
+    return out
+
+
+def _plain_piece(tokenizer, piece: str, control_ids: frozenset[int]) -> list[int]:
+    if not piece:
+        return []
+    ids = tokenizer.encode(piece, add_special_tokens=False)
+    if control_ids.isdisjoint(ids):
+        return ids
+    if len(piece) == 1:
+        raise ValueError(f"the tokenizer encodes {piece!r} only as a control token; cannot render it as text")
+    mid = len(piece) // 2
+    return [
+        *_plain_piece(tokenizer, piece[:mid], control_ids),
+        *_plain_piece(tokenizer, piece[mid:], control_ids),
+    ]
 
 
 def _split_specials(text: str) -> list[tuple[str, bool]]:
