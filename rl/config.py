@@ -87,6 +87,29 @@ class ModelConfig:
     """Checkpoint directory to start from (e.g. the SFT warm start); None = random init."""
     seed: int = 0
     """Seed of the random initialisation (unset in the YAML: the run's top-level ``seed``)."""
+    tokenizer: str = "project"
+    """The tokenizer and chat template the rollouts render with and the engines load: project (the
+    tiny tokenizer of rollout/assets with our ChatML layout: the quickstart's), checkpoint (the one in
+    ``init_from``: its tokenizer files and chat template, e.g. a converted Kimi Linear checkpoint's), or
+    the path of a directory holding a Hugging Face tokenizer with a chat template. Not project: the
+    template must render tools, tool calls and tool results (rollout/template_renderer.py); checked
+    before the run starts, with the model's vocab_size covering the tokenizer."""
+    template_check: str = "error"
+    """A chat template that cannot keep token-in-token-out exactness (a start-up probe renders a
+    conversation turn by turn and at once, e.g. one that strips earlier <think> reasoning): error
+    (the run does not start) or warn (it starts, warned: RL trains on the ids the engines saw, which
+    are not what the template renders for the same conversation)."""
+
+    def tokenizer_dir(self) -> str | None:
+        """The directory of the run's tokenizer; None for the project's tiny tokenizer. ConfigError for
+        ``checkpoint`` without ``init_from`` (a config file may leave it to the command line, as
+        configs/exp/from_checkpoint.yaml does; ``rl.preflight`` refuses to start such a run)."""
+        if self.tokenizer == "project":
+            return None
+        if self.tokenizer == "checkpoint" and not self.init_from:
+            raise ConfigError("model.tokenizer: checkpoint takes the tokenizer from model.init_from, which is "
+                              "unset: set model.init_from=DIR (e.g. a converted checkpoint) or model.tokenizer=DIR")  # fmt: skip
+        return self.init_from if self.tokenizer == "checkpoint" else self.tokenizer
 
 
 # --------------------------------------------------------------------------- env
@@ -620,6 +643,7 @@ def validate(cfg: TrainConfig) -> None:
         _check(bool(mix) and all(w >= 0 for w in mix.values()) and sum(mix.values()) > 0, key,
                "needs at least one env with a positive weight and no negative weights", errors)  # fmt: skip
     _check(cfg.env.num_eval_tasks >= 1, "env.num_eval_tasks", "must be >= 1", errors)
+    _validate_tokenizer(cfg.model, errors)
     _validate_reward(cfg.reward, errors)
     _check(cfg.run.no_signal_steps >= 0, "run.no_signal_steps", "must be >= 0", errors)
     _choice(cfg.run.resume, RESUME_MODES, "run.resume (true = auto, false = never)", errors)
@@ -663,6 +687,12 @@ def _validate_algorithm(a: AlgorithmConfig, r: RolloutConfig, errors: list[str])
     _check(not a.dynamic_sampling or a.baseline in ("group_mean", "leave_one_out"), "algorithm.dynamic_sampling",
            "drops zero-variance groups, so it needs a group baseline", errors)  # fmt: skip
     _check(a.norm_tokens >= 1, "algorithm.norm_tokens", "must be >= 1", errors)
+
+
+def _validate_tokenizer(m: ModelConfig, errors: list[str]) -> None:
+    """Shapes only; ``rl.preflight.check_tokenizer`` resolves the directory, loads and probes it."""
+    _choice(m.template_check, ("error", "warn"), "model.template_check", errors)
+    _check(bool(m.tokenizer), "model.tokenizer", "must be project, checkpoint or a directory path", errors)
 
 
 def _validate_reward(c: RewardConfig, errors: list[str]) -> None:

@@ -13,6 +13,9 @@ seconds and one line, not an actor's traceback a minute later:
   docs/plugins.md lists the ways a user's modules reach a job.
 - ``check_checkpoints``: ``model.init_from`` (and a warm-start directory that would be loaded or
   replaced) is a readable checkpoint directory of our model.
+- ``check_tokenizer``: ``model.tokenizer`` (checkpoint or a directory) holds a tokenizer whose chat
+  template renders tools, tool calls and tool results token-in-token-out (rollout/template_renderer.py),
+  and the model's vocab_size covers it.
 - ``plan_lines``: the resolved data mixes, curriculum stages, reward and warm start, printed at start,
   so that what the run trains on is on the console before it trains on it.
 """
@@ -39,6 +42,7 @@ def preflight(cfg: TrainConfig) -> None:
     check_envs(cfg)
     check_nested_keys(cfg)  # model.arch, rollout.engine, env.kwargs.<Env>: typos there fail here, by name
     check_checkpoints(cfg)  # model.init_from is a checkpoint: seconds and one line, not an actor's traceback
+    check_tokenizer(cfg)  # model.tokenizer loads, its template passes the renderer's probes, fits the vocab
 
 
 def check_envs(cfg: TrainConfig) -> None:
@@ -191,6 +195,35 @@ def check_checkpoints(cfg: TrainConfig) -> None:
                           "start would replace it: name a new or empty directory")  # fmt: skip
 
 
+def check_tokenizer(cfg: TrainConfig) -> None:
+    """A tokenizer other than the project's loads, passes ``TemplateRenderer``'s start-up probes (a
+    template without tools, tool calls or tool results, or one that breaks token-in-token-out, is named)
+    and has no id past the model's vocab_size. One-line ConfigError otherwise."""
+    path = cfg.model.tokenizer_dir()
+    if path is None:
+        return
+    from rollout.template_renderer import TemplateError, load_renderer
+
+    key = f"model.tokenizer={cfg.model.tokenizer}" + (f" ({path})" if path != cfg.model.tokenizer else "")
+    try:
+        size = len(load_renderer(path, cfg.model.template_check).tokenizer)
+    except TemplateError as e:
+        raise ConfigError(f"{key}: {e}") from None
+    vocab = model_vocab_size(cfg)
+    if size > vocab:
+        raise ConfigError(f"{key}: the tokenizer has {size} ids but the model's vocab_size is {vocab}: ids from "
+                          f"{vocab} on would index past its embedding")  # fmt: skip
+
+
+def model_vocab_size(cfg: TrainConfig) -> int:
+    """The vocab_size of the model the run starts from (``model.init_from``'s config.json, else the arch)."""
+    if cfg.model.init_from:
+        return int(json.loads(Path(cfg.model.init_from, "config.json").read_text())["vocab_size"])
+    from model.config import HybridConfig
+
+    return HybridConfig(**cfg.model.arch).vocab_size
+
+
 # --------------------------------------------------------------------------- the plan, printed at start
 
 
@@ -222,6 +255,8 @@ def plan_lines(cfg: TrainConfig) -> list[str]:
     reward = ", ".join(f"{f.name or f.fn} x{f.weight:g}" for f in fns) if fns else "the env's own"
     lines.append(f"  reward: {reward}")
     lines += _start_lines(cfg, plan)
+    if cfg.model.tokenizer_dir():
+        lines.append(f"  tokenizer and chat template: {cfg.model.tokenizer_dir()} ({cfg.model.tokenizer})")
     return lines
 
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from envs.types import Episode, EpisodeGroup, EpisodeStatus
 from rl.advantages import keep_group
-from rl.config import AlgorithmConfig, EnvConfig, RolloutConfig, StageConfig
+from rl.config import AlgorithmConfig, EnvConfig, ModelConfig, RolloutConfig, StageConfig
 from rl.errors import EnvFailure, failure_message, is_env_failure
 from rl.signal import signal_metrics
 
@@ -100,6 +100,8 @@ class WorkerPool:
 
     With adapter-only sync (LoRA), ``model_path`` holds the frozen base weights the engines start
     from and ``adapter_path`` the newest adapter, applied on top of them (also to a replacement worker).
+    ``renderer`` is the one of the tokenizer in ``model_path`` (``make_renderer``; None: the project's),
+    which every manager over these workers renders with.
     """
 
     def __init__(
@@ -109,9 +111,10 @@ class WorkerPool:
         version: int,
         max_context_tokens: int | None = None,
         adapter_path: str | None = None,
+        renderer=None,
     ) -> None:
         self.cfg, self.model_path, self.version = cfg, model_path, version
-        self.adapter_path = adapter_path
+        self.adapter_path, self.renderer = adapter_path, renderer
         self.max_model_len = (max_context_tokens or cfg.max_context_tokens) + cfg.max_tokens_per_turn
         self.workers = [self._start(i) for i in range(cfg.num_workers)]
         self._apply_adapter(self.workers)
@@ -122,6 +125,8 @@ class WorkerPool:
 
         from rollout.worker import RolloutWorker, WorkerConfig
 
+        if not Path(self.model_path, "tokenizer_config.json").is_file():  # weights exported after the start
+            prepare_model_dir(self.model_path, self.renderer)
         wc = WorkerConfig(model_path=self.model_path, policy_version=self.version, seed=self.cfg.seed + i,
                           max_model_len=self.max_model_len, **self.cfg.engine)  # fmt: skip
         actor = ray.remote(num_cpus=self.cfg.worker_num_cpus, max_restarts=0)(RolloutWorker)
@@ -178,7 +183,8 @@ def make_manager(pool: WorkerPool, cfg: RolloutConfig, stage: StageConfig, tempe
     budget = EpisodeBudget(max_turns=cfg.max_turns, max_tokens_per_turn=stage.max_tokens_per_turn,
                            max_episode_tokens=stage.max_context_tokens, max_wall_s=cfg.episode_timeout_s)  # fmt: skip
     sampling = SamplingConfig(temperature=temperature, top_p=cfg.top_p)
-    return RolloutManager(pool.workers, budget, sampling, rubric=rubric, id_prefix=id_prefix)
+    return RolloutManager(pool.workers, budget, sampling, getattr(pool, "renderer", None), rubric=rubric,
+                          id_prefix=id_prefix)  # fmt: skip
 
 
 def _worker_failed(group: EpisodeGroup) -> bool:
@@ -335,10 +341,25 @@ def evaluate(pool: WorkerPool, env: EnvConfig, rcfg: RolloutConfig, stage: Stage
     return run_evaluation(pool, env, rcfg, stage, rubric).metrics
 
 
-def prepare_model_dir(path: str) -> str:
-    """Add the project tokenizer to an exported checkpoint so an engine can start from it."""
+def make_renderer(model: ModelConfig):
+    """The run's renderer (``model.tokenizer``): ``ChatRenderer`` over the project's tiny tokenizer, or a
+    ``TemplateRenderer`` over the checkpoint's (or a directory's) tokenizer and chat template; one per
+    directory in a process."""
+    from rollout.template_renderer import load_renderer
+
+    return load_renderer(model.tokenizer_dir(), model.template_check)
+
+
+def prepare_model_dir(path: str, renderer=None) -> str:
+    """Add the run's tokenizer to an exported checkpoint so an engine can start from it and loads the
+    tokenizer the rollouts render with: ``renderer``'s (a ``TemplateRenderer``: saved with its chat
+    template), or the project's (its asset files copied)."""
+    from rollout.template_renderer import TemplateRenderer
     from rollout.tokenizer import TOKENIZER_DIR
 
+    if isinstance(renderer, TemplateRenderer):
+        renderer.tokenizer.save_pretrained(path)
+        return path
     for f in Path(TOKENIZER_DIR).iterdir():
         if f.is_file():
             shutil.copy(f, Path(path) / f.name)

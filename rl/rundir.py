@@ -243,9 +243,9 @@ class RunOutputs:
     the console, rl/errors.py) and sample transcripts (rl/transcripts.py)."""
 
     def __init__(self, cfg: TrainConfig, path: Path, echo=print) -> None:
-        from rollout.renderer import ChatRenderer
+        from rl.rollouts import make_renderer
 
-        tokenizer = ChatRenderer().tokenizer if cfg.run.transcripts_per_step else None
+        tokenizer = make_renderer(cfg.model).tokenizer if cfg.run.transcripts_per_step else None
         decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None
         self.errors = ErrorLog(path, echo)
         self.transcripts = TranscriptWriter(path, cfg.run.transcripts_per_step, cfg.seed, decode)

@@ -188,8 +188,10 @@ def warm_start(cfg: TrainConfig, run_dir: Path, start_learner: Callable) -> str 
     out = Path(cfg.sft.output_dir or run_dir / "sft")
     if (out / "config.json").is_file():
         return str(out)
+    from rl.rollouts import make_renderer
+
     learner = start_learner(cfg, cfg.model, sft_learner_config(cfg))
-    episodes = expert_episodes(cfg.sft, sft_env_kwargs(cfg))
+    episodes = expert_episodes(cfg.sft, sft_env_kwargs(cfg), make_renderer(cfg.model))
     with _checker(cfg, run_dir, learner, episodes) as check:
         metrics = run_sft(learner, episodes, cfg.sft, cfg.learner.micro_batch_tokens, check=check)
     tmp = out.with_name(out.name + ".tmp")  # complete or absent: config.json marks a finished warm start
@@ -222,12 +224,12 @@ def _checker(cfg: TrainConfig, run_dir: Path, learner: Any, episodes: list[Episo
         yield None
         return
     from rl.config import stages
-    from rl.rollouts import WorkerPool, prepare_model_dir
+    from rl.rollouts import WorkerPool, make_renderer, prepare_model_dir
 
-    plan, weights = stages(cfg), str(run_dir / "weights_sft")
+    plan, weights, renderer = stages(cfg), str(run_dir / "weights_sft"), make_renderer(cfg.model)
     first = call(learner, "export_weights", weights)
-    pool = WorkerPool(cfg.rollout, prepare_model_dir(first.path), first.version,
-                      max(s.max_context_tokens for s in plan))  # fmt: skip
+    pool = WorkerPool(cfg.rollout, prepare_model_dir(first.path, renderer), first.version,
+                      max(s.max_context_tokens for s in plan), renderer=renderer)  # fmt: skip
     try:
         tasks = check_tasks(cfg.sft, sft_env_kwargs(cfg), {e.info["task_key"] for e in episodes})
         yield SFTCheck(pool, tasks, cfg.rollout, plan[0], weights)
@@ -266,8 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.sft.target_success is not None:
         print("note: python -m rl.sft starts no rollout engine, so sft.target_success is not checked here; "
               "it trains for sft.max_steps / all epochs (rl.train checks the target)")  # fmt: skip
+    from rl.rollouts import make_renderer
+
     out_dir = cfg.sft.output_dir or str(Path(cfg.run.dir) / "sft")
-    episodes = expert_episodes(cfg.sft, sft_env_kwargs(cfg))
+    episodes = expert_episodes(cfg.sft, sft_env_kwargs(cfg), make_renderer(cfg.model))
     learner = Learner(cfg.model, sft_learner_config(cfg), cfg.algorithm)
     metrics = run_sft(learner, episodes, cfg.sft, cfg.learner.micro_batch_tokens)
     learner.save_pretrained(out_dir)

@@ -39,7 +39,7 @@ from rl.config import ConfigError, RewardConfig, TrainConfig, load_config, stage
 from rl.errors import EXIT_CONFIG, EXIT_ENV_FAILURE, EXIT_EVAL_FAILED, EXIT_OK, EnvFailure
 from rl.metrics import MetricsLogger, summary_text, truncate_metrics, write_plots
 from rl.preflight import plan_lines, preflight
-from rl.rollouts import WorkerPool, collect_step, prepare_model_dir, run_evaluation
+from rl.rollouts import WorkerPool, collect_step, make_renderer, prepare_model_dir, run_evaluation
 from rl.rundir import RunOutputs, open_run
 from rl.sft import call, warm_start, warm_start_warnings
 from rl.signal import NoSignalDetector
@@ -102,10 +102,9 @@ def start_learner(cfg: TrainConfig, model_cfg, learner_cfg):
 
 def niah_check(cfg: TrainConfig, learner, stage) -> dict:
     from rl.niah import niah_episodes, niah_metrics
-    from rollout.renderer import ChatRenderer
 
     lengths = cfg.curriculum.niah.lengths or [stage.max_context_tokens]
-    eps = {n: niah_episodes(n, cfg.curriculum.niah.num_samples, ChatRenderer()) for n in lengths}
+    eps = {n: niah_episodes(n, cfg.curriculum.niah.num_samples, make_renderer(cfg.model)) for n in lengths}
     return niah_metrics(learner, eps)
 
 
@@ -142,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     max_ctx = max(s.max_context_tokens for s in plan)
     adapter = update.path if update.adapter_only else None  # LoRA adapter sync: workers run base + adapter
     base = call(learner, "export_base_weights", str(run_dir / "weights_base")) if adapter else update
-    pool = WorkerPool(cfg.rollout, prepare_model_dir(base.path), update.version, max_ctx, adapter)
+    renderer = make_renderer(cfg.model)  # the tokenizer the engines load from base.path, too
+    model_path = prepare_model_dir(base.path, renderer)
+    pool = WorkerPool(cfg.rollout, model_path, update.version, max_ctx, adapter, renderer)
     log = MetricsLogger(str(run_dir), total, cfg.run.tensorboard, cfg.run.progress_bar, start_step=state.step)
     signal = NoSignalDetector.from_state(state.extra.get("signal"), patience=cfg.run.no_signal_steps,
                                          grouped=uses_group_stats(cfg.algorithm))  # fmt: skip
