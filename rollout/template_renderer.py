@@ -29,6 +29,10 @@ raises ``TemplateError`` naming the turn and the first differing tokens; with ``
 it warns instead and goes on: RL is still consistent (the learner trains on the ids the engine saw), but
 those are not what the template renders for the same conversation at deployment.
 
+A template whose generation prompt differs from how it writes an assistant turn's start (one that
+adds an empty ``<think></think>`` to the prompt only, say) cannot be rendered turn by turn at all: it is a
+``TemplateError`` at start whatever ``template_check`` says.
+
 Untrusted content: system, user and tool content whose encoding would hold a control id (any added
 token's string, e.g. a tool printing ``<|im_end|>``) goes through the template as a placeholder and is
 encoded on its own as plain text (``plain_text_ids``), so it cannot forge a turn or a tool call.
@@ -280,12 +284,15 @@ class TemplateRenderer:
         return out, protected
 
     def _assistant_message(self, m: Message, content: str) -> dict[str, Any]:
+        """An assistant message with its ``<tool_call>`` blocks (or chat-API ``tool_calls``) as entries."""
         calls = protocol.parse_tool_calls(content)
         bad = [c.error for c in calls if c.error]
         if bad:
             raise ValueError(f"assistant message has a malformed tool call: {bad[0]}")
-        text = protocol.strip_tool_calls(content) if calls else content
-        calls += [_as_tool_call(c) for c in m.get("tool_calls") or []] if not calls else []
+        if calls:
+            text = protocol.strip_tool_calls(content)
+        else:
+            text, calls = content, [_as_tool_call(c) for c in m.get("tool_calls") or []]
         msg: dict[str, Any] = {"role": "assistant", "content": text}
         if calls:
             msg["tool_calls"] = [{"id": self.format.call_id(c.name, i), "type": "function",
@@ -323,9 +330,11 @@ class TemplateRenderer:
         """``text`` after the fixed context's generation prompt (a template that renders that context
         differently once an assistant turn follows cannot be rendered incrementally)."""
         if not text.startswith(self._prompt):
-            raise TemplateError("the chat template renders a conversation's start differently once an assistant "
-                                f"turn follows it: {self._prompt[-60:]!r} became "
-                                f"{text[len(self._prompt) - 60 : len(self._prompt)]!r}")  # fmt: skip
+            i = next(i for i, (a, b) in enumerate(zip(self._prompt, text + "\0")) if a != b)
+            raise TemplateError("the chat template writes an assistant turn's start differently from its generation "
+                                f"prompt (or re-renders earlier messages): {self._prompt[max(0, i - 40) : i + 40]!r} "
+                                f"became {text[max(0, i - 40) : i + 40]!r}; such a template cannot be rendered "
+                                "turn by turn")  # fmt: skip
         return text[len(self._prompt) :]
 
     # --- start-up checks ----------------------------------------------------------------------------
@@ -435,10 +444,14 @@ def load_hf_tokenizer(path: str | Path):
         raise TemplateError(f"{p} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)})")
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(str(p))
-    except Exception as e:  # e.g. a tokenizer that needs remote code, or a broken file
-        raise TemplateError(f"the tokenizer in {p} does not load: {type(e).__name__}: {e}") from None
+    try:  # no remote code (and no prompt asking for it): the driver and the engines load the same files
+        return AutoTokenizer.from_pretrained(str(p), trust_remote_code=False)
+    except Exception as e:
+        why = f"{type(e).__name__}: {e}"
+        if "trust_remote_code" in why:
+            why = ("it needs remote code (auto_map in tokenizer_config.json), which is not supported: save it as a "
+                   "fast tokenizer (tokenizer.json) first")  # fmt: skip
+        raise TemplateError(f"the tokenizer in {p} does not load: {why}") from None
 
 
 @functools.lru_cache(maxsize=8)

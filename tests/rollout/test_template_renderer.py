@@ -206,6 +206,8 @@ ODD_CALLS = NO_CALLS.replace("{{ m.content }}", "{{ m.content }}{% for tc in m.t
     (NO_CALLS, "cannot express tool calls"),
     (ODD_CALLS, "cannot read back"),
     ("{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}", "not with a special token"),
+    (OURS.replace("'<|im_start|>assistant\\n' -}}{%- endif", "'<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' -}}"
+                  "{%- endif"), "differently from its generation prompt"),  # an empty <think> in the prompt only
 ])  # fmt: skip
 def test_unusable_templates_are_named(template, why):
     with pytest.raises(TemplateError, match=why):
@@ -216,6 +218,14 @@ def test_load_renderer_and_missing_files(tmp_path):
     assert isinstance(load_renderer(None), ChatRenderer)
     with pytest.raises(TemplateError, match="no tokenizer files"):
         load_hf_tokenizer(tmp_path)
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "tokenizer_config.json").write_text(
+        json.dumps({"auto_map": {"AutoTokenizer": ["tok.Tok", None]}})
+    )
+    (remote / "tok.py").write_text("raise SystemExit('remote code ran')")
+    with pytest.raises(TemplateError, match="needs remote code"):  # refused, never run, no prompt
+        load_hf_tokenizer(remote)
     r = load_renderer(str(save_kimi_tokenizer(tmp_path / "kimi")))
     assert isinstance(r, TemplateRenderer) and r.format is KIMI_FORMAT
     assert json.loads((tmp_path / "kimi" / "tokenizer_config.json").read_text())
