@@ -97,6 +97,19 @@ def test_difficulty_and_context_knobs():
         assert code in o2["messages"][1]["content"]
 
 
+def test_calculator_ops_pick_the_operators():
+    both = envs.make("Calculator", difficulty=3, ops="+*")
+    ops = {step.split()[1] for i in range(200) for step in both.task_for("train", 3, i).data["steps"]}
+    assert ops == {"+", "*"}
+    minus = envs.make("Calculator", ops="-")
+    assert all(" - " in minus.task_for("test", 1, i).key for i in range(20))
+    default = [envs.make("Calculator").task_for("train", 2, i).key for i in range(50)]
+    assert default == [envs.make("Calculator", ops="+-*").task_for("train", 2, i).key for i in range(50)]
+    for bad in ("", "+/", "++", ["+"]):
+        with pytest.raises(ValueError, match="Calculator ops"):
+            envs.make("Calculator", ops=bad)
+
+
 @pytest.mark.parametrize("name", ENV_NAMES)
 def test_expert_solves_test_tasks_and_rewards_agree(name):
     env = make_env(name, difficulty=2)
