@@ -15,21 +15,15 @@ import pytest
 from rl.config import CONFIGS_ROOT
 from rl.metrics import read_metrics
 
-# the templates written for the renderer tests
+# the tiny Kimi Linear config and the chat templates of the rollout tests
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
+import rollout_cases
 from chat_templates import KIMI, save_kimi_tokenizer
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = CONFIGS_ROOT.parent
-KIMI_TINY = dict(
-    vocab_size=1088, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-    num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32,
-    q_lora_rank=24, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
-    num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-    linear_head_dim=32, linear_num_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-)  # fmt: skip
+KIMI_TINY = {**rollout_cases.KIMI_TINY, "vocab_size": 1088}
 """Vocab 1088 covers the tokenizer: the project's 1024 ids plus the 9 Kimi-style specials."""
 TINY_RUN = (
     "rollout.group_size=2", "rollout.tasks_per_step=2", "rollout.max_turns=2", "rollout.max_tokens_per_turn=16",

@@ -49,3 +49,15 @@ def build_checkpoint(path, seed: int = 0, scale_router: float = 20.0):
     model.save_pretrained(str(path))
     load_tokenizer().save_pretrained(str(path))
     return model
+
+
+# a tiny transformers KimiLinearConfig (q_lora_rank, a dense first layer, a shared expert); vocab 1024 =
+# the project tokenizer's
+KIMI_TINY = dict(
+    vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32,
+    q_lora_rank=24, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+    num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+    linear_head_dim=32, linear_num_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+)  # fmt: skip
