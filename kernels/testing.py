@@ -1,4 +1,5 @@
-"""Test helpers for kernels: error ratios against a reference and NaN-poisoned allocations.
+"""Test helpers for kernels: error ratios against a reference, NaN-poisoned allocations, and Triton
+modules imported for the interpreter.
 
 Imports only torch, so model and kernel tests alike can use it.
 """
@@ -6,14 +7,33 @@ Imports only torch, so model and kernel tests alike can use it.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import math
+import os
 import sys
 from collections.abc import Iterator
+from types import ModuleType
 
 import torch
 
 log = logging.getLogger(__name__)
+
+
+def import_interpreted(*names: str) -> list[ModuleType]:
+    """The modules ``names`` imported afresh with TRITON_INTERPRET=1 (Triton reads it when a kernel is
+    decorated, so a module another test loaded for a GPU is dropped first); the variable is put back."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        for name in names:
+            sys.modules.pop(name, None)
+        return [importlib.import_module(name) for name in names]
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = old
 
 
 def error_ratio(ref: torch.Tensor, out: torch.Tensor) -> float:

@@ -8,33 +8,16 @@ module with TRITON_INTERPRET=1 set (re-importing it if another test loaded it) a
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
 from kernels.conv.naive import causal_conv1d_naive
-from kernels.testing import assert_close
+from kernels.testing import assert_close, import_interpreted
 
 triton = pytest.importorskip("triton")
 
 
-def _import_interpreted():
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        sys.modules.pop("kernels.conv.triton", None)
-        return importlib.import_module("kernels.conv.triton")
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-
-
-CONV = _import_interpreted()
+(CONV,) = import_interpreted("kernels.conv.triton")
 LENGTHS = [1, 15, 64, 65, 300]
 
 

@@ -10,34 +10,17 @@ Every fresh allocation inside the kernels' host code is poisoned with NaN while 
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
 from kernels.kda.naive import naive_recurrent_kda
+from kernels.testing import import_interpreted
 
 _MODULES = ["common", "fwd", "bwd", "chunk", "decode"]
 
 
-def _import_interpreted():
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        for name in _MODULES:
-            sys.modules.pop(f"kernels.kda.triton.{name}", None)
-        return {name: importlib.import_module(f"kernels.kda.triton.{name}") for name in _MODULES}
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-
-
 triton = pytest.importorskip("triton")
-MODS = _import_interpreted()
+MODS = dict(zip(_MODULES, import_interpreted(*(f"kernels.kda.triton.{name}" for name in _MODULES))))
 chunk_kda_triton = MODS["chunk"].chunk_kda_triton
 fused_recurrent_kda_triton = MODS["decode"].fused_recurrent_kda_triton
 

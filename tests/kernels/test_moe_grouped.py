@@ -7,7 +7,7 @@ import torch
 
 from kernels.moe import grouped_mm, grouped_mm_backend, permute, route_layout, unpermute
 from kernels.moe.naive import grouped_mm_naive
-from kernels.testing import assert_close
+from kernels.testing import assert_close, import_interpreted
 
 
 def _routing(T, k, E, seed=0, skip=()):
@@ -84,21 +84,8 @@ def test_unaligned_or_float64_take_the_loop_and_bad_shapes_are_named():
 
 
 def _interpreted_triton_module():
-    import importlib
-    import os
-    import sys
-
     pytest.importorskip("triton")
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        sys.modules.pop("kernels.moe.triton", None)
-        return importlib.import_module("kernels.moe.triton")
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    return import_interpreted("kernels.moe.triton")[0]
 
 
 @pytest.mark.parametrize("N, K", [(64, 32), (40, 24)])  # one tile; partial tiles in both dims
