@@ -255,8 +255,8 @@ def plan_lines(cfg: TrainConfig) -> list[str]:
     reward = ", ".join(f"{f.name or f.fn} x{f.weight:g}" for f in fns) if fns else "the env's own"
     lines.append(f"  reward: {reward}")
     lines += _start_lines(cfg, plan)
-    if cfg.model.tokenizer_dir():
-        lines.append(f"  tokenizer and chat template: {cfg.model.tokenizer_dir()} ({cfg.model.tokenizer})")
+    if tokenizer := cfg.model.tokenizer_dir():
+        lines.append(f"  tokenizer and chat template: {tokenizer} ({cfg.model.tokenizer})")
     return lines
 
 
