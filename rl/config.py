@@ -306,6 +306,19 @@ class LearnerConfig:
     seed: int = 0
     """Unset in the YAML: the run's top-level ``seed``."""
     lora: LoraConfig = field(default_factory=LoraConfig)
+    num_workers: int = 1
+    """Learner ranks (Ray actors, one per GPU or a CPU process each) forming one torch.distributed
+    process group (NCCL on GPU, gloo on CPU); each mini-batch's micro-batches are spread over them by
+    token count (rl/learner_group.py). 1: the single learner."""
+    sharding: str = "auto"
+    """auto: FSDP2 (rl/parallel.py) when num_workers > 1, the plain learner at 1; fsdp: FSDP2 also at 1
+    worker (a multi-GPU run's code path at world size 1); none: never (only with num_workers=1)."""
+    weight_sync: str = "directory"
+    """How new weights reach the rollout workers (rl/weight_sync.py): directory (a checkpoint directory
+    under run.dir that every worker reads), object_store (buckets through Ray's object store, no files),
+    nccl (not implemented yet: refused at start)."""
+    sync_bucket_mb: int = 256
+    """Largest bucket of gathered parameters (MiB) an export or sync holds in one host buffer."""
 
 
 # --------------------------------------------------------------------------- sft
@@ -715,6 +728,15 @@ def _validate_learner(c: LearnerConfig, errors: list[str]) -> None:
            "bfloat16 autocast is for GPUs; use float32 with device=cpu", errors)  # fmt: skip
     _choice(c.balancer, ("frozen", "update"), "learner.balancer", errors)
     _check(c.lora.r >= 1, "learner.lora.r", "must be >= 1", errors)
+    _check(c.num_workers >= 1, "learner.num_workers", "must be >= 1", errors)
+    _choice(c.sharding, ("auto", "fsdp", "none"), "learner.sharding", errors)
+    _check(not (c.sharding == "none" and c.num_workers > 1), "learner.sharding",
+           "none needs learner.num_workers=1 (several learner ranks shard with fsdp)", errors)  # fmt: skip
+    _choice(c.weight_sync, ("directory", "object_store", "nccl"), "learner.weight_sync", errors)
+    _check(c.weight_sync != "nccl", "learner.weight_sync",
+           "nccl (broadcast to vLLM workers on GPU) is not implemented yet; use directory or object_store",
+           errors)  # fmt: skip
+    _check(c.sync_bucket_mb >= 1, "learner.sync_bucket_mb", "must be >= 1", errors)
     _choice(c.lora.sync, ("merged", "adapter"), "learner.lora.sync", errors)
     _check(not (c.lora.enabled and c.lora.sync == "adapter" and c.balancer == "update"), "learner.lora.sync",
            "adapter sync ships only the adapters, not the balancing bias that balancer=update changes; "

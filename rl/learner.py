@@ -16,6 +16,13 @@ after each optimizer step with the model's balancing rule, and the bias ships wi
 
 Deviation: with ``ppo_epochs * num_minibatches == 1`` the pre-update logprobs are taken from the
 training forward itself (ratio == 1 exactly), saving a forward pass.
+
+Sharded (``dist`` given: one rank of a learner group, rl/learner_group.py): the modules are sharded by
+``rl.parallel.shard_learner`` (FSDP2) before the optimizer is built; each rank trains on its share of a
+mini-batch's micro-batches (padding micro-batches, ``TrainBatch.padding``, keep the ranks' forward
+counts equal and add nothing), the gradient norm is the global one, routing statistics and metrics are
+merged over ranks, so every rank ends the step with the same metrics and balancer biases. Exports gather
+the full weights in buckets onto rank 0; checkpoints are DCP directories (``rl.parallel.save_sharded``).
 """
 
 from __future__ import annotations
@@ -99,7 +106,7 @@ def _checkpoint_layers(model: nn.Module, scope: str = "layer") -> None:
 
 
 class Learner:
-    def __init__(self, model_cfg: ModelConfig, cfg: LearnerConfig, algo: AlgorithmConfig) -> None:
+    def __init__(self, model_cfg: ModelConfig, cfg: LearnerConfig, algo: AlgorithmConfig, dist=None) -> None:
         from model import ExpertBalancer
         from model.fast import FastPaths
 
@@ -136,6 +143,11 @@ class Learner:
             self.compiled_regions = compile_regions(self.base_model)
         hidden = self.base_model.config.hidden_size
         self.value_head = nn.Linear(hidden, 1).to(self.device) if (algo.vf_coef or 0) > 0 else None
+        self.dist = dist  # rl.parallel.Distributed, or None: a plain single-process learner
+        if dist is not None:
+            from rl.parallel import shard_learner
+
+            shard_learner(self, dist)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         if self.value_head is not None:
             params += list(self.value_head.parameters())
@@ -276,10 +288,10 @@ class Learner:
                 m = self._update(mb, i, pre, mismatch if epoch == 0 else None)
                 for k, v in m.items():
                     sums[k] = max(sums[k], v) if k.endswith("_max") else sums[k] + v / updates
-        metrics = dict(sums)
-        metrics.update(mismatch.result())
+        metrics = self._reduced(dict(sums))
+        metrics.update(mismatch.result(self.dist))
         if self.balancer is not None:
-            metrics.update(self.balancer.summarize(self.balancer.step()))
+            metrics.update(self.balancer.summarize(self._balancer_step()))
         self.version += 1
         metrics["learner/version"] = float(self.version)
         return metrics
@@ -290,6 +302,9 @@ class Learner:
         need_entropy = True
         sums: dict[str, float] = defaultdict(float)
         for j, micro in enumerate(micro_batches):
+            if micro.padding:
+                self._padding_backward(micro, need_entropy)
+                continue
             fwd = self.forward(micro, need_entropy=need_entropy)
             old_T, old_v = pre[i, j] if pre is not None else (fwd.logprobs_T.detach(), None)
             if fwd.values_T is not None and old_v is None:
@@ -306,9 +321,39 @@ class Learner:
         sums["grad_norm"] = float(self._clip_and_step())
         return dict(sums)
 
+    def _padding_backward(self, micro: TrainBatch, need_entropy: bool = False) -> None:
+        """A padding micro-batch's forward and backward: its zero loss weights add exact zeros to every
+        gradient, no metric and no routing statistic; it only makes the rank join the group's gathers."""
+        from rl.parallel import routing_stats_untouched
+
+        gates = self.balancer.gates if self.balancer is not None else []
+        with routing_stats_untouched(gates):
+            fwd = self.forward(micro, need_entropy=need_entropy)
+            old_T = fwd.logprobs_T.detach()
+            old_v = fwd.values_T.detach() if fwd.values_T is not None else None
+            loss, _ = policy_loss(self._loss_inputs(micro, fwd, old_T, old_v), self.algo)
+            with self._paths():
+                loss.backward()
+
+    def _reduced(self, metrics: dict[str, float]) -> dict[str, float]:
+        from rl.parallel import reduce_metrics
+
+        return reduce_metrics(metrics, self.dist, same=("grad_norm",)) if self.dist is not None else metrics
+
+    def _balancer_step(self):
+        from rl.parallel import merge_routing_stats
+
+        merge_routing_stats(self.balancer.gates, self.dist)
+        return self.balancer.step()
+
     def _clip_and_step(self) -> torch.Tensor:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        if self.dist is not None:
+            from rl.parallel import clip_grad_norm_
+
+            norm = clip_grad_norm_(params, self.cfg.grad_clip)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         for g in self.optimizer.param_groups:
             g["lr"] = self.cfg.lr * self._lr_scale()
         self.optimizer.step()
@@ -322,18 +367,23 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         nll, correct = 0.0, 0.0
         for micro in micro_batches:
-            fwd = self.forward(micro)
-            w_T = micro.token_weights_T.to(self.device)
-            loss = -(w_T * fwd.logprobs_T).sum()
-            with self._paths():
-                loss.backward()
+            from rl.parallel import routing_stats_untouched
+
+            gates = self.balancer.gates if self.balancer is not None and micro.padding else []
+            with routing_stats_untouched(gates) if micro.padding else contextlib.nullcontext():
+                fwd = self.forward(micro)
+                w_T = micro.token_weights_T.to(self.device)
+                loss = -(w_T * fwd.logprobs_T).sum()
+                with self._paths():
+                    loss.backward()
             nll += float(loss.detach())
             correct += float((w_T * (fwd.logprobs_T.detach() > np.log(0.5)).float()).sum())
         norm = self._clip_and_step()
         if self.balancer is not None:
-            self.balancer.step()
+            self._balancer_step()
         self.version += 1
-        return {"sft/nll": nll, "sft/p_gt_half": correct, "sft/grad_norm": float(norm)}
+        sums = self._reduced({"sft/nll": nll, "sft/p_gt_half": correct})
+        return {**sums, "sft/grad_norm": float(norm)}
 
     # ------------------------------------------------------------------ weights and checkpoints
     def export_weights(self, out_dir: str, keep: int = 2, adapter_only: bool | None = None) -> WeightUpdate:
@@ -348,7 +398,9 @@ class Learner:
         path.mkdir(parents=True, exist_ok=True)
         lora = self.cfg.lora.enabled
         adapter_only = lora and (self.cfg.lora.sync == "adapter" if adapter_only is None else adapter_only)
-        if adapter_only:
+        if self.dist is not None:
+            self._write_gathered(path, "adapter" if adapter_only else "full")
+        elif adapter_only:
             self.policy.save_pretrained(str(path))
         elif lora:
             self._save_merged(path)
@@ -366,8 +418,60 @@ class Learner:
             raise ValueError("export_base_weights is for LoRA training (learner.lora.enabled)")
         path = Path(out_dir)
         path.mkdir(parents=True, exist_ok=True)
-        self._save_merged(path, merge=False)
+        if self.dist is not None:
+            self._write_gathered(path, "base")
+        else:
+            self._save_merged(path, merge=False)
         return WeightUpdate(self.version, str(path), adapter_only=False)
+
+    def weight_buckets(self, kind: str = "full", bucket_bytes: int | None = None):
+        """The weights the rollout engines load, as buckets of whole CPU tensors under the engines'
+        names (``rl.parallel.full_tensors``): ``full`` (adapters merged in with LoRA), ``base`` (LoRA's
+        frozen base) or ``adapter`` (LoRA tensors only, peft's save names). A generator every rank of a
+        group must drain (the gathers are collective); only rank 0 gets buckets."""
+        from rl.parallel import DEFAULT_BUCKET_BYTES, full_tensors
+
+        size = bucket_bytes or DEFAULT_BUCKET_BYTES
+        tied = self.base_model.config.tie_word_embeddings
+        if not self.cfg.lora.enabled:
+            if kind != "full":
+                raise ValueError(f"weight_buckets({kind!r}) is for LoRA training (learner.lora.enabled)")
+            yield from full_tensors(self.base_model, self.dist, size, lambda n: not (tied and n == "lm_head.weight"))
+            return
+        if kind == "adapter":
+            for bucket in full_tensors(self.policy, self.dist, size, lambda n: "lora_" in n):
+                yield {k.replace(".default", ""): v for k, v in bucket.items()}
+            return
+        yield from _merged_buckets(self.policy, self.dist, size, merge=kind == "full", tied=tied)
+
+    def policy_version(self) -> int:
+        return self.version
+
+    def drain_weight_buckets(self, kind: str = "full", bucket_bytes: int | None = None) -> int:
+        """Join a gather without receiving it (a group's ranks other than 0); returns the bucket count."""
+        return sum(1 for _ in self.weight_buckets(kind, bucket_bytes))
+
+    def adapter_scale_fields(self) -> dict:
+        """r, alpha and rsLoRA of the adapters: what ``rollout.adapters.AdapterWeights`` needs beside them."""
+        lc = self.cfg.lora
+        return {"r": lc.r, "alpha": float(lc.alpha), "use_rslora": False}
+
+    def _write_gathered(self, path: Path, kind: str) -> None:
+        """``weight_buckets(kind)`` written by rank 0: an HF sharded checkpoint (config.json + shards) or,
+        for ``adapter``, a peft-style adapter directory; every rank joins the gathers."""
+        from rl.parallel import write_sharded_safetensors
+
+        buckets = self.weight_buckets(kind)
+        if kind == "adapter":
+            tensors = {k: v for b in buckets for k, v in b.items()}  # adapters: a few MB
+            if self.dist.is_main:
+                from rollout.adapters import AdapterWeights
+
+                AdapterWeights(tensors, **self.adapter_scale_fields()).save(path)
+            return
+        write_sharded_safetensors(buckets, path)
+        if self.dist.is_main:
+            self.base_model.config.save_pretrained(str(path))
 
     @torch.no_grad()
     def _save_merged(self, path: Path, merge: bool = True) -> None:
@@ -397,7 +501,9 @@ class Learner:
     def save_pretrained(self, out_dir: str) -> str:
         """A standalone HF checkpoint of the (merged, if LoRA) policy: what ``model.init_from`` loads.
         Out of place: with LoRA the policy keeps its adapters, so the optimizer and training go on."""
-        if self.cfg.lora.enabled:
+        if self.dist is not None:
+            self._write_gathered(Path(out_dir), "full")
+        elif self.cfg.lora.enabled:
             self._save_merged(Path(out_dir))
         else:
             self.base_model.save_pretrained(out_dir, safe_serialization=True)
@@ -409,33 +515,50 @@ class Learner:
             "policy": self.policy.state_dict(),
             "value_head": self.value_head.state_dict() if self.value_head is not None else None,
             "optimizer": self.optimizer.state_dict(),
-            "balancer": self.balancer.state_dict() if self.balancer is not None else None,
-            "step_count": self.step_count,
-            "version": self.version,
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "numpy": np.random.get_state(),
-                "python": random.getstate(),
-            },
+            **self.host_state(),
         }
+
+    def host_state(self) -> dict:
+        """The state beside weights and optimizer: balancer, counters, RNG (per rank in a group)."""
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {"balancer": self.balancer.state_dict() if self.balancer is not None else None,
+                "step_count": self.step_count, "version": self.version, "rng": rng}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         self.policy.load_state_dict(state["policy"])
         if self.value_head is not None and state["value_head"] is not None:
             self.value_head.load_state_dict(state["value_head"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.load_host_state(state)
+
+    def load_host_state(self, state: dict) -> None:
         if self.balancer is not None and state["balancer"] is not None:
             self.balancer.load_state_dict(state["balancer"])
         self.step_count, self.version = state["step_count"], state["version"]
         torch.set_rng_state(state["rng"]["torch"])
         np.random.set_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])
+        if "cuda" in state["rng"] and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
 
     def save(self, path: str) -> None:
-        torch.save(self.state_dict(), path)
+        """``path``: a file (``torch.save``) or, sharded, a DCP directory every rank writes its shards to."""
+        if self.dist is not None:
+            from rl.parallel import save_sharded
+
+            save_sharded(self, path)
+        else:
+            torch.save(self.state_dict(), path)
 
     def load(self, path: str) -> None:
-        self.load_state_dict(torch.load(path, weights_only=False))
+        if self.dist is not None:
+            from rl.parallel import load_sharded
+
+            load_sharded(self, path)
+        else:
+            self.load_state_dict(torch.load(path, weights_only=False))
 
 
 class _MismatchMeter:
@@ -454,7 +577,49 @@ class _MismatchMeter:
         self.kl_sum += float((torch.exp(d_T) - d_T - 1).sum())
         self.n += d_T.numel()
 
-    def result(self) -> dict[str, float]:
+    def result(self, dist=None) -> dict[str, float]:
+        """The step's values; with ``dist`` (a learner group) over every rank's tokens."""
+        if dist is not None:
+            from rl.parallel import gather_objects
+
+            parts = gather_objects((self.abs_sum, self.kl_sum, self.n, self.abs_max), dist)
+            self.abs_sum, self.kl_sum, self.n = (sum(p[i] for p in parts) for i in range(3))
+            self.abs_max = max(p[3] for p in parts)
         n = max(self.n, 1)
         return {"mismatch/logprob_abs_mean": self.abs_sum / n, "mismatch/logprob_abs_max": self.abs_max,
                 "mismatch/kl": self.kl_sum / n, "mismatch/tokens": self.n}  # fmt: skip
+
+
+def _merged_buckets(policy, dist, bucket_bytes: int, merge: bool, tied: bool):
+    """A LoRA policy's engine weights in buckets: ``W + (B @ A) * scale`` per adapted Linear (``W`` alone
+    without ``merge``), under the plain names, in peft's arithmetic (``_save_merged``'s, out of place).
+    A base weight waits for its two adapter tensors, which follow it in state-dict order."""
+    from peft.tuners.lora import LoraLayer
+
+    from rl.parallel import full_tensors
+
+    model = policy.get_base_model()
+    scales = {name: m.scaling[a] for name, m in model.named_modules() if isinstance(m, LoraLayer)
+              for a in m.active_adapters}  # fmt: skip
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for bucket in full_tensors(model, dist, bucket_bytes):
+        out = {}
+        for key, t in bucket.items():
+            owner = key.split(".base_layer.")[0] if ".base_layer." in key else key.split(".lora_")[0]
+            if owner not in scales:
+                if not (tied and key == "lm_head.weight"):
+                    out[key] = t
+                continue
+            if ".base_layer." in key and not key.endswith(".base_layer.weight"):
+                out[key.replace(".base_layer", "")] = t  # a bias of the adapted Linear
+                continue
+            parts = pending.setdefault(owner, {})
+            parts["W" if ".base_layer." in key else ("A" if ".lora_A." in key else "B")] = t
+            if {"W", "A", "B"} <= set(parts):
+                done = pending.pop(owner)
+                W = done["W"]
+                if merge:
+                    W = W + ((done["B"] @ done["A"]) * scales[owner]).to(W.dtype)
+                out[f"{owner}.weight"] = W
+        if out:
+            yield out

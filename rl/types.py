@@ -32,6 +32,7 @@ class TrainBatch:
     value_weights_T: torch.Tensor  # [T] float32, value-loss weights (sum to 1 over the optimizer step)
     routed_experts_TLK: torch.Tensor | None = None  # [T, L, K] long, -1 = not recorded
     episode_ids: list[str] = field(default_factory=list)  # [N]
+    padding: bool = False  # a learner group's filler: zero loss weights, adds nothing (rl/learner_group.py)
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,297 @@
+"""Sharding the learner from outside the model: FSDP2, mixed precision, clipping, gathers, DCP checkpoints.
+
+The model stays single-device code; ``shard_learner`` wraps a built ``Learner``'s modules with
+``torch.distributed.fsdp.fully_shard`` after its activation checkpointing and LoRA (peft) are in place
+and before its optimizer is made (FSDP2 replaces the parameters with DTensors, so AdamW, built after,
+steps the local shards).
+
+Units: one per decoder layer and the root (embedding, final norm, LM head, and whatever no unit
+claimed). Deviation: ``HybridModel`` calls a layer through its ``attention`` / ``ffn`` methods and its
+AttnRes mixes, never through ``layer.forward``, so FSDP's forward hooks on the layer module would not
+fire. The per-layer unit is therefore split along those calls: the attention block (``self_attn``),
+the FFN block (``block_sparse_moe`` / ``mlp``) and each AttnRes mix are units of their own; a layer's
+two RMSNorm weights (2 x hidden floats) fall to the root unit, which stays gathered for the whole
+forward. Activation checkpointing wraps ``layer.attention`` / ``layer.ffn`` (rl/learner.py), i.e. the
+units sit inside the checkpointed regions; the recompute in backward re-enters the unit's hooks while it
+is gathered for backward (tested: the update equals the unsharded one).
+
+Mixed precision (``MixedPrecisionPolicy``): with ``learner.dtype=bfloat16`` on a GPU the gathered
+parameters are bf16 for compute while gradients are reduced in fp32 and the sharded parameters (the
+master weights AdamW steps) stay fp32; otherwise (CPU, fp32 tests) no cast at all.
+
+Gradient reduction: the loss weights of a mini-batch are normalised over the whole mini-batch
+(rl/losses.py), so the mini-batch gradient is the *sum* of the ranks' gradients: the reduce-scatter's
+divide factor is set to 1 (FSDP's default would average).
+
+Expert parallelism (not done here) slots in without changing the model: ``SparseMoE.experts`` is a
+ModuleList of per-expert GLUs, so an EP mesh dimension would give each rank E / ep of them (the others
+moved to meta), the FFN unit would be ``fully_shard``-ed over the remaining data-parallel sub-mesh only
+(``mesh["dp_shard"]``), and ``SparseMoE._routed`` would dispatch tokens to the owning rank by all-to-all.
+Nothing here flattens or concatenates expert weights across experts, so no layout stands in the way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+"""Largest host buffer of gathered parameters (one bucket) a weight export or sync holds at once."""
+
+
+@dataclass(frozen=True)
+class Distributed:
+    """This process's place in the learner group's process group."""
+
+    rank: int
+    world_size: int
+    backend: str  # gloo (CPU) or nccl (GPU)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def free_address() -> tuple[str, int]:
+    """This host's address and a free TCP port: where rank 0 listens for the group's rendezvous."""
+    host = socket.gethostbyname(socket.gethostname()) if os.environ.get("RAY_ADDRESS") else "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return host, int(s.getsockname()[1])
+
+
+def init_distributed(rank: int, world_size: int, address: tuple[str, int], device: torch.device) -> Distributed:
+    """Join the group (blocks until every rank has joined); NCCL on a GPU (which it binds), gloo on CPU."""
+    backend = backend_for(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        host, port = address
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
+                                device_id=device if device.type == "cuda" else None)  # fmt: skip
+    return Distributed(rank, world_size, backend)
+
+
+def mixed_precision(dtype: str, device: torch.device):
+    """bf16 compute / fp32 reduction and master weights for ``dtype=bfloat16`` on a GPU, else no cast."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if dtype == "bfloat16" and device.type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def layer_units(layer: nn.Module) -> list[nn.Module]:
+    """A decoder layer's FSDP units (see the module docstring): attention, FFN, AttnRes mixes."""
+    names = ("self_attn", "block_sparse_moe", "mlp", "attn_res", "mlp_res")
+    return [getattr(layer, n) for n in names if isinstance(getattr(layer, n, None), nn.Module)]
+
+
+# The model's blocks return views (``y.view(B, T, D)``) and FSDP warns that an in-place op on one would
+# skip its pre-backward hook; the model adds block outputs out of place (tests: sharded == unsharded).
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+def shard_model(root: nn.Module, layers, mp_policy, mesh=None) -> nn.Module:
+    """``fully_shard`` every unit of every decoder layer, then ``root``; gradients summed over ranks."""
+    from torch.distributed.fsdp import fully_shard
+
+    units = [u for layer in layers for u in layer_units(layer)]
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(root, mesh=mesh, mp_policy=mp_policy)
+    for module in (*units, root):
+        module.set_gradient_divide_factor(1.0)  # the loss weights already normalise the mini-batch
+        module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+    return root
+
+
+def shard_learner(learner, d: Distributed) -> None:
+    """Shard a Learner's policy (base + LoRA), reference copy and value head, in place."""
+    mp = mixed_precision(learner.cfg.dtype, learner.device)
+    shard_model(learner.policy, learner.base_model.model.layers, mp)
+    if learner.reference is not None:
+        shard_model(learner.reference, learner.reference.model.layers, mp)
+    if learner.value_head is not None:
+        shard_model(learner.value_head, [], mp)
+
+
+# --------------------------------------------------------------------------- optimizer step helpers
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Global L2 norm over sharded (DTensor) and plain gradients, then clip: torch's norm of DTensor
+    gradients is a partial DTensor, made whole here before the clip coefficient is taken from it."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def gather_objects(obj, d: Distributed | None) -> list:
+    """``obj`` of every rank, in rank order (just ``[obj]`` outside a group)."""
+    if d is None or d.world_size == 1:
+        return [obj]
+    out = [None] * d.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def reduce_metrics(metrics: dict[str, float], d: Distributed | None, same: tuple[str, ...] = ()) -> dict[str, float]:
+    """Per-rank metric sums into the group's: ``*_max`` keys take the max, keys in ``same`` (already the
+    group's, e.g. the global gradient norm) rank 0's value, every other key is a sum (the loss metrics are
+    weighted by the global loss weights, so their sum is the mini-batch's)."""
+    out: dict[str, float] = {}
+    for m in gather_objects(metrics, d):
+        for k, v in m.items():
+            if k in same:
+                out.setdefault(k, v)
+            else:
+                out[k] = max(out[k], v) if k in out and k.endswith("_max") else out.get(k, 0.0) + v
+    return out
+
+
+def merge_routing_stats(gates, d: Distributed | None) -> None:
+    """Each MoE router's routing statistics of the step, merged over ranks into every rank (loads and
+    token counts summed, exact-QB margins concatenated, histograms summed), so every rank computes the
+    same next bias as one rank that saw all tokens. Exact QB needs the margins, which no sum-reduce
+    carries (``ExpertBalancer.step(all_reduce=...)`` refuses that mode), hence an object gather."""
+    if d is None or d.world_size == 1:
+        return
+    local = [_stats_to_host(g.pop_stats()) for g in gates]
+    every = gather_objects(local, d)
+    for i, gate in enumerate(gates):
+        parts = [rank[i] for rank in every if rank[i] is not None]
+        gate._stats = _merged(parts, gate) if parts else None
+
+
+def _stats_to_host(stats):
+    if stats is None:
+        return None
+    return {"load_E": stats.load_E.cpu(), "tokens": stats.tokens, "margins": [m.cpu() for m in stats.margins],
+            "hist_EB": None if stats.hist_EB is None else stats.hist_EB.cpu(), "hist_range": stats.hist_range}  # fmt: skip
+
+
+def _merged(parts: list[dict], gate):
+    from model.balancing import RoutingStats
+
+    dev = gate.weight.device if not hasattr(gate.weight, "to_local") else gate.e_score_correction_bias.device
+    hists = [p["hist_EB"] for p in parts if p["hist_EB"] is not None]
+    return RoutingStats(load_E=sum(p["load_E"] for p in parts).to(dev), tokens=sum(p["tokens"] for p in parts),
+                        margins=[m.to(dev) for p in parts for m in p["margins"]],
+                        hist_EB=sum(hists).to(dev) if hists else None,
+                        hist_range=next((p["hist_range"] for p in parts if p["hist_range"] is not None), None))  # fmt: skip
+
+
+@contextlib.contextmanager
+def routing_stats_untouched(gates):
+    """A forward inside leaves every router's step statistics as they were (padding micro-batches)."""
+    saved = [g._stats for g in gates]
+    for g in gates:
+        g._stats = None
+    try:
+        yield
+    finally:
+        for g, s in zip(gates, saved):
+            g._stats = s
+
+
+# --------------------------------------------------------------------------- gathered weights
+def full_tensors(module: nn.Module, d: Distributed | None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 keep: Callable[[str], bool] = lambda name: True) -> Iterator[dict[str, torch.Tensor]]:  # fmt: skip
+    """``module``'s state dict as whole CPU tensors in buckets of at most ``bucket_bytes`` (a tensor
+    larger than that alone), in state-dict order. Every rank must iterate (each sharded tensor is an
+    all-gather); only the main rank gets buckets, the others iterate over nothing but the gathers."""
+    from torch.distributed.tensor import DTensor
+
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, t in module.state_dict().items():
+        if not keep(name):
+            continue
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if d is not None and not d.is_main:
+            continue
+        full = full.detach().to("cpu", copy=True).contiguous()
+        nbytes = full.numel() * full.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name] = full
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def write_sharded_safetensors(buckets: Iterator[dict[str, torch.Tensor]], path: Path) -> list[str]:
+    """An HF sharded checkpoint from buckets (``model-0000k.safetensors`` + index): what vLLM, the rollout
+    workers and ``from_pretrained`` read. Returns the files written (none on a non-main rank)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    weight_map, files, total = {}, [], 0
+    for k, bucket in enumerate(buckets):
+        name = f"model-{k + 1:05d}.safetensors"
+        save_file(bucket, str(path / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(bucket, name))
+        total += sum(t.numel() * t.element_size() for t in bucket.values())
+        files.append(name)
+    if files:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    return files
+
+
+# --------------------------------------------------------------------------- sharded checkpoints
+def _train_state(learner) -> nn.Module:
+    """One module over everything the optimizer steps (policy, value head): DCP's state-dict helpers
+    map optimizer state by the parameter names of one module."""
+    parts = {"policy": learner.policy}
+    if learner.value_head is not None:
+        parts["value_head"] = learner.value_head
+    return nn.ModuleDict(parts)
+
+
+def save_sharded(learner, path: str | Path) -> None:
+    """A DCP checkpoint directory: model and optimizer shards (each rank writes its own), plus per rank
+    the balancer, counters and RNG (``rank_<r>.pt``). Every rank must call it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(_train_state(learner), learner.optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    torch.save(learner.host_state(), Path(path) / f"rank_{learner.dist.rank}.pt")
+    dist.barrier()
+
+
+def load_sharded(learner, path: str | Path) -> None:
+    """Exact resume from ``save_sharded``'s directory (the same world size)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    rank_file = Path(path) / f"rank_{learner.dist.rank}.pt"
+    if not rank_file.is_file():
+        raise FileNotFoundError(f"{path} has no {rank_file.name}: it was saved by a learner group of another "
+                                "world size (learner.num_workers) or is not a sharded learner checkpoint")  # fmt: skip
+    module = _train_state(learner)
+    model_sd, optim_sd = get_state_dict(module, learner.optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(module, learner.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    learner.load_host_state(torch.load(rank_file, weights_only=False))
