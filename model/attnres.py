@@ -9,6 +9,11 @@ block's summed output, and the running sum of the current block:
 with a learned pseudo-query w per sub-layer, zero-initialised (uniform mixing at step 0), no
 temperature, keys RMS-normalised, values not. Wiring follows NeMo's ``_forward_attn_residual`` /
 FLA's ``KDABlock.forward`` (see model/modeling.py).
+
+Memory: autograd on the mix keeps the stacked sources, their fp32 RMS-normalised copy and the
+normed output, about three [S, B, T, D] fp32 tensors per mix (33 mixes in gpu_1b). With
+``model.fast`` op "attn_res" = ``recompute`` (the default) only the sources are kept (they are the
+block sums the model holds anyway) and the mix is recomputed in backward: the same ops, bit-exact.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.layers import RMSNorm, f32
+from model import fast
+from model.layers import RMSNorm, f32, recompute_in_backward
 
 
 class AttnResMix(nn.Module):
@@ -28,6 +34,12 @@ class AttnResMix(nn.Module):
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
         if len(sources) == 1:
             return sources[0]
+        if fast.pick("attn_res", sources[0].device) == "recompute":
+            return recompute_in_backward(self.mix, *sources)
+        return self.mix(*sources)
+
+    def mix(self, *sources: torch.Tensor) -> torch.Tensor:
+        """The reference mix of two or more sources; ``model.compile`` compiles it."""
         v_SBTD = torch.stack(sources)
         logits_SBT = (f32(self.norm(v_SBTD)) * f32(self.query)).sum(-1)
         a_SBT = logits_SBT.softmax(dim=0)

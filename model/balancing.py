@@ -123,7 +123,9 @@ class RoutingStats:
         bins: int,
     ) -> None:
         scores_TE, cutoff_T = scores_TE.detach().float(), cutoff_T.detach().float()
-        self.load_E += torch.bincount(chosen_TK.reshape(-1), minlength=self.load_E.numel()).to(self.load_E)
+        # scatter_add, not bincount: CUDA bincount reads the maximum on the host (one sync per layer)
+        flat = chosen_TK.reshape(-1).long()
+        self.load_E += torch.zeros_like(self.load_E).scatter_add_(0, flat, torch.ones_like(flat).to(self.load_E))
         self.tokens += scores_TE.shape[0]
         if mode == "quantile":
             self.margins.append(scores_TE - cutoff_T[:, None])

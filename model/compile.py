@@ -2,7 +2,10 @@
 
 Compiled: every ``RMSNorm`` and ``AttnResMix`` forward (an fp32 upcast, a reduction and a few
 element-wise ops each: one fused kernel instead of five to ten) and each MoE's expert GLU (SiTU /
-SiLU over the [rows, intermediate] buffer of the grouped path). Not compiled: the KDA and conv
+SiLU over the [rows, intermediate] buffer of the grouped path). Both wrap the ``model.fast``
+dispatch, so with the "recompute" paths (ops "glu", "attn_res") the compiled region holds the
+non-reentrant checkpoint and its recomputation; the fused Triton SiTU-GLU (CUDA default) is one
+kernel already (should the compiler refuse it, that region runs eagerly). Not compiled: the KDA and conv
 Triton kernels, the grouped GEMMs, attention and the LM head chunks, which already are single
 kernels or bring their own. A region whose compilation (or compiled call) raises is switched to
 eager for the rest of the process with one warning: a compiler problem never stops a run, and

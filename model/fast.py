@@ -9,6 +9,8 @@ to); the choice is process-wide, read at each call, with "auto" resolved by the 
 | ``attention`` | ``loop``: one SDPA per sequence | ``varlen``: PyTorch's varlen flash attention; ``flex``: FlexAttention with a document-causal block mask | bf16/fp16: varlen if importable, else flex; fp32: loop | loop |
 | ``conv`` | ``torch``: the shifted-tap PyTorch conv | ``triton``: one varlen causal conv kernel (``kernels.conv``) | triton | torch |
 | ``lm_head`` | ``plain``: [T, V] logits, then log-softmax | ``chunked``: logits per token chunk, recomputed in backward (``model.lm_head``) | chunked | chunked (measured faster) |
+| ``glu`` | ``torch``: SiTU / SiLU-GLU by autograd (keeps its fp32 intermediates for backward) | ``recompute``: the same ops, only gate/up kept, recomputed in backward (bit-exact); ``triton``: SiTU-GLU as one fused kernel each way (``kernels.glu``; SiLU takes ``recompute``) | triton | recompute |
+| ``attn_res`` | ``torch``: the AttnRes mix by autograd (keeps the stacked sources and norm intermediates) | ``recompute``: the same ops, only the sources kept, recomputed in backward (bit-exact) | recompute | recompute |
 
 The CPU column is what was measured no slower on the 2-core CPU box (cpu_tiny, 2048 packed tokens,
 one thread, interleaved runs, best of 6-8: MoE layer fwd+bwd 53 vs 85 ms, LM head with logprob and
@@ -30,6 +32,8 @@ CHOICES = {
     "attention": ("auto", "loop", "varlen", "flex"),
     "conv": ("auto", "torch", "triton"),
     "lm_head": ("auto", "plain", "chunked"),
+    "glu": ("auto", "torch", "recompute", "triton"),
+    "attn_res": ("auto", "torch", "recompute"),
 }
 
 
@@ -39,6 +43,8 @@ class FastPaths:
     attention: str = "auto"
     conv: str = "auto"
     lm_head: str = "auto"
+    glu: str = "auto"
+    attn_res: str = "auto"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -48,7 +54,7 @@ class FastPaths:
 
     @classmethod
     def reference(cls) -> FastPaths:
-        return cls(moe="loop", attention="loop", conv="torch", lm_head="plain")
+        return cls(moe="loop", attention="loop", conv="torch", lm_head="plain", glu="torch", attn_res="torch")
 
     @classmethod
     def parse(cls, spec: FastPaths | str | dict) -> FastPaths:
@@ -120,4 +126,8 @@ def pick(op: str, device: torch.device, dtype: torch.dtype | None = None) -> str
         return "triton" if cuda else "torch"
     if op == "lm_head":
         return "chunked"
+    if op == "glu":
+        return "triton" if cuda else "recompute"
+    if op == "attn_res":
+        return "recompute"
     raise ValueError(f"unknown fast-path op {op!r}; ops are {sorted(CHOICES)}")

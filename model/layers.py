@@ -5,17 +5,23 @@
   (the layout of FLA and vLLM checkpoints), with a conv state in and out and packed (varlen)
   sequences: a token never sees inputs of another sequence, it sees the sequence's conv state
   (or zeros) instead.
-* ``GLUMLP`` is a gated MLP with either SiTU-GLU (K3) or SiLU-GLU (SwiGLU) activation.
+* ``GLUMLP`` is a gated MLP with either SiTU-GLU (K3) or SiLU-GLU (SwiGLU) activation. Its ``glu``
+  goes through ``model.fast`` op "glu": autograd on the ops below (``torch``, the reference), the
+  same ops recomputed in backward from gate/up only (``recompute``: bit-exact, the fp32
+  intermediates - six [rows, intermediate] buffers for SiTU - are not kept), or the fused Triton
+  SiTU-GLU (``triton``, ``kernels.glu``: GPU; SiLU-GLU takes ``recompute`` there).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from model import fast
 
@@ -70,11 +76,32 @@ class GLUMLP(nn.Module):
         self.situ_betas = tuple(situ_betas)
 
     def glu(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """The gated activation of (gate_proj x, up_proj x)."""
+        """The gated activation of (gate_proj x, up_proj x), through ``model.fast`` op "glu"."""
+        choice = fast.pick("glu", g.device)
+        if choice == "triton" and self.act == "situ" and g.is_cuda:
+            from kernels.glu import situ_glu_fused
+
+            return situ_glu_fused(g, u, *self.situ_betas)
+        if choice != "torch":
+            return recompute_in_backward(self.glu_torch, g, u)
+        return self.glu_torch(g, u)
+
+    def glu_torch(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """The reference activation (autograd keeps its intermediates); ``model.compile`` compiles it."""
         return situ_glu(g, u, *self.situ_betas) if self.act == "situ" else silu_glu(g, u)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))
+
+
+def recompute_in_backward(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+    """``fn(*args)`` whose backward reruns ``fn`` instead of keeping its intermediates: for
+    element-wise regions, where memory, not compute, is the price (non-reentrant checkpointing:
+    nests inside a checkpointed layer, and the recomputation replays the autocast state). Without
+    gradient it is a plain call."""
+    if torch.is_grad_enabled() and any(a.requires_grad for a in args):
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
 
 
 # ---------------------------------------------------------------------------- sequences

@@ -18,7 +18,8 @@ Experts are a ModuleList of ``GLUMLP`` (nn.Linear projections) so that PEFT LoRA
 Two implementations of the routed sum (``model.fast``, op "moe"): ``loop``, the readable reference
 (one GLU per expert on its tokens; the per-expert counts are read on the host), and ``grouped``
 (``kernels.moe``: slots sorted by expert on the device, the gate/up and down projections of all
-experts as two grouped GEMMs, results gathered back; no host sync). Deviation of ``grouped``: the
+experts as two grouped GEMMs, results gathered back; no host sync; the weighted fp32 sum over the
+k slots is recomputed in backward instead of keeping its fp32 [T, k, Z] copy). Deviation of ``grouped``: the
 expert weights are stacked into [E, ...] tensors at every forward (one copy of the expert weights,
 about 0.1-0.2 ms per gpu_1b layer on an H200's bandwidth), the price of keeping the per-expert
 nn.Linear modules (checkpoint names, LoRA); plain nn.Linear experts only, LoRA-wrapped experts take
@@ -36,7 +37,7 @@ from torch import nn
 from model import fast
 from model.balancing import RoutingStats, histogram_range
 from model.config import HybridConfig
-from model.layers import GLUMLP, RMSNorm, f32
+from model.layers import GLUMLP, RMSNorm, f32, recompute_in_backward
 
 
 @dataclass
@@ -213,8 +214,13 @@ class SparseMoE(nn.Module):
         gu_PI2 = grouped_mm(permute(z_TZ.to(dt), layout), w_gu, layout.offs_E)
         g_PI, u_PI = gu_PI2.chunk(2, dim=-1)
         y_PZ = grouped_mm(self.experts[0].glu(g_PI, u_PI), w_down, layout.offs_E)
-        weighted_TKZ = f32(unpermute(y_PZ, layout)) * route.weights_TK[..., None]
-        return weighted_TKZ.sum(1).to(z_TZ.dtype)
+
+        def weighted_sum(y_PZ, weights_TK):
+            weighted_TKZ = f32(unpermute(y_PZ, layout)) * weights_TK[..., None]
+            return weighted_TKZ.sum(1).to(z_TZ.dtype)
+
+        # recomputed in backward: autograd would keep the fp32 [T, k, Z] copy (twice y's bytes)
+        return recompute_in_backward(weighted_sum, y_PZ, route.weights_TK)
 
     def _routed_loop(self, z_TZ: torch.Tensor, route: RouterOutput) -> torch.Tensor:
         """sum_j w_tj E_{e_tj}(z_t): experts run on their tokens, results go back to (token, slot)
