@@ -11,6 +11,7 @@ to); the choice is process-wide, read at each call, with "auto" resolved by the 
 | ``lm_head`` | ``plain``: [T, V] logits, then log-softmax | ``chunked``: logits per token chunk, recomputed in backward (``model.lm_head``) | chunked | chunked (measured faster) |
 | ``glu`` | ``torch``: SiTU / SiLU-GLU by autograd (keeps its fp32 intermediates for backward) | ``recompute``: the same ops, only gate/up kept, recomputed in backward (bit-exact); ``triton``: SiTU-GLU as one fused kernel each way (``kernels.glu``; SiLU takes ``recompute``) | triton | recompute |
 | ``attn_res`` | ``torch``: the AttnRes mix by autograd (keeps the stacked sources and norm intermediates) | ``recompute``: the same ops, only the sources kept, recomputed in backward (bit-exact) | recompute | recompute |
+| ``norm`` | ``torch``: RMSNorm and L2 norm by autograd (keep an fp32 normalised copy) | ``recompute``: the same ops, only the input kept (bit-exact) | recompute | recompute |
 
 The CPU column is what was measured no slower on the 2-core CPU box (cpu_tiny, 2048 packed tokens,
 one thread, interleaved runs, best of 6-8: MoE layer fwd+bwd 53 vs 85 ms, LM head with logprob and
@@ -34,6 +35,7 @@ CHOICES = {
     "lm_head": ("auto", "plain", "chunked"),
     "glu": ("auto", "torch", "recompute", "triton"),
     "attn_res": ("auto", "torch", "recompute"),
+    "norm": ("auto", "torch", "recompute"),
 }
 
 
@@ -45,6 +47,7 @@ class FastPaths:
     lm_head: str = "auto"
     glu: str = "auto"
     attn_res: str = "auto"
+    norm: str = "auto"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -54,7 +57,8 @@ class FastPaths:
 
     @classmethod
     def reference(cls) -> FastPaths:
-        return cls(moe="loop", attention="loop", conv="torch", lm_head="plain", glu="torch", attn_res="torch")
+        return cls(moe="loop", attention="loop", conv="torch", lm_head="plain", glu="torch", attn_res="torch",
+                   norm="torch")
 
     @classmethod
     def parse(cls, spec: FastPaths | str | dict) -> FastPaths:
@@ -128,6 +132,6 @@ def pick(op: str, device: torch.device, dtype: torch.dtype | None = None) -> str
         return "chunked"
     if op == "glu":
         return "triton" if cuda else "recompute"
-    if op == "attn_res":
+    if op in ("attn_res", "norm"):
         return "recompute"
     raise ValueError(f"unknown fast-path op {op!r}; ops are {sorted(CHOICES)}")

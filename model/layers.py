@@ -38,15 +38,28 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``model.fast`` op "norm" = recompute: only x is kept for backward, not its fp32 normalised copy."""
+        if fast.pick("norm", x.device) == "recompute":
+            return recompute_in_backward(self.normalize, x)
+        return self.normalize(x)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         x32 = f32(x)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * f32(self.weight)).to(x.dtype)
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """L2 norm over the last dim in fp32 (FLA's l2norm uses eps inside the rsqrt)."""
+def _l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = f32(x)
     return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """L2 norm over the last dim in fp32 (FLA's l2norm uses eps inside the rsqrt); with ``model.fast``
+    op "norm" = recompute only x is kept for backward."""
+    if fast.pick("norm", x.device) == "recompute":
+        return recompute_in_backward(lambda t: _l2_normalize(t, eps), x)
+    return _l2_normalize(x, eps)
 
 
 def situ_glu(

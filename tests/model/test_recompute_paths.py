@@ -1,4 +1,4 @@
-"""The memory-saving "recompute" fast paths (model.fast ops "glu", "attn_res", and the grouped MoE's
+"""The memory-saving "recompute" fast paths (model.fast ops "glu", "attn_res", "norm", and the grouped MoE's
 weighted slot sum): the same outputs and gradients as autograd on the reference ops, bit for bit, and
 fewer bytes kept for backward (counted with saved_tensors_hooks)."""
 
@@ -10,7 +10,7 @@ from model_cases import tiny_config
 
 from model.attnres import AttnResMix
 from model.fast import use_fast_paths
-from model.layers import GLUMLP
+from model.layers import GLUMLP, RMSNorm, l2_normalize
 from model.modeling import HybridForCausalLM
 
 
@@ -69,6 +69,24 @@ def test_attn_res_recompute_equals_autograd_and_keeps_less():
     assert nbytes <= sum(s.numel() * s.element_size() for s in sources) < bytes_ref
 
 
+@pytest.mark.parametrize("which", ["rms", "l2"])
+def test_norm_recompute_equals_autograd_and_keeps_less(which):
+    torch.manual_seed(0)
+    norm = RMSNorm(32)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(3, 20, 32).to(torch.bfloat16).requires_grad_()
+    params = [norm.weight] if which == "rms" else []
+    fn = (lambda: norm(x)) if which == "rms" else (lambda: l2_normalize(x))
+    results = {}
+    for choice in ("torch", "recompute"):
+        with use_fast_paths("auto", norm=choice):
+            results[choice] = run_and_grad(fn, [x], params)
+    (out_ref, g_ref, bytes_ref), (out, g, nbytes) = results["torch"], results["recompute"]
+    assert torch.equal(out, out_ref)
+    assert all(torch.equal(a, b) for a, b in zip(g, g_ref))
+    assert nbytes <= x.numel() * x.element_size() < bytes_ref
+
+
 def test_model_step_equals_the_reference_ops_and_keeps_less():
     """Whole model, packed varlen, grouped MoE: default (recompute) paths vs autograd on the same ops."""
     torch.manual_seed(0)
@@ -83,7 +101,7 @@ def test_model_step_equals_the_reference_ops_and_keeps_less():
 
     results = {}
     for choice in ("torch", "recompute"):
-        with use_fast_paths("auto", moe="grouped", glu=choice, attn_res=choice):
+        with use_fast_paths("auto", moe="grouped", glu=choice, attn_res=choice, norm=choice):
             results[choice] = run_and_grad(step, [], params)
     (out_ref, g_ref, bytes_ref), (out, g, nbytes) = results["torch"], results["recompute"]
     torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
