@@ -317,7 +317,7 @@ class LearnerConfig:
     """How new weights reach the rollout workers (rl/weight_sync.py): directory (a checkpoint directory
     under run.dir that every worker reads), object_store (buckets through Ray's object store, no files),
     nccl (not implemented yet: refused at start)."""
-    sync_bucket_mb: int = 256
+    sync_bucket_mb: float = 256
     """Largest bucket of gathered parameters (MiB) an export or sync holds in one host buffer."""
 
 
@@ -736,7 +736,7 @@ def _validate_learner(c: LearnerConfig, errors: list[str]) -> None:
     _check(c.weight_sync != "nccl", "learner.weight_sync",
            "nccl (broadcast to vLLM workers on GPU) is not implemented yet; use directory or object_store",
            errors)  # fmt: skip
-    _check(c.sync_bucket_mb >= 1, "learner.sync_bucket_mb", "must be >= 1", errors)
+    _check(c.sync_bucket_mb > 0, "learner.sync_bucket_mb", "must be > 0", errors)
     _choice(c.lora.sync, ("merged", "adapter"), "learner.lora.sync", errors)
     _check(not (c.lora.enabled and c.lora.sync == "adapter" and c.balancer == "update"), "learner.lora.sync",
            "adapter sync ships only the adapters, not the balancing bias that balancer=update changes; "

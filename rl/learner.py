@@ -471,7 +471,11 @@ class Learner:
             return
         write_sharded_safetensors(buckets, path)
         if self.dist.is_main:
-            self.base_model.config.save_pretrained(str(path))
+            from model import HybridForCausalLM
+
+            config = copy.deepcopy(self.base_model.config)
+            config.architectures = [HybridForCausalLM.__name__]  # the class FSDP wrapped (vLLM needs it)
+            config.save_pretrained(str(path))
 
     @torch.no_grad()
     def _save_merged(self, path: Path, merge: bool = True) -> None:

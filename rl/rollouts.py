@@ -101,7 +101,8 @@ class WorkerPool:
     With adapter-only sync (LoRA), ``model_path`` holds the frozen base weights the engines start
     from and ``adapter_path`` the newest adapter, applied on top of them (also to a replacement worker).
     ``renderer`` is the one of the tokenizer in ``model_path`` (``make_renderer``; None: the project's),
-    which every manager over these workers renders with.
+    which every manager over these workers renders with. ``sync`` (a ``rl.weight_sync.WeightSync``) brings
+    a replacement worker to the newest weights; without one the pool reapplies its adapter only.
     """
 
     def __init__(
@@ -112,9 +113,10 @@ class WorkerPool:
         max_context_tokens: int | None = None,
         adapter_path: str | None = None,
         renderer=None,
+        sync=None,
     ) -> None:
         self.cfg, self.model_path, self.version = cfg, model_path, version
-        self.adapter_path, self.renderer = adapter_path, renderer
+        self.adapter_path, self.renderer, self.sync = adapter_path, renderer, sync
         self.max_model_len = (max_context_tokens or cfg.max_context_tokens) + cfg.max_tokens_per_turn
         self.workers = [self._start(i) for i in range(cfg.num_workers)]
         self._apply_adapter(self.workers)
@@ -143,9 +145,14 @@ class WorkerPool:
         import ray
 
         ray.get([w.update_weights.remote(path, version, adapter_only) for w in self.workers])
-        if adapter_only:
+        self.adopt(version, path, adapter_only)
+
+    def adopt(self, version: int, path: str | None, adapter_only: bool = False) -> None:
+        """The workers now run ``version``; ``path`` (a directory sync's) is what a new worker starts from
+        (full weights) or applies (an adapter); None: new workers start from the start directory."""
+        if path is not None and adapter_only:
             self.adapter_path = path
-        else:
+        elif path is not None:
             self.model_path, self.adapter_path = path, None
         self.version = version
 
@@ -162,7 +169,10 @@ class WorkerPool:
         for i in dead:
             self.workers[i] = self._start(i)
             self.restarts += 1
-        self._apply_adapter([self.workers[i] for i in dead])
+        if self.sync is not None:
+            self.sync.pull([self.workers[i] for i in dead])
+        else:
+            self._apply_adapter([self.workers[i] for i in dead])
         return dead
 
     def shutdown(self) -> None:

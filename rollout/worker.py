@@ -272,12 +272,27 @@ class RolloutWorker:
         else:
             from safetensors import safe_open
 
-            path = str(_safetensors_file(weights))
-            with safe_open(path, "pt") as f:
-                names = list(f.keys())
-            counts = self.llm.collective_rpc(load_weights_inplace, args=(path,))
+            names, counts = [], [0]
+            for path in map(str, _safetensors_files(weights)):  # one file, or the shards of a sharded export
+                with safe_open(path, "pt") as f:
+                    names += list(f.keys())
+                counts[0] += int(self.llm.collective_rpc(load_weights_inplace, args=(path,))[0])
         self.llm.collective_rpc(rebase_inplace, args=(names,))  # these are the new base of adapted layers
         return int(counts[0])
+
+    def load_weight_bucket(self, tensors: dict[str, Any]) -> int:
+        """One bucket of a streamed full-weight update (rl/weight_sync.py), copied in place; the update is
+        complete, tagged and the caches dropped, at ``finish_weight_update``. Deviation from
+        ``update_weights``: a bad bucket raises after the buckets before it were loaded."""
+        return self._load_full(tensors)
+
+    def finish_weight_update(self, version: int, tensors: int = 0) -> dict[str, Any]:
+        """End a streamed update: tag ``version`` and apply the same stale-cache rules as ``update_weights``."""
+        if not self.config.allow_stale_cache:
+            self._close_resident(keep=set())
+            self.llm.reset_prefix_cache()
+        self.version = int(version)
+        return {"version": self.version, "tensors": tensors, "adapter_only": False}
 
     def _load_adapter(self, adapter) -> int:
         from rollout.adapters import AdapterWeights, apply_adapter_inplace
@@ -562,13 +577,25 @@ def _routed_rows(
     return out, (rows[i].copy() if i is not None and prev_pos >= 0 else None)
 
 
-def _safetensors_file(path: str | os.PathLike) -> Path:
+def _safetensors_files(path: str | os.PathLike) -> list[Path]:
+    """A .safetensors file, or a directory's: one file, or the shards its ``model.safetensors.index.json``
+    lists (what a sharded learner exports)."""
+    import json
+
     p = Path(path)
     if p.is_dir():
+        index = p / "model.safetensors.index.json"
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            missing = [s for s in shards if not (p / s).is_file()]
+            if missing:
+                raise FileNotFoundError(f"{index} lists shards that are not there: {missing}")
+            return [p / s for s in shards]
         files = sorted(p.glob("*.safetensors"))
         if len(files) != 1:
-            raise ValueError(f"{p} must hold exactly one .safetensors file, found {[f.name for f in files]}")
-        return files[0]
+            raise ValueError(f"{p} must hold exactly one .safetensors file (or a model.safetensors.index.json), "
+                             f"found {[f.name for f in files]}")  # fmt: skip
+        return files
     if not p.is_file():
         raise FileNotFoundError(f"no weights at {p}")
-    return p
+    return [p]

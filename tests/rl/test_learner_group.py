@@ -22,7 +22,9 @@ from rl.learner_group import LearnerGroup, padding_batch, spread
 pytestmark = [pytest.mark.ray]
 
 OVERRIDES = ("learner.eps=1e-3", "learner.balancer=update", "algorithm.num_minibatches=2")
-CASES = {"full": (), "lora_checkpointed": ("learner.lora.enabled=true", "learner.lora.sync=merged",
+CASES = {"full": (),
+         "value_kl": ("algorithm.vf_coef=0.5", "algorithm.kl_coef=0.05"),
+         "lora_checkpointed": ("learner.lora.enabled=true", "learner.lora.sync=merged",
                                            "learner.activation_checkpointing=true", "learner.balancer=frozen")}  # fmt: skip
 
 
@@ -81,9 +83,15 @@ def test_two_ranks_train_like_one(ray_local, tmp_path, case):
     try:
         assert group.sharded and group.world_size == 2
         for batches in steps:
+            if ref.value_head is not None:
+                got_v, want_v = group.turn_values(batches[0][0]), ref.turn_values(batches[0][0])
+                flat = lambda vs: [v for seq in vs for v in seq]
+                assert flat(got_v) == pytest.approx(flat(want_v), rel=1e-4, abs=1e-6)
             want, got = ref.train_step(batches), group.train_step(batches)
             assert set(got) == set(want)
-            for key in ("loss", "grad_norm", "entropy", "pg_loss"):
+            for key in ("loss", "grad_norm", "entropy", "pg_loss", "kl_ref", "value_loss"):
+                if key not in want:
+                    continue
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
             for key in [k for k in want if k.startswith(("moe/", "mismatch/tokens", "learner/"))]:
                 assert got[key] == pytest.approx(want[key], rel=1e-6), key
