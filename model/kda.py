@@ -122,6 +122,8 @@ class KimiDeltaAttention(nn.Module):
         v_BTHV = v.view(B, T, H, Dh)
         beta_BTH = torch.sigmoid(f32(self.b_proj(x_BTD)))
         g_BTHK = self.log_decay(x_BTD)
+        if cu_seqlens is not None and x_BTD.is_cuda:
+            layout.cached("kda_plan", lambda: _prime_kda_plan(B, T, cu_seqlens, layout))
         o_BTHV, final_NHKV = self._kernel(T, state)(
             q_BTHK,
             k_BTHK,
@@ -148,3 +150,13 @@ class KimiDeltaAttention(nn.Module):
         if (state is not None and T == 1) or self.gate_kind == "unbounded":
             return fused_recurrent_kda
         return functools.partial(chunk_kda, lower_bound=self.lower_bound)
+
+
+def _prime_kda_plan(B: int, T: int, cu_seqlens: torch.Tensor, layout: SeqLayout):
+    """The Triton kernel's chunk plan for this forward's cu_seqlens, built once from the layout's host
+    bounds: every KDA layer (forward and backward) then finds it in the plan cache without reading
+    cu_seqlens back from the GPU."""
+    from kernels.kda.triton.common import plan_chunks
+
+    bounds = [0] + [end for _, _, end in layout.bounds]
+    return plan_chunks(B, T, cu_seqlens, cu_seqlens.device, bounds=bounds)

@@ -149,6 +149,14 @@ class SeqLayout:
         return self.cache[key]
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> GPU without a host sync (a pageable copy waits for the stream): from pinned memory,
+    asynchronously; the caching host allocator keeps the pinned block until the copy has run."""
+    if torch.device(device).type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def seq_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> SeqLayout:
     """The layout of a forward. Pass cu_seqlens as a CPU tensor to build it without a device sync
     (a device cu_seqlens is read on the host once here)."""
@@ -164,7 +172,7 @@ def seq_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.de
     cu = [int(c) for c in cu_seqlens.tolist()]
     if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in itertools.pairwise(cu)):
         raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T = {T}, got {cu}")
-    cu_N1 = torch.tensor(cu, dtype=torch.int32).to(device)  # the one host-to-device copy
+    cu_N1 = to_device(torch.tensor(cu, dtype=torch.int32), device)  # the one host-to-device copy
     lengths_N = (cu_N1[1:] - cu_N1[:-1]).long()
     seq_T = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), lengths_N, output_size=T)
     pos_T = torch.arange(T, device=device) - cu_N1[:-1].long()[seq_T]

@@ -32,7 +32,7 @@ from model.attnres import AttnResMix
 from model.cache import HybridCache
 from model.config import HybridConfig
 from model.kda import KimiDeltaAttention
-from model.layers import RMSNorm, SeqLayout, ShortConvolution, f32, seq_layout
+from model.layers import RMSNorm, SeqLayout, ShortConvolution, f32, seq_layout, to_device
 from model.lm_head import chunked_logprobs_entropy, logits_entropy
 from model.mla import GatedMLA
 from model.moe import DenseMLP, MoEGate, SparseMoE
@@ -185,7 +185,7 @@ class HybridModel(HybridPreTrainedModel):
         E = self.config.num_experts
         if routed.numel() and (bool((routed < 0).any()) or bool((routed >= E).any())):
             raise ValueError(f"replayed expert ids must lie in [0, {E})")
-        return routed.to(device=device, dtype=torch.long)
+        return to_device(routed.long(), device)  # host routes: pinned, no host sync
 
     def _attn(self, layer: HybridDecoderLayer, x_BTD, step: _Step) -> torch.Tensor:
         i = layer.layer_idx

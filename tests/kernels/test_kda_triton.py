@@ -247,6 +247,23 @@ def test_chunk_plan_cached_per_cu_seqlens_and_validated():
         common.plan_chunks(1, 100, torch.tensor([0, 60, 50, 100]), torch.device("cpu"))
 
 
+def test_chunk_plan_built_from_the_callers_host_bounds():
+    """The model passes its layout's host copy of cu_seqlens: the plan equals the one read from the
+    tensor, and later calls with the same tensor (every KDA layer) hit it."""
+    common = MODS["common"]
+    cu = torch.tensor([0, 37, 200, 200, 511])
+    cpu = torch.device("cpu")
+    primed = common.plan_chunks(1, 511, cu, cpu, bounds=[0, 37, 200, 200, 511])
+    assert common.plan_chunks(1, 511, cu, cpu) is primed
+    read = common.plan_chunks(1, 511, cu.clone(), cpu)
+    assert read is not primed
+    for a, b in ((primed.chunk_indices_C2, read.chunk_indices_C2), (primed.chunk_offsets_N1, read.chunk_offsets_N1),
+                 (primed.cu_seqlens_N1, read.cu_seqlens_N1)):  # fmt: skip
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        common.plan_chunks(1, 511, cu.clone(), cpu, bounds=[0, 300, 200, 511])
+
+
 def test_chunk_plan_of_an_inference_tensor_is_keyed_by_its_values():
     """vLLM runs the model under torch.inference_mode, so its cu_seqlens are inference tensors: they
     have no version counter (reading ``_version`` raises) and may change in place without a trace."""

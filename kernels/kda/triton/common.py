@@ -47,7 +47,9 @@ _PLAN_CACHE: list[tuple[tuple, torch.Tensor | None, ChunkPlan]] = []  # most rec
 _PLAN_CACHE_SIZE = 8
 
 
-def plan_chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkPlan:
+def plan_chunks(
+    B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device, bounds: list[int] | None = None
+) -> ChunkPlan:
     """Chunk layout, cached so that every KDA layer of a step, and its backward, share one plan.
 
     A normal cu_seqlens tensor is keyed by identity and version (holding a reference so the identity
@@ -56,8 +58,8 @@ def plan_chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.d
     changed in place inside inference mode without a trace, so its identity proves nothing: it is
     keyed by its values, read with the one host copy a build needs anyway (one device sync per call,
     no rebuild on a hit). Without cu_seqlens the key is (B, T) and nothing syncs. A miss validates
-    cu_seqlens and builds the plan."""
-    bounds = None
+    cu_seqlens and builds the plan. ``bounds``: the caller's host copy of cu_seqlens (the model's
+    sequence layout has one), so that a miss builds without reading the device tensor either."""
     if cu_seqlens is not None and cu_seqlens.is_inference():
         bounds = _bounds(cu_seqlens)
         key, ref = (B, T, str(device), "values", tuple(bounds)), None
@@ -72,6 +74,14 @@ def plan_chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.d
     _PLAN_CACHE.insert(0, (key, ref, plan))
     del _PLAN_CACHE[_PLAN_CACHE_SIZE:]
     return plan
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> GPU without a host sync: from pinned memory, asynchronously (the caching host allocator
+    keeps the pinned block until the copy has run)."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _bounds(cu_seqlens: torch.Tensor) -> list[int]:
@@ -106,11 +116,11 @@ def _build_plan(
         indices.extend((n, c) for c in range(n_chunks))
         offsets.append(offsets[-1] + n_chunks)
     host = dict(dtype=torch.int32)
-    indices_C2 = torch.tensor(indices, **host).reshape(-1, 2).to(device)
+    indices_C2 = _to_device(torch.tensor(indices, **host).reshape(-1, 2), device)
     return ChunkPlan(
-        torch.tensor(bounds, **host).to(device),
+        _to_device(torch.tensor(bounds, **host), device),
         indices_C2.contiguous(),
-        torch.tensor(offsets, **host).to(device),
+        _to_device(torch.tensor(offsets, **host), device),
         len(bounds) - 1,
         len(indices),
     )
