@@ -76,12 +76,13 @@ class Report:
     checks: list = field(default_factory=list)
     runs: list = field(default_factory=list)
     peer: list = field(default_factory=list)
+    memory: list = field(default_factory=list)
     notes: list = field(default_factory=list)
 
     def save(self, out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "learner_mfu.json").write_text(json.dumps(asdict(self), indent=1, default=str))
-        (out / "learner_mfu.md").write_text(markdown(self) + "\n")
+        (out / "learner_mfu.md").write_text(markdown(self) + "\n" + memory_markdown(self) + "\n")
 
 
 # ------------------------------------------------------------------------------------------ setup
@@ -229,7 +230,7 @@ def probe_ops(report: Report, arch: dict, cuda: bool) -> str:
     from kernels.testing import error_ratio
     from model import HybridConfig
     from model.fast import use_fast_paths
-    from model.layers import ShortConvolution, seq_layout
+    from model.layers import GLUMLP, ShortConvolution, seq_layout
     from model.lm_head import chunked_logprobs_entropy, logits_entropy
     from model.mla import GatedMLA
     from model.modeling import token_logprobs
@@ -244,23 +245,29 @@ def probe_ops(report: Report, arch: dict, cuda: bool) -> str:
     C = int(lac["num_heads"]) * int(lac["head_dim"])
     mla_idx = next(i for i in range(config.num_hidden_layers) if not config.is_kda_layer(i))
     torch.manual_seed(0)
+    Z, I = config.routed_expert_hidden_size or D, config.moe_intermediate_size
     mods = {
         "moe": SparseMoE(config), "attention": GatedMLA(config, mla_idx),
         "conv": ShortConvolution(C, int(lac["short_conv_kernel_size"])), "lm_head": torch.nn.Linear(D, V, bias=False),
+        "glu": GLUMLP(Z, I, config.hidden_act, (config.activation_situ_beta, config.activation_situ_linear_beta)),
     }  # fmt: skip
     for m in mods.values():
         m.to(dev)
         for p in m.parameters():
             if p.ndim >= 2:
                 torch.nn.init.normal_(p, std=0.05)
-    xs = {op: torch.randn(1, T, C if op == "conv" else D, device=dev) for op in mods}
+    widths = {"conv": C, "glu": 2 * I}
+    # the GLU sees gate/up pre-activations of every slot: k rows per token, scaled past the betas
+    xs = {op: torch.randn(1, T * (config.num_experts_per_token if op == "glu" else 1), widths.get(op, D),
+                          device=dev) * (8.0 if op == "glu" else 1.0) for op in mods}  # fmt: skip
     targets = torch.randint(0, V, (1, T), device=dev)
-    reference = {"moe": "loop", "attention": "loop", "conv": "torch", "lm_head": "plain"}
+    reference = {"moe": "loop", "attention": "loop", "conv": "torch", "lm_head": "plain", "glu": "torch"}
     candidates = {
         "moe": ["grouped"],
         "attention": ["varlen", "flex"],
         "conv": ["triton"],
         "lm_head": ["chunked"],
+        "glu": ["triton", "recompute"] if cuda else ["recompute"],
     }
 
     def run(op: str, choice: str, half: bool) -> list[torch.Tensor]:
@@ -273,6 +280,8 @@ def probe_ops(report: Report, arch: dict, cuda: bool) -> str:
                 y = m(x, layout, layout.cu_seqlens_N1.long())[0]
             elif op == "conv":
                 y = m(x, layout, need_state=False)[0]
+            elif op == "glu":
+                y = m.glu(*x.chunk(2, dim=-1))
             elif choice == "chunked":
                 y = torch.stack(chunked_logprobs_entropy(m, x, targets, with_entropy=True))
             else:
@@ -454,7 +463,7 @@ def profile_step(learner, batch, cuda: bool) -> dict:
             rows.append((ev.key[:70], dev_us / 1e3, ev.count))
             launches += ev.count
     rows.sort(key=lambda r: -r[1])
-    syncs = None
+    syncs = syncs_fwd_bwd = None
     if cuda:
         torch.cuda.set_sync_debug_mode("warn")
         with warnings.catch_warnings(record=True) as caught:
@@ -463,7 +472,295 @@ def profile_step(learner, batch, cuda: bool) -> dict:
             torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("default")
         syncs = sum("synchroniz" in str(w.message) for w in caught)
-    return {"kernels_per_step": launches, "host_syncs_per_step": syncs, "top_kernels_ms": rows[:15]}
+        syncs_fwd_bwd = count_fwd_bwd_syncs(learner, batch)
+    return {"kernels_per_step": launches, "host_syncs_per_step": syncs, "host_syncs_fwd_bwd": syncs_fwd_bwd,
+            "top_kernels_ms": rows[:15]}  # fmt: skip
+
+
+def count_fwd_bwd_syncs(learner, batch) -> dict:
+    """Host syncs of the model's forward + loss + backward alone (not the learner's metrics, clip and
+    optimizer), with where each comes from (the first frame inside the repository)."""
+    from rl.losses import policy_loss
+
+    learner.policy.train()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fwd = learner.forward(batch, need_entropy=True)
+            loss, _ = policy_loss(learner._loss_inputs(batch, fwd, fwd.logprobs_T.detach(), None), learner.algo)
+            with learner._paths():
+                loss.backward()
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    learner.optimizer.zero_grad(set_to_none=True)
+    where: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            key = f"{Path(w.filename).name}:{w.lineno}"
+            where[key] = where.get(key, 0) + 1
+    return {"count": sum(where.values()), "where": where}
+
+
+# ------------------------------------------------------------------------------------------ memory
+class SavedTensorLedger:
+    """Bytes autograd keeps for backward during a forward, per module path (the innermost module
+    running when the tensor is saved), with the dtype and shape of what is saved.
+
+    Each storage is counted once, at its first save (one tensor saved by several ops, or views of
+    one buffer, cost their memory once); parameters and their views are not activations and are
+    skipped; everything else is counted, autocast's bf16 weight casts and the grouped path's stacked
+    expert weights included (``fit`` separates them: they do not grow with the tokens). A
+    checkpointed region saves through its own hooks (the innermost hooks win), so what it keeps
+    shows up only as its inputs, held by the caller. Tensors a custom autograd Function keeps on
+    ``ctx`` attributes instead of ``save_for_backward`` are invisible here: on a GPU the bench
+    compares the ledger with the allocator's own count."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.names = {m: n for n, m in model.named_modules()}
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.stack: list[str] = ["(outside)"]
+        self.seen: set[int] = set()
+        self.keep: list[torch.Tensor] = []  # holds what was counted so storages are not reused mid-forward
+        self.rows: dict[tuple[str, str, str], list[int]] = {}  # (module, dtype, shape) -> [count, bytes]
+
+    def _pack(self, t: torch.Tensor):
+        try:
+            st = t.untyped_storage()
+            ptr, nbytes = st.data_ptr(), st.nbytes()
+        except (RuntimeError, NotImplementedError):  # a tensor without storage (wrapper subclasses)
+            return t
+        if ptr in self.params or ptr in self.seen or nbytes == 0:
+            return t
+        self.seen.add(ptr)
+        self.keep.append(t)
+        key = (self.stack[-1], str(t.dtype).replace("torch.", ""), "x".join(map(str, t.shape)))
+        row = self.rows.setdefault(key, [0, 0])
+        row[0] += 1
+        row[1] += nbytes
+        return t
+
+    @contextlib.contextmanager
+    def record(self):
+        def pre(mod, args):
+            self.stack.append(self.names.get(mod, type(mod).__name__))
+
+        def post(mod, args, out):
+            self.stack.pop()
+
+        hooks = []
+        for m in self.model.modules():
+            hooks.append(m.register_forward_pre_hook(pre))
+            hooks.append(m.register_forward_hook(post))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                yield self
+        finally:
+            for h in hooks:
+                h.remove()
+            self.keep.clear()
+
+    def total(self) -> int:
+        return sum(b for _, b in self.rows.values())
+
+
+@contextlib.contextmanager
+def _cpu_kda_core_fp32(ledger: SavedTensorLedger):
+    """CPU under bf16 autocast: the chunked KDA core in fp32 outside autocast (its triangular solve has
+    no bf16 CPU kernel), its saves booked as ``self_attn.kda_core``: those are the CPU path's, not the
+    Triton kernel's (which a GPU ledger counts)."""
+    import kernels.kda as kda_mod
+
+    real = kda_mod.chunk_kda
+
+    def core(q, k, v, g, beta, **kw):
+        ledger.stack.append(ledger.stack[-1] + ".kda_core")
+        try:
+            with torch.autocast("cpu", enabled=False):
+                o, final = real(*(t.float() for t in (q, k, v, g, beta)), **kw)
+            return o.to(v.dtype), final
+        finally:
+            ledger.stack.pop()
+
+    kda_mod.chunk_kda = core
+    try:
+        yield
+    finally:
+        kda_mod.chunk_kda = real
+
+
+def _site(module_path: str, kinds: dict[int, str]) -> tuple[str, str]:
+    """("model.layers.5.block_sparse_moe.gate", {5: "kda+moe"}) -> ("kda+moe layer", "block_sparse_moe.gate")."""
+    parts = module_path.split(".")
+    if len(parts) >= 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        return f"{kinds[int(parts[2])]} layer", ".".join(parts[3:]) or "(layer)"
+    return "outside layers", module_path
+
+
+def memory_ledger(learner, batch, cpu_bf16: bool = True) -> dict:
+    """One training forward + loss of ``batch`` under a SavedTensorLedger; the graph is dropped, not
+    run backward. Returns bytes per (layer kind, sub-module) summed over the layers of that kind,
+    per layer kind, the largest saved tensors, and (CUDA) the allocator's growth over the forward."""
+    from rl.losses import policy_loss
+
+    model = learner.base_model
+    layers = model.model.layers
+    kinds = {i: ("kda" if l.is_kda else "mla") + ("+moe" if l.is_moe else "+dense") for i, l in enumerate(layers)}
+    ledger = SavedTensorLedger(model)
+    cuda = learner.device.type == "cuda"
+    learner.policy.train()
+    if cuda:
+        torch.cuda.synchronize()
+        free(True)
+        before = torch.cuda.memory_allocated()
+    # the CPU learner computes in fp32; autocast there gives the bf16 layout the GPU learner saves
+    cpu_half = not cuda and cpu_bf16
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cpu_half else contextlib.nullcontext()
+    with ledger.record(), autocast, _cpu_kda_core_fp32(ledger) if cpu_half else contextlib.nullcontext():
+        fwd = learner.forward(batch, need_entropy=True)
+        old = fwd.logprobs_T.detach()
+        _loss, _ = policy_loss(learner._loss_inputs(batch, fwd, old, None), learner.algo)
+    allocated = torch.cuda.memory_allocated() - before if cuda else None
+    fwd = old = None
+    sites: dict[tuple[str, str], int] = {}
+    tensors = []
+    for (path, dtype, shape), (count, nbytes) in ledger.rows.items():
+        site = _site(path, kinds)
+        sites[site] = sites.get(site, 0) + nbytes
+        tensors.append({"where": " / ".join(site), "dtype": dtype, "shape": shape, "count": count, "bytes": nbytes})
+    merged: dict[tuple[str, str, str], dict] = {}
+    for t in tensors:  # the same tensor kind in every layer of a kind: one row
+        key = (t["where"], t["dtype"], t["shape"])
+        row = merged.setdefault(key, {**t, "count": 0, "bytes": 0})
+        row["count"] += t["count"]
+        row["bytes"] += t["bytes"]
+    layer_counts = {}
+    for k in kinds.values():
+        layer_counts[f"{k} layer"] = layer_counts.get(f"{k} layer", 0) + 1
+    per_kind: dict[str, int] = {}
+    for (kind, _), b in sites.items():
+        per_kind[kind] = per_kind.get(kind, 0) + b
+    return {
+        "tokens": batch.num_tokens, "saved_bytes": ledger.total(), "allocated_growth_bytes": allocated,
+        "layers_of_kind": layer_counts, "per_kind_bytes": per_kind,
+        "per_site_bytes": {" / ".join(k): v for k, v in sorted(sites.items(), key=lambda kv: -kv[1])},
+        "largest": sorted(merged.values(), key=lambda r: -r["bytes"])[:40],
+    }  # fmt: skip
+
+
+def fit_per_token(small: dict, large: dict, target: int) -> dict:
+    """bytes = a + b * tokens per site from two ledgers of the same layout at two sizes; the value at
+    ``target`` tokens. ``a`` holds what does not grow with the tokens (weight casts, stacked experts)."""
+    dt = large["tokens"] - small["tokens"]
+    out = {}
+    for key in large["per_site_bytes"]:
+        b0, b1 = small["per_site_bytes"].get(key, 0), large["per_site_bytes"][key]
+        per_token = (b1 - b0) / dt
+        const = b1 - per_token * large["tokens"]
+        out[key] = {"const_bytes": const, "bytes_per_token": per_token, "at_target_bytes": const + per_token * target}
+    return out
+
+
+@contextlib.contextmanager
+def checkpoint_scope(model, scope: str):
+    """The learner's selective checkpointing (``rl.learner._checkpoint_layers``) on for the block, then
+    the layers' own methods back."""
+    from rl.learner import CHECKPOINT_SCOPES, _checkpoint_layers
+
+    layers = model.model.layers
+    names = CHECKPOINT_SCOPES.get(scope, ())
+    if any(n in vars(layer) for layer in layers for n in ("attention", "ffn")):
+        raise ValueError("the learner was built with checkpointing on: run --memory-breakdown with --checkpoint none")
+    if scope != "none":
+        _checkpoint_layers(model, scope)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            for n in names:
+                vars(layer).pop(n, None)
+
+
+def run_memory_breakdown(report: Report, learner, args, cuda: bool) -> None:
+    """Per checkpoint mode and micro-batch size: saved-for-backward bytes per layer kind and
+    sub-module (two sizes fitted as a + b x tokens and extrapolated to --memory-target), and on a GPU
+    the step's real peak memory and time. Episodes of one length, so attention cost per token is the
+    same at both sizes."""
+    config = learner.base_model.config
+    sizes = [int(t) for t in args.memory_tokens.split(",")]
+    for scope in args.memory_modes.split(","):
+        for tokens in sizes:
+            ep = min(args.memory_episode, tokens)
+            lengths = [ep] * (tokens // ep) + ([tokens % ep] if tokens % ep else [])
+            batch = make_batch(lengths, config, seed=3)
+            row = {"kind": "memory", "checkpoint": scope, "tokens": tokens, "episode_len": ep}
+            saved_paths = learner.fast_paths
+            if scope == "none-autograd":  # the element-wise regions by plain autograd, as before recompute
+                learner.fast_paths = replace(learner.fast_paths, glu="torch", attn_res="torch", norm="torch")
+            try:
+                with checkpoint_scope(learner.base_model, "none" if scope == "none-autograd" else scope):
+                    row["ledger"] = memory_ledger(learner, batch, args.memory_cpu_bf16)
+                    if cuda:
+                        free(True)
+                        torch.cuda.reset_peak_memory_stats()
+                        t0 = time.perf_counter()
+                        train_step(learner, batch)
+                        torch.cuda.synchronize()
+                        row.update(step_s=time.perf_counter() - t0,
+                                   peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30)  # fmt: skip
+            except torch.OutOfMemoryError as e:
+                row["error"] = f"out of memory: {str(e)[:160]}"
+            finally:
+                learner.fast_paths = saved_paths
+            learner.optimizer.zero_grad(set_to_none=True)
+            batch = None
+            free(cuda)
+            report.memory.append(row)
+            report.save(args.out)
+            print(f"[memory] checkpoint={scope} {tokens} tokens: {_memory_line(row)}", flush=True)
+        done = [r for r in report.memory if r["checkpoint"] == scope and "ledger" in r]
+        if len(done) >= 2:
+            fit = fit_per_token(done[-2]["ledger"], done[-1]["ledger"], args.memory_target)
+            report.memory.append({"kind": "memory fit", "checkpoint": scope, "target_tokens": args.memory_target,
+                                  "from_tokens": [done[-2]["tokens"], done[-1]["tokens"]], "sites": fit,
+                                  "total_at_target_gib": sum(v["at_target_bytes"] for v in fit.values()) / 2**30})  # fmt: skip
+            print(f"[memory] checkpoint={scope}: saved at {args.memory_target} tokens "
+                  f"{report.memory[-1]['total_at_target_gib']:.1f} GiB (fit)", flush=True)  # fmt: skip
+        report.save(args.out)
+
+
+def _memory_line(row: dict) -> str:
+    led = row.get("ledger", {})
+    parts = [f"saved {led.get('saved_bytes', 0) / 2**30:.2f} GiB"]
+    if led.get("allocated_growth_bytes") is not None:
+        parts.append(f"allocator +{led['allocated_growth_bytes'] / 2**30:.2f} GiB over the forward")
+    if "peak_mem_gib" in row:
+        parts.append(f"step {row['step_s'] * 1e3:.0f} ms, peak {row['peak_mem_gib']:.1f} GiB")
+    return ", ".join(parts + ([row["error"]] if "error" in row else []))
+
+
+def memory_markdown(report: Report) -> str:
+    lines = []
+    for fit in (r for r in report.memory if r["kind"] == "memory fit"):
+        lines += [f"\nSaved for backward at {fit['target_tokens']} tokens, checkpoint={fit['checkpoint']} "
+                  f"(fit from {fit['from_tokens']}): {fit['total_at_target_gib']:.2f} GiB", "",
+                  "| where | GiB at target | MiB per 1K tokens | constant MiB |", "|---|---|---|---|"]  # fmt: skip
+        for key, v in sorted(fit["sites"].items(), key=lambda kv: -kv[1]["at_target_bytes"])[:25]:
+            lines.append(f"| {key} | {v['at_target_bytes'] / 2**30:.2f} | {v['bytes_per_token'] * 1024 / 2**20:.1f} | "
+                         f"{v['const_bytes'] / 2**20:.0f} |")  # fmt: skip
+    steps = [r for r in report.memory if r["kind"] == "memory" and ("peak_mem_gib" in r or "error" in r)]
+    if steps:
+        lines += ["", "| checkpoint | tokens | step | peak memory | saved (ledger) | allocator growth |", "|---|---|---|---|---|---|"]
+        for r in steps:
+            led = r.get("ledger", {})
+            grow = led.get("allocated_growth_bytes")
+            lines.append(f"| {r['checkpoint']} | {r['tokens']} | {r.get('step_s', 0) * 1e3:.0f} ms | "
+                         f"{r.get('peak_mem_gib', float('nan')):.1f} GiB | {led.get('saved_bytes', 0) / 2**30:.2f} GiB | "
+                         f"{'-' if grow is None else f'{grow / 2**30:.2f} GiB'} | {r.get('error', '')}")  # fmt: skip
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------ runs
@@ -612,7 +909,9 @@ def markdown(report: Report) -> str:
         peer = peers.get(r["tokens"])
         ratio = f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else "-"
         mem = f"{r['peak_mem_gib']:.1f} GiB" if r.get("peak_mem_gib") is not None else "-"
+        fb = (r.get("host_syncs_fwd_bwd") or {}).get("count")
         ks = f"{r.get('kernels_per_step', '-')} / {r.get('host_syncs_per_step', '-')}"
+        ks += f" ({fb} in fwd+bwd)" if fb is not None else ""
         lines.append(f"| {r['tokens']} | ours | {r['step_s'] * 1e3:.0f} ms | {r['tokens_per_s']:.0f} | "
                      f"{r['mfu'] * 100:.1f}% | {mem} | {ms('kda')} | {ms('mla')} | {ms('moe')} | "
                      f"{ms('lm_head_loss')} | {ms('optimizer')} | {ks} | {ratio} |")  # fmt: skip
@@ -645,6 +944,16 @@ def main() -> int:
     ap.add_argument("--no-components", dest="components", action="store_false")
     ap.add_argument("--profile", action="store_true", help="kernel launches and host syncs of one step")
     ap.add_argument("--no-probe", dest="probe", action="store_false", help="skip the per-op probes (auto paths)")
+    ap.add_argument("--memory-breakdown", action="store_true",
+                    help="saved-for-backward bytes per layer kind and sub-module (and on a GPU each mode's step peak), first")
+    ap.add_argument("--memory-tokens", default="4096,16384", help="micro-batch sizes of the memory breakdown (two or more)")
+    ap.add_argument("--memory-modes", default="none-autograd,none,ffn,attention,layer",
+                    help="checkpoint modes of the breakdown; none-autograd: no checkpointing and the element-wise "
+                         "regions (model.fast glu, attn_res, norm) by plain autograd instead of recomputed")
+    ap.add_argument("--memory-target", type=int, default=16384, help="tokens the breakdown extrapolates to")
+    ap.add_argument("--memory-episode", type=int, default=2048, help="episode length of the breakdown's batches")
+    ap.add_argument("--memory-fp32-cpu", dest="memory_cpu_bf16", action="store_false",
+                    help="CPU: the breakdown in fp32 (default: under bf16 autocast, as the GPU learner runs)")
     ap.add_argument("--skip-check", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, default=560.0, help="seconds: no new part starts after this")
     args = ap.parse_args()
@@ -681,7 +990,10 @@ def main() -> int:
     fast_paths = probe_ops(report, arch, cuda) if args.probe and not args.skip_check else "auto"
     report.save(args.out)
     device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
-    learner = make_learner(arch, device, dtype, max(int(t) for t in args.tokens.split(",")), args, fast_paths)
+    sizes = [int(t) for t in f"{args.tokens},{args.memory_tokens if args.memory_breakdown else ''}".split(",") if t]
+    learner = make_learner(arch, device, dtype, max(sizes), args, fast_paths)
+    if args.memory_breakdown:
+        run_memory_breakdown(report, learner, args, cuda)
     if not args.skip_check:
         config = learner.base_model.config
         checks = (

@@ -85,3 +85,19 @@ def test_matmul_parameter_count_counts_active_experts_only(bench):
     moe_layers = len(config.moe_layer_indices)
     inactive = (config.num_experts - config.num_experts_per_token) * expert * moe_layers
     assert n == linear - inactive + routers
+
+
+def test_memory_breakdown_accounts_saved_bytes_per_mode(bench, monkeypatch, tmp_path):
+    """--memory-breakdown: a ledger per mode and size, the a + b x tokens fit, and the recompute paths
+    keep fewer bytes than plain autograd on the same ops, layer checkpointing fewer still."""
+    assert run(bench, monkeypatch, tmp_path, "--tokens", "", "--skip-check", "--memory-breakdown",
+               "--memory-tokens", "128,256", "--memory-episode", "64",
+               "--memory-modes", "none-autograd,none,layer") == 0  # fmt: skip
+    report = json.loads((tmp_path / "learner_mfu.json").read_text())
+    fits = {r["checkpoint"]: r for r in report["memory"] if r["kind"] == "memory fit"}
+    assert set(fits) == {"none-autograd", "none", "layer"}
+    total = {k: v["total_at_target_gib"] for k, v in fits.items()}
+    assert total["layer"] < total["none"] < 0.8 * total["none-autograd"]
+    ledger = next(r for r in report["memory"] if r["kind"] == "memory" and r["checkpoint"] == "none")["ledger"]
+    assert any(k.startswith("kda+moe layer / block_sparse_moe") for k in ledger["per_site_bytes"])
+    assert "Saved for backward at 16384 tokens" in (tmp_path / "learner_mfu.md").read_text()
