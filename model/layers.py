@@ -91,7 +91,9 @@ class GLUMLP(nn.Module):
     def glu(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """The gated activation of (gate_proj x, up_proj x), through ``model.fast`` op "glu"."""
         choice = fast.pick("glu", g.device)
-        if choice == "triton" and self.act == "situ" and g.is_cuda:
+        # training only: without gradient there is nothing to save, and inference graphs (vLLM's
+        # compiled and captured forward) keep the plain ops
+        if choice == "triton" and self.act == "situ" and g.is_cuda and torch.is_grad_enabled():
             from kernels.glu import situ_glu_fused
 
             return situ_glu_fused(g, u, *self.situ_betas)
