@@ -80,7 +80,9 @@ def test_the_side_off_the_cpu_reference_is_named(bench, tiny_ckpt, broken):
 def _capture_engine(bench, worker, prompts: list[list[int]]) -> dict[int, dict]:
     worker.llm.collective_rpc(bench.layers_capture_start)
     try:
-        worker.generate([TurnRequest(f"lay{i}", p, max_tokens=1, temperature=0.0) for i, p in enumerate(prompts)])
+        worker.generate(
+            [TurnRequest(f"lay{i}", p, max_tokens=1, temperature=0.0) for i, p in enumerate(prompts)]
+        )
     finally:
         captured = worker.llm.collective_rpc(bench.layers_capture_stop)[0]
         worker.end_sessions([f"lay{i}" for i in range(len(prompts))])
