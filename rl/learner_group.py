@@ -17,6 +17,7 @@ mini-batch are global, so the summed gradient is the mini-batch's whatever the s
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -94,7 +95,7 @@ def _free_address() -> tuple[tuple[str, int], str]:
 
     from rl.parallel import free_address
 
-    return free_address(), ray.get_runtime_context().get_node_id()
+    return free_address(ray.util.get_node_ip_address()), ray.get_runtime_context().get_node_id()
 
 
 class LearnerGroup:
@@ -168,12 +169,24 @@ class LearnerGroup:
     def adapter_scale_fields(self) -> dict:
         return self._all([self.ranks[0].adapter_scale_fields.remote()])
 
+    def state_path(self, path: str) -> str:
+        """Where ``save(path)`` writes: ``path`` itself (one file), or sharded the DCP directory beside it
+        (``learner.pt`` -> ``learner.dcp/``: each rank's shards plus ``rank_<r>.pt``)."""
+        return str(Path(path).with_suffix(".dcp")) if self.sharded else path
+
     def save(self, path: str) -> None:
-        """Full state to ``path``: one file (unsharded) or a DCP directory (sharded)."""
-        self._all([a.save.remote(path) for a in self.ranks])
+        """Full state for exact resume (weights, optimizer, balancer, RNG, counters) at ``state_path``."""
+        self._all([a.save.remote(self.state_path(path)) for a in self.ranks])
 
     def load(self, path: str) -> None:
-        self._all([a.load.remote(path) for a in self.ranks])
+        """Resume from ``save(path)``'s state; one saved by the other kind (sharded or not) is named."""
+        where = Path(self.state_path(path))
+        if not where.exists():
+            other = Path(path) if self.sharded else Path(path).with_suffix(".dcp")
+            hint = f"; {other} is there: it was saved with another learner.num_workers / learner.sharding" \
+                if other.exists() else ""  # fmt: skip
+            raise FileNotFoundError(f"no learner state at {where}{hint}")
+        self._all([a.load.remote(str(where)) for a in self.ranks])
 
     @property
     def version(self) -> int:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import warnings
 from collections.abc import Callable, Iterator
@@ -66,9 +65,8 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def free_address() -> tuple[str, int]:
-    """This host's address and a free TCP port: where rank 0 listens for the group's rendezvous."""
-    host = socket.gethostbyname(socket.gethostname()) if os.environ.get("RAY_ADDRESS") else "127.0.0.1"
+def free_address(host: str = "127.0.0.1") -> tuple[str, int]:
+    """``host`` and a free TCP port on it: where rank 0 listens for the group's rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return host, int(s.getsockname()[1])
@@ -78,6 +76,7 @@ def init_distributed(rank: int, world_size: int, address: tuple[str, int], devic
     """Join the group (blocks until every rank has joined); NCCL on a GPU (which it binds), gloo on CPU."""
     backend = backend_for(device)
     if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         host, port = address

@@ -179,10 +179,8 @@ def run_sft(
 
 
 def warm_start(cfg: TrainConfig, run_dir: Path, start_learner: Callable) -> str | None:
-    """The checkpoint RL starts from: ``model.init_from``, or the warm start's (trained here in a learner
-    actor from ``start_learner(cfg, model_cfg, learner_cfg)``, or found from an earlier run), or None."""
-    import ray
-
+    """The checkpoint RL starts from: ``model.init_from``, or the warm start's (trained here in the learner
+    group ``start_learner(cfg, model_cfg, learner_cfg)`` returns, or found from an earlier run), or None."""
     if cfg.model.init_from or not cfg.sft.enabled:
         return cfg.model.init_from
     out = Path(cfg.sft.output_dir or run_dir / "sft")
@@ -196,8 +194,8 @@ def warm_start(cfg: TrainConfig, run_dir: Path, start_learner: Callable) -> str 
         metrics = run_sft(learner, episodes, cfg.sft, cfg.learner.micro_batch_tokens, check=check)
     tmp = out.with_name(out.name + ".tmp")  # complete or absent: config.json marks a finished warm start
     shutil.rmtree(tmp, ignore_errors=True)
-    call(learner, "save_pretrained", str(tmp))
-    ray.kill(learner)
+    learner.save_pretrained(str(tmp))
+    learner.shutdown()
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     (run_dir / "sft_metrics.json").write_text(json.dumps(metrics, indent=1))
