@@ -1,6 +1,7 @@
 """Run checkpoints for exact resume: ``<run>/checkpoints/step_NNNNNN/{learner.pt, state.pkl}``.
 
-``learner.pt`` is the learner's own state (weights, optimizer, balancer biases, RNG, counters);
+``learner.pt`` is the learner's own state (weights, optimizer, balancer biases, RNG, counters; a sharded
+learner group writes it as the DCP directory ``learner.dcp/`` instead, ``LearnerGroup.state_path``);
 ``state.pkl`` is the driver's: the step counter (the data position: training tasks are a pure
 function of seed and step), the curriculum stage, the pre-RL evaluation, and the in-flight work,
 i.e. the episode groups already collected for the next step with the new weights. Resuming trains

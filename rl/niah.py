@@ -17,7 +17,7 @@ import torch
 
 from envs.types import Episode
 from rl.batching import episode_row, pack
-from rl.sft import call, expert_episode
+from rl.sft import expert_episode
 
 
 def niah_episodes(length_tokens: int, num_samples: int, renderer, seed: int = 0) -> list[Episode]:
@@ -44,7 +44,7 @@ def niah_metrics(learner: Any, episodes_by_length: dict[int, list[Episode]]) -> 
     metrics: dict[str, float] = {}
     for length, eps in episodes_by_length.items():
         batch = pack([episode_row(e, [0.0] * len(e.turns)) for e in eps], "token_mean", 1)
-        lp_T = call(learner, "logprobs", batch)
+        lp_T = learner.logprobs(batch)
         w_T = batch.token_weights_T
         metrics[f"niah/{length}/nll"] = float(-(w_T * lp_T).sum())
         metrics[f"niah/{length}/p_gt_half"] = float(

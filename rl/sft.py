@@ -125,7 +125,7 @@ class SFTCheck:
     def __call__(self, learner: Any) -> float:
         from rl.rollouts import episode_metrics, make_manager
 
-        update = call(learner, "export_weights", self.weights_dir)
+        update = learner.export_weights(self.weights_dir)
         for w in self.pool.workers:
             call(w, "update_weights", update.path, update.version)
         manager = make_manager(self.pool, self.rollout_cfg, self.stage, 0.0, id_prefix="sftcheck-")
@@ -148,7 +148,7 @@ def run_sft(
     learner: Any, episodes: list[Episode], cfg: SFTConfig, micro_batch_tokens: int, log=print,
     check: Callable[[Any], float] | None = None,
 ) -> dict:  # fmt: skip
-    """Train ``learner`` (a Learner or its actor handle) for ``cfg.epochs`` epochs or ``cfg.max_steps``
+    """Train ``learner`` (a Learner or a ``LearnerGroup``) for ``cfg.epochs`` epochs or ``cfg.max_steps``
     steps; with ``cfg.target_success`` and a ``check`` (learner -> success in [0, 1]), stop at the first
     check that reaches the target. Last metrics out, with the checks' history."""
     metrics: dict[str, float] = {}
@@ -159,7 +159,7 @@ def run_sft(
         for batch in sft_batches(episodes, cfg.batch_episodes, micro_batch_tokens, cfg.seed + epoch):
             if reached or (cfg.max_steps is not None and step >= cfg.max_steps):
                 break
-            metrics = call(learner, "sft_step", batch)
+            metrics = learner.sft_step(batch)
             step += 1
             if step % 50 == 0:
                 log(f"sft epoch {epoch} step {step}: nll {metrics['sft/nll']:.3f} ({time.time() - t0:.0f}s)")
@@ -225,7 +225,7 @@ def _checker(cfg: TrainConfig, run_dir: Path, learner: Any, episodes: list[Episo
     from rl.rollouts import WorkerPool, make_renderer, prepare_model_dir
 
     plan, weights, renderer = stages(cfg), str(run_dir / "weights_sft"), make_renderer(cfg.model)
-    first = call(learner, "export_weights", weights)
+    first = learner.export_weights(weights)
     pool = WorkerPool(cfg.rollout, prepare_model_dir(first.path, renderer), first.version,
                       max(s.max_context_tokens for s in plan), renderer=renderer)  # fmt: skip
     try:
