@@ -67,6 +67,20 @@ def test_a_padding_micro_batch_adds_exactly_nothing():
         assert torch.equal(pa, pb), name
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora_merged"])
+def test_weight_buckets_are_the_exported_checkpoint(tmp_path, lora):
+    """The buckets a sync streams hold exactly the tensors of the directory export, in small pieces."""
+    c = make_cfg(*(("learner.lora.enabled=true", "learner.lora.sync=merged") if lora else ()))
+    learner = Learner(c.model, c.learner, c.algorithm)
+    learner.train_step(batches_for(learner, c, make_group()))
+    want = _weights(Path(learner.export_weights(str(tmp_path)).path))
+    buckets = list(learner.weight_buckets("full", bucket_bytes=20_000))
+    got = {k: v for b in buckets for k, v in b.items()}
+    assert len(buckets) > 2 and got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert all(sum(t.numel() * t.element_size() for t in b.values()) <= 20_000 or len(b) == 1 for b in buckets)
+
+
 def _weights(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -95,6 +109,11 @@ def test_two_ranks_train_like_one(ray_local, tmp_path, case):
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
             for key in [k for k in want if k.startswith(("moe/", "mismatch/tokens", "learner/"))]:
                 assert got[key] == pytest.approx(want[key], rel=1e-6), key
+        if case == "full":  # the warm start's step too (exact-QB margins merged over the ranks)
+            sft = [mb for batches in steps for mb in batches[0]]
+            want, got = ref.sft_step(sft), group.sft_step(sft)
+            for key in ("sft/nll", "sft/p_gt_half", "sft/grad_norm"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5), key
         group.save_pretrained(str(tmp_path / "group"))
         ref.save_pretrained(str(tmp_path / "ref"))
         got_w, want_w = _weights(tmp_path / "group"), _weights(tmp_path / "ref")
@@ -103,7 +122,7 @@ def test_two_ranks_train_like_one(ray_local, tmp_path, case):
         worst = max(float((want_w[k] - got_w[k]).abs().max()) for k in want_w)
         assert worst < 1e-5, worst
         assert moved > 0.0
-        assert group.version == 2
+        assert group.version == ref.version == (3 if case == "full" else 2)
     finally:
         group.shutdown()
 
