@@ -190,7 +190,7 @@ def _stats_to_host(stats):
 def _merged(parts: list[dict], gate):
     from model.balancing import RoutingStats
 
-    dev = gate.weight.device if not hasattr(gate.weight, "to_local") else gate.e_score_correction_bias.device
+    dev = gate.e_score_correction_bias.device  # a buffer: never a DTensor, on the learner's device
     hists = [p["hist_EB"] for p in parts if p["hist_EB"] is not None]
     return RoutingStats(load_E=sum(p["load_E"] for p in parts).to(dev), tokens=sum(p["tokens"] for p in parts),
                         margins=[m.to(dev) for p in parts for m in p["margins"]],
