@@ -26,3 +26,13 @@ def _one_thread():
         yield
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def triton_interpreter():
+    """TRITON_INTERPRET=1 for a module: the interpreter also reads it when a kernel launches, not only
+    at import (``kernels.testing.import_interpreted``)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRITON_INTERPRET", "1")
+    yield
+    mp.undo()

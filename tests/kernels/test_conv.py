@@ -21,13 +21,7 @@ triton = pytest.importorskip("triton")
 LENGTHS = [1, 15, 64, 65, 300]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def interpreter():
-    """The interpreter also reads TRITON_INTERPRET when a kernel launches."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TRITON_INTERPRET", "1")
-    yield
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 def packed_positions(lengths):

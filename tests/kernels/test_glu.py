@@ -17,12 +17,7 @@ triton = pytest.importorskip("triton")
 (GLU,) = import_interpreted("kernels.glu.triton")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def interpreter():
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TRITON_INTERPRET", "1")
-    yield
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 def _grads(fn, gu, dh, *betas):

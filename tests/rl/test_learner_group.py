@@ -9,7 +9,6 @@ counts or maxima (tokens, MoE loads) agree exactly. Resume from a sharded checkp
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import pytest
@@ -26,17 +25,6 @@ CASES = {"full": (),
          "value_kl": ("algorithm.vf_coef=0.5", "algorithm.kl_coef=0.05"),
          "lora_checkpointed": ("learner.lora.enabled=true", "learner.lora.sync=merged",
                                            "learner.activation_checkpointing=true", "learner.balancer=frozen")}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def ray_local(tmp_path_factory):
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=4, object_store_memory=100 << 20, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1", _temp_dir=str(tmp_path_factory.mktemp("ray")),
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})  # fmt: skip
-    yield ray
-    ray.shutdown()
 
 
 def test_spread_balances_tokens_and_pads_every_rank_to_the_same_count():
@@ -78,7 +66,9 @@ def test_weight_buckets_are_the_exported_checkpoint(tmp_path, lora):
     got = {k: v for b in buckets for k, v in b.items()}
     assert len(buckets) > 2 and got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)
-    assert all(sum(t.numel() * t.element_size() for t in b.values()) <= 20_000 or len(b) == 1 for b in buckets)
+    assert all(
+        sum(t.numel() * t.element_size() for t in b.values()) <= 20_000 or len(b) == 1 for b in buckets
+    )
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:

@@ -10,7 +10,6 @@ the start directory and ``pull``-ed lands on the same weights.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -24,17 +23,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow]
 
 ENGINE = dict(max_model_len=256, max_num_seqs=4, kv_cache_memory_bytes=16 << 20)
 VOCAB = "model.arch.vocab_size=1024"  # the project tokenizer's: the engines load it beside the weights
-
-
-@pytest.fixture(scope="module")
-def ray_local(tmp_path_factory):
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=4, object_store_memory=100 << 20, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1", _temp_dir=str(tmp_path_factory.mktemp("ray")),
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})  # fmt: skip
-    yield ray
-    ray.shutdown()
 
 
 def _engine_weights(worker) -> dict[str, torch.Tensor]:
