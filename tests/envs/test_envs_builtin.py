@@ -110,6 +110,34 @@ def test_calculator_ops_pick_the_operators():
             envs.make("Calculator", ops=bad)
 
 
+def test_calculator_operand_ranges_shape_the_tasks():
+    shaped = envs.make("Calculator", operand_ranges={"-": [[100, 999], [10, 99]]})
+    steps = [shaped.task_for("train", 1, i).data["steps"][0].split() for i in range(300)]
+    by_op = {op: [(int(a), int(b)) for a, o, b in steps if o == op] for op in "+-*"}
+    assert all(100 <= a <= 999 and 10 <= b <= 99 for a, b in by_op["-"]) and by_op["-"]
+    assert all(10 <= a <= 99 and 10 <= b <= 99 for a, b in by_op["+"]) and by_op["+"]
+    assert all(10 <= a <= 99 and 2 <= b <= 9 for a, b in by_op["*"]) and by_op["*"]
+    # later operations chain the running value, not the first operand's range
+    chained = shaped.task_for("train", 3, 0).data["steps"]
+    assert [int(s.split()[0]) for s in chained[1:]] == [eval(s) for s in chained[:-1]]
+    # tasks without an overridden operator are the default stream's, draw for draw
+    default = [envs.make("Calculator").task_for("test", 1, i).key for i in range(50)]
+    same = [
+        envs.make("Calculator", operand_ranges={"+": [[10, 99], [10, 99]]}).task_for("test", 1, i).key
+        for i in range(50)
+    ]
+    assert same == default
+    for bad in (
+        {"/": [[1, 2], [1, 2]]},
+        {"-": [[5, 1], [1, 2]]},
+        {"-": [[1, 2]]},
+        {"+": [[1.5, 2], [1, 2]]},
+        [1],
+    ):
+        with pytest.raises(ValueError, match="Calculator operand_ranges"):
+            envs.make("Calculator", operand_ranges=bad)
+
+
 @pytest.mark.parametrize("name", ENV_NAMES)
 def test_expert_solves_test_tasks_and_rewards_agree(name):
     env = make_env(name, difficulty=2)
