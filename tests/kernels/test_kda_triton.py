@@ -169,6 +169,33 @@ def test_bf16_per_tensor_tolerances(prec, monkeypatch):
     print(f"{prec}: dg rms rel err {dg_err:.2e}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp32_products_are_ieee_and_half_ones_stay_on_tensor_cores(dtype, monkeypatch):
+    """Every tl.dot of the chunk kernels (forward and backward) with fp32 operands asks for IEEE fp32:
+    a plain fp32 tl.dot is TF32 on the GPU (2e-3 relative on the H200, and the TF32 variants of the
+    fp32 state kernel crashed there with an illegal memory access). bf16 products keep the default."""
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter as ti
+
+    seen = []
+    create_dot = ti.InterpreterBuilder.create_dot
+
+    def record(self, a, b, d, input_precision, max_num_imprecise_acc):
+        seen.append((a.dtype.scalar.name, b.dtype.scalar.name, input_precision))
+        return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(ti.InterpreterBuilder, "create_dot", record)
+    got, want = _run_both(_inputs(70, H=1, K=16, V=16, dtype=dtype))
+    fp32 = [p for a, b, p in seen if a == b == "fp32"]
+    assert fp32, "no fp32 products recorded"
+    if dtype == torch.float32:
+        assert len(fp32) == len(seen), sorted({(a, b) for a, b, _ in seen})
+        assert all(p == ir.INPUT_PRECISION.IEEE for p in fp32), sorted({str(p) for p in fp32})
+        _assert_close(got, want, FP32_TOL)
+    else:  # the bf16 kernels' products stay bf16 (tensor cores); only the fp32 substitution tiles are IEEE
+        assert any(a == b == "bf16" for a, b, _ in seen)
+
+
 def test_without_state_and_grads_only_on_output():
     q, k, v, g, beta, _ = (x.requires_grad_() for x in _inputs(33))
     o, h = chunk_kda_triton(q, k, v, g, beta)

@@ -31,6 +31,7 @@ from kernels.kda.triton.common import (
     load_row,
     load_rows,
     load_tile,
+    mma,
     pdot,
     rcumsum,
     row_ptr,
@@ -56,8 +57,8 @@ def _dav_kernel(
     for v0 in range(0, V, BV):
         do_t = load_tile(do + i_h * V, t0, eos, H * V, v0, BT, V, BV).to(DT)
         vn = load_tile(Vn + i_h * V, t0, eos, H * V, v0, BT, V, BV).to(DT)
-        dA += tl.dot(do_t, tl.trans(vn))
-        store_tile(dVi + i_h * V, tl.dot(tl.trans(A), do_t) * scale, t0, eos, H * V, v0, BT, V, BV)
+        dA += mma(do_t, tl.trans(vn))
+        store_tile(dVi + i_h * V, mma(tl.trans(A), do_t) * scale, t0, eos, H * V, v0, BT, V, BV)
     store_tile(dAqk + i_h * BT, tl.where(causal, dA * scale, 0.0), t0, eos, H * BT, 0, BT, BT, BT)
 
 
@@ -89,13 +90,13 @@ def _state_bwd_kernel(
         tl.store(dHc + ((c0 + c) * H + i_h) * K * V + kv_off, dh.to(DT), mask=kv_mask)
         g_last = load_row(G, tl.minimum(t0 + BT, eos) - 1, H * K, K, BK)
         kd = load_tile(Kd, t0, eos, H * K, 0, BT, K, BK).to(DT)
-        dvn = load_tile(dVi, t0, eos, H * V, v0, BT, V, BV) + tl.dot(kd, dh.to(DT))
+        dvn = load_tile(dVi, t0, eos, H * V, v0, BT, V, BV) + mma(kd, dh.to(DT))
         store_tile(dVn, dvn, t0, eos, H * V, v0, BT, V, BV)
         qg = load_tile(Qg, t0, eos, H * K, 0, BT, K, BK)
         do_t = load_tile(do, t0, eos, H * V, v0, BT, V, BV).to(DT)
         w = load_tile(W, t0, eos, H * K, 0, BT, K, BK).to(DT)
-        dh = dh * tl.exp2(g_last)[:, None] + scale * tl.dot(tl.trans(qg.to(DT)), do_t)
-        dh -= tl.dot(tl.trans(w), dvn.to(DT))
+        dh = dh * tl.exp2(g_last)[:, None] + scale * mma(tl.trans(qg.to(DT)), do_t)
+        dh -= mma(tl.trans(w), dvn.to(DT))
     if STORE_DH0:
         tl.store(dh0 + i_nh * K * V + kv_off, dh, mask=kv_mask)
 
@@ -147,14 +148,14 @@ def _main_bwd_kernel(
             do_t = load_tile(do + i_h * V, t0, eos, stv, v0, BT, V, BV).to(DT)
             vn = load_tile(Vn + i_h * V, t0, eos, stv, v0, BT, V, BV).to(DT)
             dvn = load_tile(dVn + i_h * V, t0, eos, stv, v0, BT, V, BV).to(DT)
-            dqg += tl.dot(do_t, tl.trans(h))
-            dkd += tl.dot(vn, tl.trans(dh))
-            dW -= tl.dot(dvn, tl.trans(h))
+            dqg += mma(do_t, tl.trans(h))
+            dkd += mma(vn, tl.trans(dh))
+            dW -= mma(dvn, tl.trans(h))
             dg_last += rsum(h.to(tl.float32) * dh.to(tl.float32), 1)
             if k0 == 0:
                 v_t = load_tile(v + i_h * V, t0, eos, stv, v0, BT, V, BV)
-                dX += tl.dot(dvn, tl.trans((b[:, None] * v_t).to(DT)))
-                dY = tl.dot(Xt, dvn)
+                dX += mma(dvn, tl.trans((b[:, None] * v_t).to(DT)))
+                dY = mma(Xt, dvn)
                 store_tile(dv + i_h * V, b[:, None] * dY, t0, eos, stv, v0, BT, V, BV)
                 db += rsum(v_t * dY, 1)
         # The [BT, BKF] input tiles are loaded only now and consumed one by one (register pressure).
@@ -173,8 +174,8 @@ def _main_bwd_kernel(
         dg_last = dg_last * tl.exp2(g_last) + rsum(kdk, 0)
         tl.store(dGl + (i_c.to(tl.int64) * H + i_h) * K + cols, dg_last, mask=cols < K)
         keG = k_t * eG
-        dX += tl.dot(dW.to(DT), tl.trans((b[:, None] * keG).to(DT)))
-        dXk = tl.dot(Xt, dW.to(DT))
+        dX += mma(dW.to(DT), tl.trans((b[:, None] * keG).to(DT)))
+        dXk = mma(Xt, dW.to(DT))
         store_tile(dk + i_h * K, dkd + b[:, None] * eG * dXk, t0, eos, stk, k0, BT, K, BKF)
         keG_dXk = keG * dXk
         store_tile(dG + i_h * K, dG_t + b[:, None] * keG_dXk, t0, eos, stk, k0, BT, K, BKF)

@@ -231,6 +231,20 @@ def _split_bf16(x):
 
 
 @triton.jit
+def mma(a, b):
+    """a @ b with an fp32 result, at the operands' own precision: tensor-core products for bf16/fp16
+    operands, IEEE fp32 (no tensor cores) for fp32 ones. Deviation from a plain ``tl.dot``, whose fp32
+    default is TF32: on the H200 (Triton 3.6) TF32 made the fp32 kernels only ~2e-3 relative (the fp32
+    reference steps and parity checks need ~1e-6), and the fp32 state kernel's TF32 wgmma variants hit
+    an illegal memory access while the autotuner benchmarked them at 8192 packed tokens (bf16 ran).
+    fp32 is the reference precision here, not the timed one, so exactness wins over speed."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
 def pdot(a, b, PREC: tl.constexpr):
     """a @ b for fp32 tiles at the chosen precision, fp32 result."""
     if PREC == 0:

@@ -49,6 +49,7 @@ from kernels.kda.triton.common import (
     load_row,
     load_rows,
     load_tile,
+    mma,
     pdot,
     rcumsum,
     row_ptr,
@@ -234,10 +235,10 @@ def _wy_kernel(
     X = X.to(DT)
     b = load_rows(beta + i_h, t0, eos, H, BT)[:, None]
     v_t = load_tile(v + i_h * V, t0, eos, stv, 0, BT, V, BV)
-    store_tile(U + i_h * V, tl.dot(X, (b * v_t).to(DT)), t0, eos, stv, 0, BT, V, BV)
+    store_tile(U + i_h * V, mma(X, (b * v_t).to(DT)), t0, eos, stv, 0, BT, V, BV)
     G_t = load_tile(G + i_h * K, t0, eos, stk, 0, BT, K, BK)
     k_t = load_tile(k + i_h * K, t0, eos, stk, 0, BT, K, BK)
-    store_tile(W + i_h * K, tl.dot(X, (b * k_t * tl.exp2(G_t)).to(DT)), t0, eos, stk, 0, BT, K, BK)
+    store_tile(W + i_h * K, mma(X, (b * k_t * tl.exp2(G_t)).to(DT)), t0, eos, stk, 0, BT, K, BK)
     g_last = load_row(G + i_h * K, tl.minimum(t0 + BT, eos) - 1, stk, K, BK)
     store_tile(Kd + i_h * K, k_t * decay_factor(G_t, g_last, t0, eos, BT, -1.0), t0, eos, stk, 0, BT, K, BK)
 
@@ -267,11 +268,11 @@ def _state_kernel(
         t0 = bos + c * BT
         tl.store(Hc + ((c0 + c) * H + i_h) * K * V + kv_off, h.to(DT), mask=kv_mask)
         w = load_tile(W, t0, eos, H * K, 0, BT, K, BK).to(DT)
-        vn = load_tile(U, t0, eos, H * V, v0, BT, V, BV) - tl.dot(w, h.to(DT))
+        vn = load_tile(U, t0, eos, H * V, v0, BT, V, BV) - mma(w, h.to(DT))
         store_tile(Vn, vn, t0, eos, H * V, v0, BT, V, BV)
         g_last = load_row(G, tl.minimum(t0 + BT, eos) - 1, H * K, K, BK)
         kd = load_tile(Kd, t0, eos, H * K, 0, BT, K, BK).to(DT)
-        h = h * tl.exp2(g_last)[:, None] + tl.dot(tl.trans(kd), vn.to(DT))
+        h = h * tl.exp2(g_last)[:, None] + mma(tl.trans(kd), vn.to(DT))
     if STORE_HT:
         tl.store(ht + i_nh * K * V + kv_off, h, mask=kv_mask)
 
@@ -297,7 +298,7 @@ def _output_kernel(
     A = load_tile(Aqk + i_h * BT, t0, eos, H * BT, 0, BT, BT, BT)
     A = tl.where(r[:, None] >= r[None, :], A, 0.0)
     vn = load_tile(Vn + i_h * V, t0, eos, H * V, v0, BT, V, BV)
-    out = tl.dot(qg.to(DT), h.to(DT)) + tl.dot(A.to(DT), vn.to(DT))
+    out = mma(qg.to(DT), h.to(DT)) + mma(A.to(DT), vn.to(DT))
     store_tile(o + i_h * V, out * scale, t0, eos, H * V, v0, BT, V, BV)
 
 
