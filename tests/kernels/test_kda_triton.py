@@ -196,6 +196,26 @@ def test_fp32_products_are_ieee_and_half_ones_stay_on_tensor_cores(dtype, monkey
         assert any(a == b == "bf16" for a, b, _ in seen)
 
 
+def test_fp32_split_products_of_the_gpu_match_reference(monkeypatch):
+    """On the GPU fp32 products are bf16x3 (common.FP32_SPLIT): about 16 mantissa bits, far inside the
+    tolerance TF32's ~2e-3 failed, and every product a bf16 one."""
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    monkeypatch.setattr(MODS["common"], "FP32_SPLIT", tl.constexpr(True))
+    seen = []
+    create_dot = ti.InterpreterBuilder.create_dot
+
+    def record(self, a, b, d, input_precision, max_num_imprecise_acc):
+        seen.append((a.dtype.scalar.name, b.dtype.scalar.name))
+        return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(ti.InterpreterBuilder, "create_dot", record)
+    got, want = _run_both(_inputs(100, H=2, K=32, V=32))
+    _assert_close(got, want, {"default": 2e-4})
+    assert ("bf16", "bf16") in seen
+
+
 def test_without_state_and_grads_only_on_output():
     q, k, v, g, beta, _ = (x.requires_grad_() for x in _inputs(33))
     o, h = chunk_kda_triton(q, k, v, g, beta)

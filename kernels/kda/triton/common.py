@@ -230,16 +230,24 @@ def _split_bf16(x):
     return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
 
 
+# fp32 products on the GPU are split into bf16 hi/lo parts (see mma); the interpreter computes them in IEEE
+FP32_SPLIT = tl.constexpr(not INTERPRET)
+
+
 @triton.jit
 def mma(a, b):
-    """a @ b with an fp32 result, at the operands' own precision: tensor-core products for bf16/fp16
-    operands, IEEE fp32 (no tensor cores) for fp32 ones. Deviation from a plain ``tl.dot``, whose fp32
-    default is TF32: on the H200 (Triton 3.6) TF32 made the fp32 kernels only ~2e-3 relative (the fp32
-    reference steps and parity checks need ~1e-6), and the fp32 state kernel's TF32 wgmma variants hit
-    an illegal memory access while the autotuner benchmarked them at 8192 packed tokens (bf16 ran).
-    fp32 is the reference precision here, not the timed one, so exactness wins over speed."""
+    """a @ b with an fp32 result at the operands' own precision: one tensor-core product for bf16/fp16
+    operands; for fp32 operands IEEE fp32 in the interpreter and "bf16x3" on the GPU (three bf16
+    tensor-core products of the hi/lo split, about 16 mantissa bits). Deviation from a plain ``tl.dot``,
+    whose fp32 default is TF32: on the H200 (Triton 3.6) TF32 made the fp32 kernels only ~2e-3 relative,
+    and the fp32 state kernel's TF32 variants hit an illegal memory access while the autotuner
+    benchmarked them at 8192 packed tokens (bf16 ran); IEEE fp32 products (FMA) took minutes to compile
+    for the autotuner's configs. bf16 products are what the bf16 kernels already run."""
     if a.dtype == tl.float32:
-        return tl.dot(a, b, input_precision="ieee")
+        if FP32_SPLIT:
+            return pdot(a, b, 2)
+        else:
+            return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
 
