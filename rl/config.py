@@ -150,6 +150,8 @@ class RolloutConfig:
     max_context_tokens: int = 1024
     """Budget of the whole episode in tokens (prompt + all turns); a curriculum stage may override it."""
     episode_timeout_s: float = 120.0
+    """Wall-clock budget of an episode's env and tool work; time waiting for the engine's turns does not
+    count (the token budgets bound it), so a loaded machine does not time whole batches out."""
     max_episode_retries: int = 1
     """Times an episode that failed for infrastructure reasons (worker died) is re-run before the step fails."""
     max_env_error_fraction: float = 0.5

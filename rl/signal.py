@@ -63,7 +63,14 @@ class NoSignalDetector:
 
     def observe_eval_before(self, metrics: dict[str, Any]) -> list[str]:
         """The held-out evaluation before RL: a success of 0 (or 1) leaves RL no headroom to show."""
-        s = metrics.get("eval/success_rate")
+        s, truncated = metrics.get("eval/success_rate"), metrics.get("eval/truncated") or 0.0
+        if s == 0 and truncated >= 0.5:
+            return self._add(
+                f"held-out success is 0% before RL and {100 * truncated:.0f}% of the held-out episodes were "
+                "cut by a budget before they ended: raise rollout.max_tokens_per_turn, "
+                "rollout.max_context_tokens, rollout.max_turns or rollout.episode_timeout_s "
+                "(the episodes' status_detail in transcripts/eval_*.jsonl names the budget)."
+            )
         if s == 0:
             return self._add(
                 "held-out success is 0% before RL: the starting policy solves no held-out task, so "

@@ -34,6 +34,9 @@ class EpisodeBudget:
     max_tokens_per_turn: int = 256
     max_episode_tokens: int = 4096  # prompt + every turn, i.e. the context the episode may reach
     max_wall_s: float = 600.0
+    """Wall-clock budget of the episode's own work: env reset and steps, tool calls, rendering. Time
+    spent waiting for the engine's turns does not count: the token budgets bound generation, and a
+    batch of 128 episodes on a loaded CPU can wait minutes for one turn without anything being stuck."""
 
 
 @dataclass
@@ -61,6 +64,8 @@ class EpisodeRun:
         self.env, self.renderer, self.budget, self.sampling = env, renderer, budget, sampling
         self.episode = Episode(episode_id or uuid.uuid4().hex[:12], task_id, env_id)
         self.t0 = time.monotonic()
+        self.engine_wait_s = 0.0
+        self._asked_at: float | None = None
         self.pending_ids: list[int] = []
         self.done = False
         self._ended = False
@@ -102,12 +107,12 @@ class EpisodeRun:
         b = self.budget
         if len(self.episode.turns) >= b.max_turns:
             return self.finish(EpisodeStatus.TRUNCATED, "max_turns")
-        if time.monotonic() - self.t0 > b.max_wall_s:
+        if self.own_time_s() > b.max_wall_s:
             return self.finish(EpisodeStatus.TRUNCATED, "timeout")
         room = b.max_episode_tokens - self.context_len()
         if room < 1:
             return self.finish(EpisodeStatus.TRUNCATED, "max_tokens")
-        s = self.sampling
+        s, self._asked_at = self.sampling, time.monotonic()
         return TurnRequest(
             self.episode.episode_id,
             list(self.pending_ids),
@@ -118,8 +123,15 @@ class EpisodeRun:
             self.renderer.stop_token_ids,
         )
 
+    def own_time_s(self) -> float:
+        """Seconds since the episode started, less the time it waited for the engine's turns."""
+        return time.monotonic() - self.t0 - self.engine_wait_s
+
     def on_output(self, out: TurnOutput) -> str | None:
         """Record the sampled turn; returns the assistant text for env.step (None if the episode ended)."""
+        if self._asked_at is not None:
+            self.engine_wait_s += time.monotonic() - self._asked_at
+            self._asked_at = None
         if out.finish_reason == "context" or not out.token_ids:
             return self.finish(EpisodeStatus.TRUNCATED, "context")
         ep = self.episode

@@ -69,6 +69,8 @@ def test_held_out_success_of_zero_before_rl_is_a_warning():
     assert d.observe_eval_before({"eval/success_rate": 0.4}) == []
     assert "100%" in d.observe_eval_before({"eval/success_rate": 1.0})[0]
     assert len(d.warnings) == 2
+    (cut,) = NoSignalDetector().observe_eval_before({"eval/success_rate": 0.0, "eval/truncated": 1.0})
+    assert "100% of the held-out episodes were cut by a budget" in cut and "episode_timeout_s" in cut
 
 
 def test_state_round_trips_for_resumes_and_summary_lists_the_warnings():

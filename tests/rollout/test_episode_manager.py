@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import gymnasium
 import pytest
 
@@ -79,6 +81,36 @@ def test_budgets_end_episodes_as_truncated(session_worker, renderer):
     timed_out = run_episode(_calculator(), session_worker, renderer, EpisodeBudget(max_wall_s=0.0))
     assert timed_out.status == EpisodeStatus.TRUNCATED and timed_out.status_detail == "timeout"
     assert timed_out.turns == []
+
+
+class EndlessEnv(gymnasium.Env):
+    """Answers every turn with one more user message and never ends; each step takes ``step_s``."""
+
+    def __init__(self, step_s: float = 0.0):
+        self.step_s = step_s
+
+    def reset(self, *, seed=None, options=None):
+        return {"messages": [{"role": "user", "content": "hi"}], "tools": []}, {"task_id": "endless/0"}
+
+    def step(self, action):
+        time.sleep(self.step_s)
+        return {"messages": [{"role": "user", "content": "go on"}]}, 0.0, False, False, {}
+
+
+def test_the_timeout_counts_the_episodes_own_work_not_the_engine_wait(session_worker, renderer):
+    """A loaded machine makes every turn of a big batch slow; that alone must not time episodes out."""
+    budget, greedy = EpisodeBudget(max_turns=3, max_tokens_per_turn=8, max_wall_s=0.3), SamplingConfig(0.0)
+
+    def slow_engine(requests):
+        time.sleep(0.4)
+        return session_worker.generate(requests)
+
+    run = EpisodeRun(EndlessEnv(), renderer, budget, greedy)
+    waited = drive_episodes([run], slow_engine, session_worker.end_sessions)[0]
+    assert (waited.status_detail, len(waited.turns)) == ("max_turns", 3)
+    assert run.engine_wait_s >= 1.2 and waited.wall_time_s >= 1.2
+    slow = run_episode(EndlessEnv(step_s=0.4), session_worker, renderer, budget, greedy)
+    assert (slow.status, slow.status_detail, len(slow.turns)) == (EpisodeStatus.TRUNCATED, "timeout", 1)
 
 
 class ExplodingEnv(gymnasium.Env):
