@@ -216,6 +216,22 @@ def test_fp32_split_products_of_the_gpu_match_reference(monkeypatch):
     assert ("bf16", "bf16") in seen
 
 
+def test_fp32_calls_autotune_one_config_and_half_ones_all():
+    """fp32 (the reference precision) compiles one config per kernel; the bf16 path, whose fp32 buffers
+    (G, Ainv) sit beside its bf16 ones, keeps the whole search. The I/O dtype is W's, Vn's or q's."""
+    prune = MODS["common"].first_config_for_fp32
+    configs = [triton.Config({"BV": b}) for b in (32, 64, 16)]
+    f32, b16 = torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16)
+    assert prune(configs, {"G": f32, "W": f32}) == configs[:1]
+    assert prune(configs, {"G": f32, "W": b16}) == configs
+    assert prune(configs, {"Aqk": b16, "Vn": f32}) == configs[:1]
+    assert prune(configs, {"q": b16, "G": f32}) == configs
+    for kernel in ("_wy_kernel", "_state_kernel", "_output_kernel", "_diag_kernel", "_offdiag_kernel"):
+        assert getattr(MODS["fwd"], kernel).early_config_prune is prune, kernel
+    for kernel in ("_dav_kernel", "_state_bwd_kernel", "_main_bwd_kernel", "_intra_bwd_kernel"):
+        assert getattr(MODS["bwd"], kernel).early_config_prune is prune, kernel
+
+
 def test_without_state_and_grads_only_on_output():
     q, k, v, g, beta, _ = (x.requires_grad_() for x in _inputs(33))
     o, h = chunk_kda_triton(q, k, v, g, beta)

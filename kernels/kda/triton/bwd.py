@@ -23,6 +23,7 @@ import triton.language as tl
 from kernels.kda.triton.common import (
     BC,
     BT,
+    FP32_ONE_CONFIG,
     ChunkPlan,
     block_size,
     chunk_bounds,
@@ -41,7 +42,9 @@ from kernels.kda.triton.common import (
 from kernels.kda.triton.fwd import _configs
 
 
-@triton.autotune(configs=_configs([{"BV": 64}, {"BV": 128}], [4, 8], [2]), key=["H", "V"])
+@triton.autotune(
+    configs=_configs([{"BV": 64}, {"BV": 128}], [4, 8], [2]), key=["H", "V"], prune_configs_by=FP32_ONE_CONFIG
+)
 @triton.jit
 def _dav_kernel(
     Aqk, Vn, do, dAqk, dVi, scale, cu_seqlens, chunk_indices, H, V, BV: tl.constexpr, BT: tl.constexpr
@@ -62,7 +65,11 @@ def _dav_kernel(
     store_tile(dAqk + i_h * BT, tl.where(causal, dA * scale, 0.0), t0, eos, H * BT, 0, BT, BT, BT)
 
 
-@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}, {"BV": 16}], [4, 8], [2, 3]), key=["H", "K", "V"])
+@triton.autotune(
+    configs=_configs([{"BV": 32}, {"BV": 64}, {"BV": 16}], [4, 8], [2, 3]),
+    key=["H", "K", "V"],
+    prune_configs_by=FP32_ONE_CONFIG,
+)
 @triton.jit
 def _state_bwd_kernel(
     Qg, Kd, G, W, do, dVi, dht, dHc, dVn, dh0, scale, cu_seqlens, chunk_offsets, H, K, V,
@@ -115,6 +122,7 @@ def _kv_tile(ptr, i_c, i_h, H, K, V, k0, v0, BK: tl.constexpr, BV: tl.constexpr)
     configs=_configs([{"BKF": 32, "BV": 64}, {"BKF": 64, "BV": 64}, {"BKF": 64, "BV": 32}, {"BKF": 128, "BV": 32},
                       {"BKF": 128, "BV": 64}], [4, 8], [2, 3]),
     key=["H", "K", "V", "PREC"],
+    prune_configs_by=FP32_ONE_CONFIG,
 )  # fmt: skip
 @triton.jit
 def _main_bwd_kernel(
@@ -248,6 +256,7 @@ def _col_side(
     configs=_configs([{"BKB": 32}, {"BKB": 64}, {"BKB": 128}], [2, 4], [1, 2, 3]),
     key=["H", "K", "PREC"],
     restore_value=["dG"],
+    prune_configs_by=FP32_ONE_CONFIG,
 )  # fmt: skip
 @triton.jit
 def _intra_bwd_kernel(

@@ -39,6 +39,7 @@ import triton.language as tl
 from kernels.kda.triton.common import (
     BC,
     BT,
+    FP32_ONE_CONFIG,
     INTERPRET,
     LOG2E,
     ChunkPlan,
@@ -98,7 +99,9 @@ def _load_sq(ptr, ti, eos, j, H, BT: tl.constexpr, BC: tl.constexpr):
     return load_tile(ptr + j * BC, ti, eos, H * BT, 0, BC, BC, BC)
 
 
-@triton.autotune(configs=_configs([{}], [1, 2, 4], [1, 2]), key=["H", "K", "PREC"])
+@triton.autotune(
+    configs=_configs([{}], [1, 2, 4], [1, 2]), key=["H", "K", "PREC"], prune_configs_by=FP32_ONE_CONFIG
+)
 @triton.jit
 def _diag_kernel(
     q, k, G, beta, Aqk, Ainv, Qg, cu_seqlens, chunk_indices, H, K,
@@ -163,7 +166,8 @@ def _row_ops(q, k, G, ti, eos, stk, k0, K, BKO: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.autotune(
-    configs=_configs([{"BKO": 32}, {"BKO": 64}], [1, 2, 4], [1, 2, 3]), key=["H", "K", "PREC"]
+    configs=_configs([{"BKO": 32}, {"BKO": 64}], [1, 2, 4], [1, 2, 3]), key=["H", "K", "PREC"],
+    prune_configs_by=FP32_ONE_CONFIG,
 )  # fmt: skip
 @triton.jit
 def _offdiag_kernel(
@@ -217,7 +221,7 @@ def _offdiag_kernel(
     _store_below(Ainv, X10, X20, X21, X30, X31, X32, t0, eos, H, BT, BC)
 
 
-@triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["H", "K", "V"])
+@triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["H", "K", "V"], prune_configs_by=FP32_ONE_CONFIG)
 @triton.jit
 def _wy_kernel(
     k, v, G, beta, Ainv, W, U, Kd, cu_seqlens, chunk_indices, H, K, V,
@@ -243,7 +247,11 @@ def _wy_kernel(
     store_tile(Kd + i_h * K, k_t * decay_factor(G_t, g_last, t0, eos, BT, -1.0), t0, eos, stk, 0, BT, K, BK)
 
 
-@triton.autotune(configs=_configs([{"BV": 32}, {"BV": 64}, {"BV": 16}], [4, 8], [2, 3]), key=["H", "K", "V"])
+@triton.autotune(
+    configs=_configs([{"BV": 32}, {"BV": 64}, {"BV": 16}], [4, 8], [2, 3]),
+    key=["H", "K", "V"],
+    prune_configs_by=FP32_ONE_CONFIG,
+)
 @triton.jit
 def _state_kernel(
     Kd, G, W, U, h0, Hc, Vn, ht, cu_seqlens, chunk_offsets, H, K, V,
@@ -277,7 +285,11 @@ def _state_kernel(
         tl.store(ht + i_nh * K * V + kv_off, h, mask=kv_mask)
 
 
-@triton.autotune(configs=_configs([{"BV": 64}, {"BV": 128}], [4, 8], [2]), key=["H", "K", "V"])
+@triton.autotune(
+    configs=_configs([{"BV": 64}, {"BV": 128}], [4, 8], [2]),
+    key=["H", "K", "V"],
+    prune_configs_by=FP32_ONE_CONFIG,
+)
 @triton.jit
 def _output_kernel(
     Qg, Hc, Aqk, Vn, o, scale, cu_seqlens, chunk_indices, H, K, V,
