@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kernels.transfer import to_device
 from model import fast
 
 
@@ -149,14 +150,6 @@ class SeqLayout:
         if key not in self.cache:
             self.cache[key] = build()
         return self.cache[key]
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> GPU without a host sync (a pageable copy waits for the stream): from pinned memory,
-    asynchronously; the caching host allocator keeps the pinned block until the copy has run."""
-    if torch.device(device).type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def seq_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> SeqLayout:

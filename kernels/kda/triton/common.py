@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.transfer import to_device
+
 BT = 64  # chunk length of the state pass
 BC = 16  # diagonal sub-tile length: with g >= G_MIN a tile spans at most 16*|G_MIN| nats
 G_MIN = -5.0  # contract: every log-decay g >= G_MIN (checked when LONGHORIZON_KDA_DEBUG=1)
@@ -76,14 +78,6 @@ def plan_chunks(
     return plan
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> GPU without a host sync: from pinned memory, asynchronously (the caching host allocator
-    keeps the pinned block until the copy has run)."""
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 def _bounds(cu_seqlens: torch.Tensor) -> list[int]:
     if cu_seqlens.ndim != 1 or len(cu_seqlens) < 1:
         raise ValueError(
@@ -116,11 +110,11 @@ def _build_plan(
         indices.extend((n, c) for c in range(n_chunks))
         offsets.append(offsets[-1] + n_chunks)
     host = dict(dtype=torch.int32)
-    indices_C2 = _to_device(torch.tensor(indices, **host).reshape(-1, 2), device)
+    indices_C2 = to_device(torch.tensor(indices, **host).reshape(-1, 2), device)
     return ChunkPlan(
-        _to_device(torch.tensor(bounds, **host), device),
+        to_device(torch.tensor(bounds, **host), device),
         indices_C2.contiguous(),
-        _to_device(torch.tensor(offsets, **host), device),
+        to_device(torch.tensor(offsets, **host), device),
         len(bounds) - 1,
         len(indices),
     )
