@@ -325,10 +325,14 @@ def _step_results(learner, batch, paths, dtype: str) -> dict:
     snap, saved = snapshot(learner), (learner.fast_paths, learner.cfg)
     learner.fast_paths = FastPaths.reference() if paths == "reference" else paths
     learner.cfg = replace(learner.cfg, dtype=dtype)
+    t0 = time.time()
     try:
         lp = learner.logprobs(batch)
         restore(learner, snap)
         m = train_step(learner, batch)
+        # progress: a cold process compiles every Triton autotuner config here (minutes on a GPU)
+        print(f"[check] {'reference' if paths == 'reference' else 'fast'} {dtype} step at {batch.num_tokens} "
+              f"tokens: {time.time() - t0:.0f} s", flush=True)  # fmt: skip
         return {"loss": m["loss"], "grad_norm": m["grad_norm"], "logprobs": lp}
     finally:
         restore(learner, snap)
