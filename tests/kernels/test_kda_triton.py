@@ -171,9 +171,10 @@ def test_bf16_per_tensor_tolerances(prec, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp32_products_are_ieee_and_half_ones_stay_on_tensor_cores(dtype, monkeypatch):
-    """Every tl.dot of the chunk kernels (forward and backward) with fp32 operands asks for IEEE fp32:
-    a plain fp32 tl.dot is TF32 on the GPU (2e-3 relative on the H200, and the TF32 variants of the
-    fp32 state kernel crashed there with an illegal memory access). bf16 products keep the default."""
+    """Under the interpreter every tl.dot of the chunk kernels (forward and backward) with fp32 operands
+    asks for IEEE fp32 (on the GPU: bf16x3, the next test), never the TF32 of a plain fp32 tl.dot (2e-3
+    relative on the H200, where the fp32 state kernel also hit an illegal memory access with it).
+    bf16 products keep the default."""
     from triton._C.libtriton import ir
     from triton.runtime import interpreter as ti
 
