@@ -141,7 +141,7 @@ def test_the_plan_is_printed_before_ray_starts(capsys, tmp_path, monkeypatch):
     )
     assert out[1:3] == [
         "  env mix: Calculator 3 (75%), Countdown 1 (25%)",
-        "  env kwargs: Calculator difficulty=1",
+        "  env kwargs: Calculator difficulty=1, operand_ranges={'-': [[10, 99], [2, 9]], '*': [[2, 9], [10, 99]]}",
     ]
     assert out[3].startswith(
         "  stage main (step 1): mix Calculator 3 (75%), Countdown 1 (25%); 2 tasks x 4 episodes"

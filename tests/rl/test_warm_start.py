@@ -46,7 +46,8 @@ def test_sft_env_kwargs_merge_over_the_env_kwargs():
     from rl.sft import sft_env_kwargs
 
     cfg = load_config(QUICKSTART, ["sft.env_kwargs.Calculator.difficulty=2", "env.kwargs.Calculator.max_turns=6"])
-    assert sft_env_kwargs(cfg) == {"Calculator": {"difficulty": 2, "max_turns": 6}}
+    shapes = cfg.env.kwargs["Calculator"]["operand_ranges"]
+    assert sft_env_kwargs(cfg) == {"Calculator": {"difficulty": 2, "max_turns": 6, "operand_ranges": shapes}}
     assert cfg.env.kwargs["Calculator"]["difficulty"] == 1  # RL's own kwargs are untouched
 
 
