@@ -62,7 +62,6 @@ def check_envs(cfg: TrainConfig) -> None:
             raise ConfigError(f"env {name!r}: {e}") from None
 
 
-
 # --------------------------------------------------------------------------- plug-ins on the driver's path
 
 
