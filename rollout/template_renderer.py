@@ -53,8 +53,8 @@ from typing import Any
 from envs import protocol
 from envs.types import Message, ToolCall
 from rollout.renderer import _control_tokens, _split_at, plain_text_ids
+from rollout.template_check import TEMPLATE_CHECKS
 
-TEMPLATE_CHECKS = ("error", "warn")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
