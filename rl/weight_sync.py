@@ -15,7 +15,7 @@ started from, rollout/adapters.py). How it travels is the transport (``learner.w
   model in host memory and no file is written. A replacement worker starts from the start directory and
   is streamed the newest weights.
 - ``nccl`` (broadcast from the learner to vLLM workers on GPU, or CUDA IPC on a shared GPU): not
-  implemented yet; the config refuses it at start (``rl/config.py``).
+  implemented yet; the config refuses it at start (``rl/config_checks.py``).
 
 Every push returns a ``SyncReport``; its metrics (``perf/sync_s``: seconds of the whole version's sync,
 export included; ``sync/version``; ``sync/buckets``) go into the step's row of metrics.jsonl.
