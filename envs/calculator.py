@@ -8,8 +8,8 @@ stream does not depend on this option existing). ``operand_ranges`` overrides, p
 inclusive ``[low, high]`` ranges of its first and second operand (defaults: two-digit operands, a
 one-digit multiplier); the first operand's range applies to the task's first operation only, later
 operations take the running value. The quickstart gives each operator its own shape with it (a
-three-digit minuend for ``-``), because its tiny model tells operators apart by the question's shape,
-not by the operator token (bench/RESULTS.md, "Quickstart").
+one-digit subtrahend for ``-``, a one-digit multiplicand for ``*``), because its tiny model tells
+operators apart by the question's shape, not by the operator token (bench/RESULTS.md, "Quickstart").
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ from envs.base import Task, Tool, ToolEnv
 SYSTEM = "Use the calculator tool. Reply with <answer>N</answer> when done."
 _OPS = ("+", "-", "*")
 Range = tuple[int, int]
+_TWO_DIGITS: Range = (10, 99)
+"""Every task's first draw, before its first operator (the default first operand of every operator)."""
 _DEFAULT_RANGES: dict[str, tuple[Range, Range]] = {
-    "+": ((10, 99), (10, 99)),
-    "-": ((10, 99), (10, 99)),
-    "*": ((10, 99), (2, 9)),
+    "+": (_TWO_DIGITS, _TWO_DIGITS),
+    "-": (_TWO_DIGITS, _TWO_DIGITS),
+    "*": (_TWO_DIGITS, (2, 9)),
 }
 
 
@@ -92,13 +94,13 @@ class CalculatorEnv(ToolEnv):
         return [calculator_tool()]
 
     def generate_task(self, rng: np.random.Generator, difficulty: int) -> Task:
-        value = _draw(rng, _DEFAULT_RANGES["+"][0])
+        value = _draw(rng, _TWO_DIGITS)
         steps = []
         for i in range(difficulty):
             op = self.ops[int(rng.integers(len(self.ops)))]
             first, second = self.operand_ranges[op]
             if i == 0:
-                if first != _DEFAULT_RANGES["+"][0]:
+                if first != _TWO_DIGITS:
                     # drawn again only when overridden: the default task stream keeps its draw order
                     value = _draw(rng, first)
                 text = str(value)

@@ -112,7 +112,8 @@ class EpisodeRun:
         room = b.max_episode_tokens - self.context_len()
         if room < 1:
             return self.finish(EpisodeStatus.TRUNCATED, "max_tokens")
-        s, self._asked_at = self.sampling, time.monotonic()
+        s = self.sampling
+        self._asked_at = time.monotonic()
         return TurnRequest(
             self.episode.episode_id,
             list(self.pending_ids),
