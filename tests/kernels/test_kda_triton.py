@@ -16,7 +16,7 @@ import torch
 from kernels.kda.naive import naive_recurrent_kda
 from kernels.testing import import_interpreted
 
-_MODULES = ["common", "fwd", "bwd", "chunk", "decode"]
+_MODULES = ["common", "launch", "fwd", "bwd", "chunk", "decode"]
 
 
 triton = pytest.importorskip("triton")
@@ -217,20 +217,45 @@ def test_fp32_split_products_of_the_gpu_match_reference(monkeypatch):
     assert ("bf16", "bf16") in seen
 
 
-def test_fp32_calls_autotune_one_config_and_half_ones_all():
-    """fp32 (the reference precision) compiles one config per kernel; the bf16 path, whose fp32 buffers
-    (G, Ainv) sit beside its bf16 ones, keeps the whole search. The I/O dtype is W's, Vn's or q's."""
-    prune = MODS["common"].first_config_for_fp32
-    configs = [triton.Config({"BV": b}) for b in (32, 64, 16)]
-    f32, b16 = torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16)
-    assert prune(configs, {"G": f32, "W": f32}) == configs[:1]
-    assert prune(configs, {"G": f32, "W": b16}) == configs
-    assert prune(configs, {"Aqk": b16, "Vn": f32}) == configs[:1]
-    assert prune(configs, {"q": b16, "G": f32}) == configs
-    for kernel in ("_wy_kernel", "_state_kernel", "_output_kernel", "_diag_kernel", "_offdiag_kernel"):
-        assert getattr(MODS["fwd"], kernel).early_config_prune is prune, kernel
-    for kernel in ("_dav_kernel", "_state_bwd_kernel", "_main_bwd_kernel", "_intra_bwd_kernel"):
-        assert getattr(MODS["bwd"], kernel).early_config_prune is prune, kernel
+def test_launch_configs_one_per_kernel_unless_searching(monkeypatch):
+    """fp32 (the reference precision) compiles the first config everywhere; bf16 on a GPU with a tuned
+    table compiles the recorded winner; elsewhere, or with LONGHORIZON_KDA_AUTOTUNE=1, the whole space."""
+    launch = MODS["launch"]
+    monkeypatch.delenv("LONGHORIZON_KDA_AUTOTUNE", raising=False)
+    space = launch.full_space("_state_kernel")
+    fp32, bf16 = torch.float32, torch.bfloat16
+    assert launch.choose("_state_kernel", space, fp32, (9, 0)) == space[:1]
+    assert launch.choose("_state_kernel", space, fp32, None) == space[:1]
+    (tuned,) = launch.choose("_state_kernel", space, bf16, (9, 0))
+    assert (tuned.kwargs, tuned.num_warps, tuned.num_stages) == ({"BV": 16}, 4, 3)
+    assert launch.choose("_state_kernel", space, bf16, (8, 0)) == space  # no table for that GPU
+    assert launch.choose("_state_kernel", space, bf16, None) == space
+    monkeypatch.setenv("LONGHORIZON_KDA_AUTOTUNE", "1")
+    assert launch.choose("_state_kernel", space, bf16, (9, 0)) == space
+    assert launch.choose("_state_kernel", space, fp32, (9, 0)) == space[:1]
+
+
+def test_every_kernel_prunes_by_its_own_name_and_every_tuned_config_is_in_its_space():
+    """A typo in TUNED would silently fall back to the whole search: each entry must be a config of its
+    kernel's space, and each autotuned kernel must prune under its own name."""
+    launch = MODS["launch"]
+    kernels = {**{k: MODS["fwd"] for k in ("_diag_kernel", "_offdiag_kernel", "_wy_kernel", "_state_kernel",
+                                            "_output_kernel")},
+               **{k: MODS["bwd"] for k in ("_dav_kernel", "_state_bwd_kernel", "_main_bwd_kernel",
+                                            "_intra_bwd_kernel")}}  # fmt: skip
+    assert set(kernels) == set(launch.SPACE)
+    for name, module in kernels.items():
+        assert getattr(module, name).early_config_prune.kernel == name
+    for table in launch.TUNED.values():
+        assert set(table) == set(launch.SPACE)
+        for name, (blocks, warps, stages) in table.items():
+            space = [(c.kwargs, c.num_warps, c.num_stages) for c in launch.full_space(name)]
+            assert (blocks, warps, stages) in space, name
+    io = {"W": torch.zeros(1), "G": torch.zeros(1, dtype=torch.bfloat16)}  # the I/O dtype is W's
+    assert launch._io_dtype(io) == torch.float32
+    assert (
+        launch._io_dtype({"q": torch.zeros(1, dtype=torch.bfloat16), "G": torch.zeros(1)}) == torch.bfloat16
+    )
 
 
 def test_without_state_and_grads_only_on_output():

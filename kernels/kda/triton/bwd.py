@@ -20,10 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kda.triton import launch
 from kernels.kda.triton.common import (
     BC,
     BT,
-    FP32_ONE_CONFIG,
     ChunkPlan,
     block_size,
     chunk_bounds,
@@ -39,11 +39,10 @@ from kernels.kda.triton.common import (
     rsum,
     store_tile,
 )
-from kernels.kda.triton.fwd import _configs
 
 
 @triton.autotune(
-    configs=_configs([{"BV": 64}, {"BV": 128}], [4, 8], [2]), key=["H", "V"], prune_configs_by=FP32_ONE_CONFIG
+    configs=launch.configs("_dav_kernel"), key=["H", "V"], prune_configs_by=launch.prune("_dav_kernel")
 )
 @triton.jit
 def _dav_kernel(
@@ -66,9 +65,9 @@ def _dav_kernel(
 
 
 @triton.autotune(
-    configs=_configs([{"BV": 32}, {"BV": 64}, {"BV": 16}], [4, 8], [2, 3]),
+    configs=launch.configs("_state_bwd_kernel"),
     key=["H", "K", "V"],
-    prune_configs_by=FP32_ONE_CONFIG,
+    prune_configs_by=launch.prune("_state_bwd_kernel"),
 )
 @triton.jit
 def _state_bwd_kernel(
@@ -119,11 +118,10 @@ def _kv_tile(ptr, i_c, i_h, H, K, V, k0, v0, BK: tl.constexpr, BV: tl.constexpr)
 
 
 @triton.autotune(
-    configs=_configs([{"BKF": 32, "BV": 64}, {"BKF": 64, "BV": 64}, {"BKF": 64, "BV": 32}, {"BKF": 128, "BV": 32},
-                      {"BKF": 128, "BV": 64}], [4, 8], [2, 3]),
+    configs=launch.configs("_main_bwd_kernel"),
     key=["H", "K", "V", "PREC"],
-    prune_configs_by=FP32_ONE_CONFIG,
-)  # fmt: skip
+    prune_configs_by=launch.prune("_main_bwd_kernel"),
+)
 @triton.jit
 def _main_bwd_kernel(
     q, k, v, G, beta, Ainv, Hc, dHc, Vn, dVn, do, dq, dk, dG, dv, dbeta, dAkk, dGl, scale,
@@ -253,11 +251,11 @@ def _col_side(
 
 # restore_value: the kernel adds into dG in place, and autotuning runs it once per config
 @triton.autotune(
-    configs=_configs([{"BKB": 32}, {"BKB": 64}, {"BKB": 128}], [2, 4], [1, 2, 3]),
+    configs=launch.configs("_intra_bwd_kernel"),
     key=["H", "K", "PREC"],
     restore_value=["dG"],
-    prune_configs_by=FP32_ONE_CONFIG,
-)  # fmt: skip
+    prune_configs_by=launch.prune("_intra_bwd_kernel"),
+)
 @triton.jit
 def _intra_bwd_kernel(
     q, k, G, beta, dAqk, dAkk, dq_p, dk_p, dG, db_p, dq, dk, dbk, TH, cu_seqlens, chunk_indices,

@@ -120,18 +120,6 @@ def _build_plan(
     )
 
 
-def first_config_for_fp32(configs: list, named_args: dict, **kwargs) -> list:
-    """Autotuner prune (``prune_configs_by``): fp32 inputs, the reference precision (checks, parity runs;
-    never what is timed), take the first config only. On the H200 every config compiles in about 4 s
-    and the chunk forward + backward offer ~96 per dtype, so a cold fp32 call spent minutes compiling
-    before its first result. The kernel's I/O dtype is that of W, Vn or q, whichever it takes."""
-    io = next((named_args[n] for n in ("W", "Vn", "q") if n in named_args), None)
-    return configs[:1] if io is not None and io.dtype == torch.float32 else configs
-
-
-FP32_ONE_CONFIG = {"early_config_prune": first_config_for_fp32}
-
-
 def block_size(n: int) -> int:
     """Padded tile width of a feature axis (tl.dot needs at least 16)."""
     return max(16, triton.next_power_of_2(n))

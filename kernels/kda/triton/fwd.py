@@ -36,11 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kda.triton import launch
 from kernels.kda.triton.common import (
     BC,
     BT,
-    FP32_ONE_CONFIG,
-    INTERPRET,
     LOG2E,
     ChunkPlan,
     block_size,
@@ -57,12 +56,6 @@ from kernels.kda.triton.common import (
     rsum,
     store_tile,
 )
-
-
-def _configs(space: list[dict], warps: list[int], stages: list[int]) -> list[triton.Config]:
-    if INTERPRET:  # the interpreter would "benchmark" every config; one is enough
-        return [triton.Config(space[0], num_warps=warps[0], num_stages=stages[0])]
-    return [triton.Config(s, num_warps=w, num_stages=n) for s in space for w in warps for n in stages]
 
 
 @triton.jit
@@ -100,7 +93,9 @@ def _load_sq(ptr, ti, eos, j, H, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.autotune(
-    configs=_configs([{}], [1, 2, 4], [1, 2]), key=["H", "K", "PREC"], prune_configs_by=FP32_ONE_CONFIG
+    configs=launch.configs("_diag_kernel"),
+    key=["H", "K", "PREC"],
+    prune_configs_by=launch.prune("_diag_kernel"),
 )
 @triton.jit
 def _diag_kernel(
@@ -166,9 +161,10 @@ def _row_ops(q, k, G, ti, eos, stk, k0, K, BKO: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.autotune(
-    configs=_configs([{"BKO": 32}, {"BKO": 64}], [1, 2, 4], [1, 2, 3]), key=["H", "K", "PREC"],
-    prune_configs_by=FP32_ONE_CONFIG,
-)  # fmt: skip
+    configs=launch.configs("_offdiag_kernel"),
+    key=["H", "K", "PREC"],
+    prune_configs_by=launch.prune("_offdiag_kernel"),
+)
 @triton.jit
 def _offdiag_kernel(
     q, k, G, beta, Aqk, Ainv, cu_seqlens, chunk_indices, H, K,
@@ -221,7 +217,9 @@ def _offdiag_kernel(
     _store_below(Ainv, X10, X20, X21, X30, X31, X32, t0, eos, H, BT, BC)
 
 
-@triton.autotune(configs=_configs([{}], [4, 8], [1]), key=["H", "K", "V"], prune_configs_by=FP32_ONE_CONFIG)
+@triton.autotune(
+    configs=launch.configs("_wy_kernel"), key=["H", "K", "V"], prune_configs_by=launch.prune("_wy_kernel")
+)
 @triton.jit
 def _wy_kernel(
     k, v, G, beta, Ainv, W, U, Kd, cu_seqlens, chunk_indices, H, K, V,
@@ -248,9 +246,9 @@ def _wy_kernel(
 
 
 @triton.autotune(
-    configs=_configs([{"BV": 32}, {"BV": 64}, {"BV": 16}], [4, 8], [2, 3]),
+    configs=launch.configs("_state_kernel"),
     key=["H", "K", "V"],
-    prune_configs_by=FP32_ONE_CONFIG,
+    prune_configs_by=launch.prune("_state_kernel"),
 )
 @triton.jit
 def _state_kernel(
@@ -286,9 +284,9 @@ def _state_kernel(
 
 
 @triton.autotune(
-    configs=_configs([{"BV": 64}, {"BV": 128}], [4, 8], [2]),
+    configs=launch.configs("_output_kernel"),
     key=["H", "K", "V"],
-    prune_configs_by=FP32_ONE_CONFIG,
+    prune_configs_by=launch.prune("_output_kernel"),
 )
 @triton.jit
 def _output_kernel(
