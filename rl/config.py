@@ -149,6 +149,10 @@ class RolloutConfig:
     num_workers: int = 1
     """Rollout worker actors (one vLLM engine each)."""
     worker_num_cpus: float = 1.0
+    worker_num_gpus: float | None = None
+    """Ray GPUs reserved per rollout worker (rl/placement.py). Unset: 1 on a cluster with GPUs, else 0.
+    A fraction shares a GPU (with the learner or other workers); bound the engine's memory with
+    engine.gpu_memory_utilization or engine.kv_cache_memory_bytes then."""
     group_size: int = 8
     """Episodes per task (G): the unit of group baselines."""
     tasks_per_step: int = 8
@@ -312,6 +316,10 @@ class LearnerConfig:
     """MoE balancing bias during RL: frozen, or update (recomputed each step and shipped with weights)."""
     num_cpus: float = 1.0
     """Ray CPUs reserved for the learner actor."""
+    num_gpus: float | None = None
+    """Ray GPUs reserved per learner rank (rl/placement.py). Unset: 1 when the learner runs on CUDA
+    (device cuda, or auto on a cluster with GPUs), else 0. A fraction shares the GPU with rollout
+    workers (colocation, e.g. 0.5 with rollout.worker_num_gpus=0.5); sharded ranks take whole GPUs."""
     torch_threads: int | None = 1
     """torch intra-op threads of the learner process (None: torch's default). On a few shared cores
     one thread is fastest for tiny models: OpenMP spinning on small ops costs more than it gains."""

@@ -24,6 +24,7 @@ import torch
 
 from rl.config import AlgorithmConfig, LearnerConfig, ModelConfig
 from rl.learner import Learner, WeightUpdate
+from rl.placement import learner_rank_gpus
 from rl.types import TrainBatch
 
 SHARDING_MODES = ("auto", "fsdp", "none")
@@ -108,9 +109,9 @@ class LearnerGroup:
             raise ValueError(f"learner.sharding must be one of {SHARDING_MODES}, got {cfg.sharding!r}")
         self.cfg, self.world_size = cfg, cfg.num_workers
         self.sharded = cfg.sharding == "fsdp" or (cfg.sharding == "auto" and cfg.num_workers > 1)
-        gpus = _gpus_per_rank(cfg)
+        gpus = learner_rank_gpus(cfg)
         if not self.sharded:
-            self.ranks = [ray.remote(num_cpus=cfg.num_cpus)(Learner).remote(model_cfg, cfg, algo)]
+            self.ranks = [ray.remote(num_cpus=cfg.num_cpus, num_gpus=gpus)(Learner).remote(model_cfg, cfg, algo)]
             return
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -198,13 +199,3 @@ class LearnerGroup:
 
         for a in self.ranks:
             ray.kill(a)
-
-
-def _gpus_per_rank(cfg: LearnerConfig) -> float:
-    """One GPU per rank when the learner runs on CUDA (``device`` cuda, or auto on a cluster with GPUs)."""
-    import ray
-
-    if cfg.device == "cpu":
-        return 0
-    has_gpu = ray.cluster_resources().get("GPU", 0) >= 1
-    return 1 if cfg.device.startswith("cuda") or (cfg.device == "auto" and has_gpu) else 0

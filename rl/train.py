@@ -29,6 +29,7 @@ from rl.config import ConfigError, stages
 from rl.errors import EXIT_CONFIG, EXIT_ENV_FAILURE, EXIT_OK, EnvFailure
 from rl.launch import build_reward, connect_ray, parse, start_learner
 from rl.metrics import MetricsLogger, summary_text, truncate_metrics
+from rl.placement import placement_error
 from rl.preflight import plan_lines
 from rl.rollouts import WorkerPool, make_renderer
 from rl.rundir import RunOutputs, open_run
@@ -55,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(run.finished.get("exit_code", EXIT_OK))
     print("\n".join(plan_lines(cfg)), flush=True)  # what it trains on, before it starts anything
     connect_ray(cfg.ray, cfg.run.verbose)
+    if (err := placement_error(cfg.learner, cfg.rollout)) is not None:  # GPUs the actors reserve
+        print(f"config error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
     resume = run.resume_from
     state = run.state if resume else checkpoint.RunState(init_path=warm_start(cfg, run.path, start_learner) or "")
     learner = start_learner(cfg, dataclasses.replace(cfg.model, init_from=state.init_path or None), cfg.learner)
