@@ -150,6 +150,7 @@ class EpisodeRun:
                 text=text,
                 tool_calls=self.renderer.parse_tool_calls(text, ep.tools),
                 routed_experts=out.routed_experts,
+                prompt_routed_experts=out.prompt_routed_experts,
                 policy_version=out.policy_version,
                 finish_reason=finish,
                 num_computed_prompt_tokens=out.num_computed_prompt_tokens,
