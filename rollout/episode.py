@@ -129,7 +129,10 @@ class EpisodeRun:
         return time.monotonic() - self.t0 - self.engine_wait_s
 
     def on_output(self, out: TurnOutput) -> str | None:
-        """Record the sampled turn; returns the assistant text for env.step (None if the episode ended)."""
+        """Record the sampled turn; returns the assistant text for env.step (None if the episode ended).
+
+        The turn keeps the engine's routes of its prompt and sampled tokens; the previous turn's last
+        sampled token, fed only now, gets its routes from this output (``prev_token_routed_experts``)."""
         if self._asked_at is not None:
             self.engine_wait_s += time.monotonic() - self._asked_at
             self._asked_at = None
