@@ -10,7 +10,9 @@ Parts (each a function; ``--parts`` picks a subset, in the order given):
   and KL(rollout || learner) estimated on the rollout's own samples (k1 = mean(lp_r - lp_l), unbiased
   but signed; k3 = mean(e^-d - 1 + d), unbiased and >= 0). The learner in bf16 is what rl/learner.py
   runs: fp32 weights under torch.autocast(bf16), with the model's reference operators (model.fast);
-  the engine holds the bf16-rounded weights. Also the
+  the engine holds the bf16-rounded weights. The same numbers again with the engine's routes of every
+  token fed (prompt and sampled) replayed in the learner (``replayed``: what rl/learner.py computes
+  with routing replay, R3), beside the free-routing ones. Also the
   share of (token, MoE layer) expert sets the engine chose equal to the learner's router, and greedy
   tokens against ``model.generate`` (required equal in fp32, reported in bf16).
 * ``mla``: the latent MLA cache form (TRITON_ATTN: its padded head is over FlashAttention-3's 256) on
@@ -19,7 +21,8 @@ Parts (each a function; ``--parts`` picks a subset, in the order given):
   (the layout's own numbers and vLLM's cache spec, whose pages are padded to the KDA state page).
 * ``weights``: ``RolloutWorker.update_weights`` with a learner state dict that lives on the same GPU
   (fp32 tensors of a second random init, copied in place into the bf16 engine; no files): seconds,
-  then greedy tokens and logprobs against a fresh engine started from a checkpoint of those weights.
+  then greedy tokens and logprobs against a fresh engine started from a checkpoint of those weights,
+  and the updated engine against the learner of those weights (free and replayed routing).
 * ``reuse``: whole-turn state reuse at gpu_1b in bf16 (bench/rollout_reuse.py's episodes and engines):
   E concurrent T-turn episodes, a first prompt of P tokens, tool responses of O_min..O tokens, G
   greedy tokens per turn; computed prefill vs new tokens per turn, wall time against caching off and
@@ -243,7 +246,8 @@ def probe(run: Run, worker, preset: str, tag: str) -> dict:
     worker.end_sessions([o.session_id for o in sampled + greedy])
     return dict(
         sampled_prompts=ps,
-        sampled=[(o.token_ids, o.logprobs, o.routed_experts) for o in sampled],
+        # the engine's experts of the prompt and of the sampled tokens (routing replay, compare_to_learner)
+        sampled=[(o.token_ids, o.logprobs, o.routed_experts, o.prompt_routed_experts) for o in sampled],
         greedy_prompts=pg,
         greedy=[(o.token_ids, o.logprobs) for o in greedy],
         first_call_s=first,
@@ -269,24 +273,56 @@ def learner_context(run: Run, dtype: str):
     return stack
 
 
-def learner_pass(run: Run, model, ids: list[int], dtype: str):
-    """(log p(ids[t] | ids[<t]) for t >= 1 [T-1], router choices [T, L, K] | None) from the learner as
-    rl/learner.py runs it (bf16: fp32 weights under autocast)."""
+def learner_pass(run: Run, model, ids: list[int], dtype: str, routes=None):
+    """(log p(ids[t] | ids[<t]) for t >= 1 [T-1], router choices [T-1, L, K] | None) from the learner as
+    rl/learner.py runs it (bf16: fp32 weights under autocast); ``routes`` [T-1, L, K]: the experts of
+    the tokens fed (ids[:-1]) replayed (R3), else routed freely."""
     torch = run.torch
     x = torch.tensor([ids], device=run.device)
+    replay = None if routes is None else torch.as_tensor(routes, dtype=torch.long)
     with torch.no_grad(), learner_context(run, dtype):
-        out = model(x[:, :-1], target_ids=x[:, 1:], output_router_choices=True)
+        out = model(x[:, :-1], target_ids=x[:, 1:], routed_experts=replay, output_router_choices=True)
     choices = out.router_choices
     return out.token_logprobs[0].float().cpu(), None if choices is None else choices.cpu().numpy()
 
 
+def engine_routes(prompt_routed, routed, free):
+    """(routes [P + A - 1, L, K], how many of those positions the engine recorded none for): the
+    engine's experts of every token the learner feeds for prompt + sampled (the last sampled token is
+    not fed), the learner's free choices ``free`` where the engine recorded none (as rl/learner.py
+    fills -1); None when the engine recorded no routes."""
+    import numpy as np
+
+    if prompt_routed is None or routed is None or free is None:
+        return None
+    eng = np.concatenate([prompt_routed, routed[:-1]]).astype(np.int64)
+    return np.where(eng >= 0, eng, free), int((eng < 0).all((1, 2)).sum())
+
+
+def gap_stats(diffs: list) -> dict:
+    """Rollout minus learner logprobs: mean / max abs and KL(rollout || learner) as k1 and k3."""
+    import torch
+
+    d = torch.cat(diffs).double()
+    return dict(
+        tokens=int(d.numel()),
+        mean_abs=float(d.abs().mean()),
+        max_abs=float(d.abs().max()),
+        kl_k1=float(d.mean()),
+        kl_k3=float((torch.exp(-d) - 1 + d).mean()),
+    )
+
+
 def compare_to_learner(run: Run, pr: dict, preset: str, dtype: str, seed: int = 0) -> dict:
+    """The engine's sampling logprobs against the learner's on the same tokens, routed freely (the
+    top-level keys) and with the engine's routes of every fed token replayed (``replayed``: prompt and
+    sampled tokens, what rl/learner.py computes with routing replay)."""
     import numpy as np
 
     torch = run.torch
     model = run.learner(preset, seed)
-    diffs, route_eq, route_n = [], 0, 0
-    for prompt, (toks, lps, routed) in zip(pr["sampled_prompts"], pr["sampled"]):
+    diffs, replayed, unrecorded, route_eq, route_n = [], [], 0, 0, 0
+    for prompt, (toks, lps, routed, prompt_routed) in zip(pr["sampled_prompts"], pr["sampled"]):
         ref, choices = learner_pass(run, model, prompt + toks, dtype)
         diffs.append(torch.tensor(lps) - ref[len(prompt) - 1 :])
         if routed is not None and choices is not None and len(toks) > 1:
@@ -295,17 +331,20 @@ def compare_to_learner(run: Run, pr: dict, preset: str, dtype: str, seed: int = 
             lrn = np.sort(choices[len(prompt) : len(prompt) + len(toks) - 1], -1)
             route_eq += int((eng == lrn).all(-1).sum())
             route_n += eng.shape[0] * eng.shape[1]
-    d = torch.cat(diffs).double()
+        routes = engine_routes(prompt_routed, routed, choices)
+        if routes is not None:
+            rep, _ = learner_pass(run, model, prompt + toks, dtype, routes=routes[0])
+            replayed.append(torch.tensor(lps) - rep[len(prompt) - 1 :])
+            unrecorded += routes[1]
+    free = gap_stats(diffs)
     return dict(
         # the first sampled token's logprob comes from the prefill alone, the later ones from decode steps
         first_token_abs=[float(x[0].abs()) for x in diffs],
         first_positions=[[round(float(v), 5) for v in x[:8]] for x in diffs],
-        tokens=int(d.numel()),
-        mean_abs=float(d.abs().mean()),
-        max_abs=float(d.abs().max()),
-        kl_k1=float(d.mean()),
-        kl_k3=float((torch.exp(-d) - 1 + d).mean()),
+        **free,
         routing_agreement=route_eq / route_n if route_n else None,
+        # fed tokens the engine recorded no routes for (routed freely in the replayed pass; 0 expected)
+        replayed=None if not replayed else gap_stats(replayed) | {"unrecorded_positions": unrecorded},
     )
 
 
@@ -389,6 +428,8 @@ def engine_check(run: Run, preset: str, dtype: str, form: str = "expanded") -> d
 def summary_line(res: dict) -> dict:
     v, g, kv = res["vs_learner"], res["greedy_vs_generate"], res["kv"]
     line = {k: f"{v[k]:.2e}" for k in ("mean_abs", "max_abs", "kl_k3", "kl_k1") if k in v}
+    r = v.get("replayed") or {}
+    line |= {f"replayed_{k}": f"{r[k]:.2e}" for k in ("mean_abs", "max_abs", "kl_k3") if k in r}
     return line | dict(
         routing=v.get("routing_agreement"),
         greedy_eq_generate=g.get("all_equal", g.get("error")),
@@ -962,8 +1003,8 @@ def markdown(res: dict) -> str:
     checks += [("mla latent", k, v) for k, v in res.get("mla", {}).items()]
     if checks:
         lines += [
-            "| part | model/dtype | mean abs | max abs | KL k3 | KL k1 | routing eq | greedy = generate | backends | KV B/token (layout, vLLM real, allocated) | first call s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| part | model/dtype | mean abs | max abs | KL k3 | KL k1 | replayed mean abs | replayed KL k3 | routing eq | greedy = generate | backends | KV B/token (layout, vLLM real, allocated) | first call s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for part, k, v in checks:
             if "error" in v and "vs_learner" not in v:
@@ -975,6 +1016,7 @@ def markdown(res: dict) -> str:
                 continue
             lines.append(
                 f"| {part} | {k} | {s['mean_abs']:.2e} | {s['max_abs']:.2e} | {s['kl_k3']:.2e} | {s['kl_k1']:.2e} | "
+                f"{_replayed_cells(s.get('replayed'))} | "
                 f"{s['routing_agreement'] if s['routing_agreement'] is None else round(s['routing_agreement'], 4)} | "
                 f"{v['greedy_vs_generate'].get('all_equal', 'error')} | {','.join(kv['attention_backends'])} | "
                 f"{kv['layout_bytes']}, {kv['vllm_real_bytes']:.0f}, {kv['vllm_allocated_bytes']:.0f} | "
@@ -988,6 +1030,14 @@ def markdown(res: dict) -> str:
     if "weights" in res:
         w = res["weights"]
         lines += ["", f"weights: {json.dumps({k: x for k, x in w.items() if k != 'report'}, default=str)}"]
+        v = w.get("vs_learner_after_update") or {}
+        if "mean_abs" in v:
+            r = v.get("replayed") or {}
+            replayed = f"mean abs {r['mean_abs']:.2e}, KL k3 {r['kl_k3']:.2e}" if r else "no engine routes"
+            lines.append(
+                f"\nweights, updated engine vs learner: free routing mean abs {v['mean_abs']:.2e}, "
+                f"KL k3 {v['kl_k3']:.2e}; replayed {replayed}"
+            )
     if "reuse" in res and "summary" in res["reuse"]:
         lines += ["", "| mode | turns | wall s | computed/new | turns>=2 computed/new | speedup vs none |"]
         lines.append("|---|---|---|---|---|---|")
@@ -1033,6 +1083,11 @@ def layers_markdown(layers: dict) -> list[str]:
                 f"{t['engine_logprob']:.4f} / {t['learner_logprob']:.4f} | {c['per_layer']} |"
             )
     return lines
+
+
+def _replayed_cells(r: dict | None) -> str:
+    """The replayed-routing mean abs and KL k3 cells ("-" without engine routes)."""
+    return "- | -" if not r else f"{r['mean_abs']:.2e} | {r['kl_k3']:.2e}"
 
 
 def _fmt(x) -> str:

@@ -65,7 +65,11 @@ class Turn:
     tool_calls: list[ToolCall] = field(default_factory=list)
     observation: list[Message] = field(default_factory=list)  # messages the env returned for this turn
     reward: float = 0.0  # the env's per-turn reward
-    routed_experts: np.ndarray | None = None  # [A, num_moe_layers, top_k] uint16, for routing replay
+    # routing replay (R3): the experts the engine routed each token to when it fed that token, [n, L, K]
+    # (num_moe_layers, top_k) int16 / uint16, "none" (-1 / 65535) where it fed no such token. Sampled
+    # tokens: the last one's row is filled in by the next turn, which feeds it first.
+    routed_experts: np.ndarray | None = None  # [A, L, K] of token_ids
+    prompt_routed_experts: np.ndarray | None = None  # [P, L, K] of prompt_token_ids (none: prefix-cache hit)
     policy_version: int = 0  # weights version that sampled this turn
     finish_reason: str = ""  # engine's reason: "stop", "length", "tool_call", ...
     num_computed_prompt_tokens: int | None = None  # prefill tokens the engine actually computed

@@ -5,6 +5,10 @@ order, never re-tokenised). Advantages are broadcast from each turn to its sampl
 template, tool and env tokens get loss_mask False and weight 0. Loss aggregation weights are
 computed once per optimizer step (mini-batch) before it is cut into micro-batches, so gradient
 accumulation reproduces the full mini-batch gradient exactly.
+
+Routing replay: ``routed_experts_TLK`` lays each turn's engine records over its tokens, prompt
+(``Turn.prompt_routed_experts``) and sampled (``Turn.routed_experts``) alike, so the learner replays
+the experts of every token the engine computed; -1 where it computed none (rl/types.py).
 """
 
 from __future__ import annotations
@@ -31,24 +35,42 @@ class EpisodeRow:
     rollout_logprobs: list[float]  # [T_i]
     value_positions: list[int]  # [num_turns] index of the token before each turn's first sampled token
     value_targets: list[float]  # [num_turns]
-    routed_experts: np.ndarray | None  # [T_i, L, K] int64, -1 where not recorded
+    routed_experts: np.ndarray | None  # [T_i, L, K] int64, -1 where the engine recorded none
 
 
 def _routes(ep: Episode, length: int) -> np.ndarray | None:
-    recorded = [t.routed_experts for t in ep.turns if t.routed_experts is not None and len(t.token_ids)]
+    """[T, L, K] int64: each token's engine-recorded experts (its turn's ``prompt_routed_experts`` or
+    ``routed_experts``), -1 where the engine recorded none (a prefix-cache hit, the episode's last
+    sampled token, a turn without records); None when no turn has any record."""
+    recorded = [
+        r
+        for t in ep.turns
+        for r, n in ((t.prompt_routed_experts, len(t.prompt_token_ids)), (t.routed_experts, len(t.token_ids)))
+        if r is not None and n
+    ]
     if not recorded:
         return None
     _, num_layers, top_k = recorded[0].shape
     out = np.full((length, num_layers, top_k), -1, dtype=np.int64)
     pos = 0
     for t in ep.turns:
-        pos += len(t.prompt_token_ids)
-        if t.routed_experts is not None:
-            n = min(len(t.token_ids), t.routed_experts.shape[0])
-            r = t.routed_experts[:n].astype(np.int64)
-            out[pos : pos + n] = np.where(r >= np.iinfo(np.uint16).max, -1, r)  # uint16 records: 65535 = none
-        pos += len(t.token_ids)
+        for ids, routes in ((t.prompt_token_ids, t.prompt_routed_experts), (t.token_ids, t.routed_experts)):
+            if routes is not None:
+                _place(out, pos, routes, len(ids), ep.episode_id)
+            pos += len(ids)
     return out
+
+
+def _place(out: np.ndarray, pos: int, routes: np.ndarray, n: int, episode_id: str) -> None:
+    """Copy one turn part's records into out[pos:pos + n] (uint16 records: 65535 = none, as -1)."""
+    if routes.ndim != 3 or routes.shape[1:] != out.shape[1:]:
+        raise ValueError(
+            f"episode {episode_id}: routed experts of shape {list(routes.shape)}, want [n, L, K] with "
+            f"[L, K] = {list(out.shape[1:])} as in its other turns"
+        )
+    m = min(n, routes.shape[0])
+    r = routes[:m].astype(np.int64)
+    out[pos : pos + m] = np.where(r >= np.iinfo(np.uint16).max, -1, r)
 
 
 def episode_row(ep: Episode, turn_adv: list[float], turn_targets: list[float] | None = None) -> EpisodeRow:

@@ -6,9 +6,10 @@ mini-batch, clips, and takes one AdamW step per mini-batch. Every step it also r
 rollout/learner logprob mismatch on the sampled tokens (pre-update learner logprobs against the
 engine's): ``mismatch/logprob_abs_mean`` and ``mismatch/kl`` (k3 estimate of KL(rollout || learner)).
 
-Routing replay (R3): a micro-batch's ``routed_experts_TLK`` fixes the experts of the tokens the
-engine recorded; tokens without a record (-1, e.g. prompt tokens) take the learner's own choice from
-a no-grad routing pass first. The gate weights are always recomputed, so the router still learns.
+Routing replay (R3): a micro-batch's ``routed_experts_TLK`` fixes the experts of every token the
+engine computed, prompt and observation tokens included; tokens without a record (-1: a prefix-cache
+hit from another request, an episode's never-fed last token) take the learner's own choice from a
+no-grad routing pass first. The gate weights are always recomputed, so the router still learns.
 
 Balancing bias: ``balancer = frozen`` (default) never changes it during RL; ``update`` recomputes it
 after each optimizer step with the model's balancing rule, and the bias ships with the weights

@@ -7,8 +7,11 @@ state and attention never cross from one episode into the next.
 Alignment: the value at token position t describes token t itself. ``rollout_logprobs_T[t]`` is the
 logprob the engine gave token t when it sampled it, and the learner compares it with
 log_softmax(logits[t - 1])[input_ids[t]]. ``routed_experts_TLK[t]`` holds the experts the engine
-routed token t to when it processed that token as input (-1 where the engine recorded none: the
-learner routes those freely).
+routed token t to when it processed that token as input -- prompt, template, observation and sampled
+tokens alike, as the turn that first computed the token recorded it (rollout/worker.py) -- and -1
+where the engine computed no such token: positions a stock prefix-cache hit served from another
+request, and each episode's last sampled token (never fed; its routes change only the logits after
+the last token, which no loss reads). The learner routes -1 tokens freely (rl/learner.py).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ class TrainBatch:
     value_mask_T: torch.Tensor  # [T] bool, turn boundaries where the value head is read
     value_targets_T: torch.Tensor  # [T] float32, GAE targets at turn boundaries
     value_weights_T: torch.Tensor  # [T] float32, value-loss weights (sum to 1 over the optimizer step)
-    routed_experts_TLK: torch.Tensor | None = None  # [T, L, K] long, -1 = not recorded
+    routed_experts_TLK: torch.Tensor | None = None  # [T, L, K] long, -1 = the engine computed none
     episode_ids: list[str] = field(default_factory=list)  # [N]
     padding: bool = False  # a learner group's filler: zero loss weights, adds nothing (rl/learner_group.py)
 

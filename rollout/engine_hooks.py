@@ -8,7 +8,9 @@ request, how many tokens were computed and which experts each token was routed t
 step are laid out request by request in the runner's ``input_batch.req_ids`` order, with
 ``scheduler_output.num_scheduled_tokens[req_id]`` tokens each; that is how the flat
 ``last_routed_experts_TLK`` of our model is split per request. The recorder is the ground truth
-for "prefill tokens actually computed" in the reuse benchmark, for every caching mode alike.
+for "prefill tokens actually computed" in the reuse benchmark, for every caching mode alike, and the
+source of the routing replay records: ``RolloutWorker`` looks each turn's prompt and sampled tokens
+up by position (a position with no record was not computed, e.g. a prefix-cache hit).
 """
 
 from __future__ import annotations

@@ -129,7 +129,10 @@ class EpisodeRun:
         return time.monotonic() - self.t0 - self.engine_wait_s
 
     def on_output(self, out: TurnOutput) -> str | None:
-        """Record the sampled turn; returns the assistant text for env.step (None if the episode ended)."""
+        """Record the sampled turn; returns the assistant text for env.step (None if the episode ended).
+
+        The turn keeps the engine's routes of its prompt and sampled tokens; the previous turn's last
+        sampled token, fed only now, gets its routes from this output (``prev_token_routed_experts``)."""
         if self._asked_at is not None:
             self.engine_wait_s += time.monotonic() - self._asked_at
             self._asked_at = None
@@ -150,6 +153,7 @@ class EpisodeRun:
                 text=text,
                 tool_calls=self.renderer.parse_tool_calls(text, ep.tools),
                 routed_experts=out.routed_experts,
+                prompt_routed_experts=out.prompt_routed_experts,
                 policy_version=out.policy_version,
                 finish_reason=finish,
                 num_computed_prompt_tokens=out.num_computed_prompt_tokens,

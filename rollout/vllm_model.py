@@ -12,8 +12,9 @@ Deviations from a stock vLLM model, on purpose:
 * plain ``torch.nn`` layers instead of vLLM's parallel linears: single-rank only (tensor parallel
   = 1), but no CPU weight repacking, so in-place weight updates are plain ``copy_`` and an updated
   engine equals a fresh one on the same weights;
-* MoE experts chosen per token are recorded after each forward (``last_routed_experts_TLK``) for
-  routing replay; ``rollout.engine_hooks`` maps them to requests.
+* MoE experts chosen per token are recorded after each forward (``last_routed_experts_TLK``), for
+  every token computed (prefill and decode alike), for routing replay; ``rollout.engine_hooks`` maps
+  them to requests and positions.
 """
 
 from __future__ import annotations

@@ -2,8 +2,16 @@
 
 A plain class (``ray.remote`` is applied where it is launched). Each call to ``generate`` takes one
 turn per episode ("session"): the token ids appended since that episode's previous turn, and
-returns the sampled ids, their sampling logprobs, the experts each sampled token was routed to,
-the policy version and what the engine really computed. Token ids are never re-derived from text.
+returns the sampled ids, their sampling logprobs, the policy version and what the engine really
+computed. Token ids are never re-derived from text.
+
+Routing replay records (``TurnOutput``): the experts the engine routed each token of the turn to, for
+every token it computed in the turn -- the new prompt ids (``prompt_routed_experts``), the sampled ids
+(``routed_experts``; the last one is fed only with the next turn, so its row is -1) and the previous
+turn's last sampled token (``prev_token_routed_experts``, fed first in this turn). A prompt id the
+engine did not compute (a stock prefix-cache hit) is -1; with whole-turn session reuse every new id is
+computed. So an episode's turns together hold the routes of every token the engine computed for it,
+each as the turn that first computed it recorded it (rl/batching.py lays them out for the learner).
 
 Whole-turn state reuse (``reuse="session"``): an episode's request stays alive in the engine
 between turns (vLLM streaming-input sessions, ``rollout.sessions``), so its KV blocks *and* its KDA
@@ -103,6 +111,9 @@ class TurnOutput:
     num_computed_prompt_tokens: int  # prompt ids the engine actually prefilled for this turn
     reused_session: bool  # True when the episode's resident state was continued
     context_len: int  # tokens of the episode after this turn
+    # [P, L, K] int16 experts of the request's token_ids (the turn's new prompt ids) as this turn computed
+    # them; -1 where the engine did not compute one (a prefix-cache hit). None when nothing was recorded
+    prompt_routed_experts: np.ndarray | None = None
 
 
 @dataclass
@@ -429,7 +440,9 @@ class RolloutWorker:
 
     def _finish_turn(self, p: _Pending, rec) -> TurnOutput:
         s, r = p.session, p.request
-        routed, prev_routed = _routed_rows(rec, p.prompt_len, len(p.tokens), p.prev_pos)
+        prompt_routed, routed, prev_routed = _routed_rows(
+            rec, p.prompt_len, len(r.token_ids), len(p.tokens), p.prev_pos
+        )
         s.history.extend(p.tokens)
         if not p.resumable:
             s.internal_id = None
@@ -453,6 +466,7 @@ class RolloutWorker:
             num_computed_prompt_tokens=computed,
             reused_session=p.reused,
             context_len=len(s.history),
+            prompt_routed_experts=prompt_routed,
         )
 
     def _empty_output(self, r: TurnRequest, s: _Session, full: list[int], reason: str) -> TurnOutput:
@@ -557,24 +571,33 @@ def _sampled_logprobs(completion) -> list[float]:
 
 
 def _routed_rows(
-    rec, prompt_len: int, num_sampled: int, prev_pos: int
-) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """Experts of the sampled tokens (positions prompt_len, ...), -1 where the engine did not compute
-    the token in this turn (the last sampled one is fed only with the next turn), and of the previous
-    turn's last sampled token (position prev_pos), which this turn computed."""
+    rec, prompt_len: int, num_prompt: int, num_sampled: int, prev_pos: int
+) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """The experts this turn's forwards routed tokens to, looked up by position in the step records:
+    (the turn's new prompt ids, positions prompt_len - num_prompt .. prompt_len - 1 [P, L, K]; the
+    sampled tokens, positions prompt_len .. [A, L, K]; the previous turn's last sampled token, position
+    prev_pos, which this turn fed first [L, K] or None), -1 rows where the engine did not compute the
+    token in this turn: a prefix-cache hit, or the last sampled token (fed only with the next turn).
+    Earlier positions a fallback request recomputed are not returned: the episode keeps what the
+    turn that first computed them recorded."""
     if not rec.routed:
-        return None, None
+        return None, None, None
     pos = np.concatenate(rec.positions)
     rows = np.concatenate(rec.routed)
     table = {int(p): i for i, p in enumerate(pos)}  # a recomputed position keeps its last value
     L, K = rows.shape[1:]
-    out = np.full((num_sampled, L, K), -1, dtype=np.int16)
-    for j in range(num_sampled):
-        i = table.get(prompt_len + j)
-        if i is not None:
-            out[j] = rows[i]
+
+    def at(first: int, n: int) -> np.ndarray:
+        out = np.full((n, L, K), -1, dtype=np.int16)
+        for j in range(n):
+            i = table.get(first + j)
+            if i is not None:
+                out[j] = rows[i]
+        return out
+
     i = table.get(prev_pos)
-    return out, (rows[i].copy() if i is not None and prev_pos >= 0 else None)
+    prev = rows[i].copy() if i is not None and prev_pos >= 0 else None
+    return at(prompt_len - num_prompt, num_prompt), at(prompt_len, num_sampled), prev
 
 
 def _safetensors_files(path: str | os.PathLike) -> list[Path]:

@@ -8,7 +8,9 @@ from envs.calculator import CalculatorEnv
 from envs.types import Episode, EpisodeGroup, EpisodeStatus, Turn
 
 
-def turn(prompt: list[int], sampled: list[int], logprobs=None, reward: float = 0.0, routes=None) -> Turn:
+def turn(
+    prompt: list[int], sampled: list[int], logprobs=None, reward: float = 0.0, routes=None, prompt_routes=None
+) -> Turn:
     lps = logprobs if logprobs is not None else [-1.0] * len(sampled)
     return Turn(
         prompt_token_ids=list(prompt),
@@ -16,6 +18,7 @@ def turn(prompt: list[int], sampled: list[int], logprobs=None, reward: float = 0
         logprobs=list(lps),
         reward=reward,
         routed_experts=None if routes is None else np.asarray(routes, dtype=np.uint16),
+        prompt_routed_experts=None if prompt_routes is None else np.asarray(prompt_routes, dtype=np.uint16),
     )
 
 

@@ -28,6 +28,30 @@ def test_row_masks_only_sampled_tokens_and_broadcasts_turn_advantages():
     assert (row.routed_experts[:3] == -1).all() and (row.routed_experts[5:] == -1).all()
 
 
+def test_prompt_routes_fill_the_prompt_positions_of_the_row():
+    """Each turn's prompt records land on its prompt tokens, its sampled records on its sampled tokens;
+    "none" rows (uint16 65535 or int16 -1) and turns without records stay -1."""
+    none = np.iinfo(np.uint16).max
+    r = lambda *ids: np.array([[[i, i + 1]] * 3 for i in ids])  # [n, 3 layers, top-2]
+    sampled = r(40, 50)
+    sampled[-1] = none  # the last sampled token: filled by the next turn (rollout/episode.py)
+    first_prompt = r(10, 20, 30)
+    first_prompt[0] = none  # e.g. a prefix-cache hit
+    second = turn([6], [7], logprobs=[-0.3])
+    second.prompt_routed_experts = r(60).astype(np.int16)  # the worker's int16 records say none with -1
+    second.routed_experts = np.full((1, 3, 2), -1, dtype=np.int16)
+    ep = episode([turn([1, 2, 3], [4, 5], routes=sampled, prompt_routes=first_prompt), second], 1.0)
+    row = episode_row(ep, [0.5, -1.0])
+    assert row.routed_experts[:, 0, 0].tolist() == [-1, 20, 30, 40, -1, 60, -1]
+    assert row.routed_experts[5].tolist() == [[60, 61]] * 3
+    bare = episode([turn([1, 2], [3], routes=r(30)), turn([4], [5], routes=r(50), prompt_routes=r(40))], 0.0)
+    assert episode_row(bare, [0.0, 0.0]).routed_experts[:, 0, 0].tolist() == [-1, -1, 30, 40, 50]
+    only_prompt = episode([turn([1, 2], [3], prompt_routes=r(10, 20))], 0.0)  # a record in the prompt alone
+    assert episode_row(only_prompt, [0.0]).routed_experts[:, 0, 0].tolist() == [10, 20, -1]
+    b = pack([row], "token_mean", 4)
+    assert b.routed_experts_TLK[:, 0, 0].tolist() == [-1, 20, 30, 40, -1, 60, -1]
+
+
 def test_episode_tokens_are_the_shared_record_token_view():
     ep = two_turn_episode()
     row = episode_row(ep, [0.0, 0.0])
@@ -70,3 +94,8 @@ def test_bad_episodes_are_rejected_clearly():
         episode_row(two_turn_episode(), [1.0])
     with pytest.raises(ValueError, match="first token is sampled"):
         episode_row(episode([turn([], [1, 2])], 0.0), [0.0])
+    mixed = episode(
+        [turn([1], [2], routes=np.zeros((1, 3, 2))), turn([3], [4], prompt_routes=np.zeros((1, 2, 2)))], 0.0
+    )
+    with pytest.raises(ValueError, match=r"routed experts of shape \[1, 2, 2\]"):
+        episode_row(mixed, [0.0, 0.0])

@@ -37,6 +37,9 @@ def check_token_view(ep, renderer):
     for t in ep.turns:
         assert len(t.logprobs) == len(t.token_ids) > 0 and t.policy_version == 0
         assert t.routed_experts is not None and t.routed_experts.shape[0] == len(t.token_ids)
+        # a session engine computes every new prompt id of a turn (resident or not): each has its routes
+        p = t.prompt_routed_experts
+        assert p is not None and p.shape[0] == len(t.prompt_token_ids) and (p >= 0).all()
 
 
 def _tail(ep) -> int:

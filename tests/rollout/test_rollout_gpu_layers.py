@@ -1,6 +1,7 @@
-"""bench/rollout_gpu.py's ``layers`` part on the CPU: engine and learner recorded module by module on one
-prefill, and a module broken on one side (from a given token on) named as the first to part, with the
-token it starts at and the side that left the reference."""
+"""bench/rollout_gpu.py on the CPU. The ``layers`` part: engine and learner recorded module by module on
+one prefill, and a module broken on one side (from a given token on) named as the first to part, with
+the token it starts at and the side that left the reference. The ``logprobs`` part's comparison with
+the learner, routed freely and with the engine's routes of every fed token replayed."""
 
 from __future__ import annotations
 
@@ -119,3 +120,31 @@ def test_engine_rows_per_request_match_the_learner_and_a_broken_engine_module_is
     assert res["first_parted"]["name"] == "model.layers.3.self_attn.kv_a_layernorm"
     assert res["first_parted"]["kind"] == "mla" and res["first_parted"]["first_bad_row"] == 12
     assert all(r["rel"] < 1e-5 for r in res["rows"][: res["rows"].index(res["first_parted"])])
+
+
+def test_compare_to_learner_replays_the_engines_routes_of_prompt_and_sampled_tokens(
+    bench, session_worker, tiny_ckpt
+):
+    _, model = tiny_ckpt
+    run = SimpleNamespace(
+        **vars(CPU_RUN), args=SimpleNamespace(small=True), learner=lambda preset, seed=0: model
+    )
+    pr = bench.probe(run, session_worker, "tiny", "cmp")
+    res = bench.compare_to_learner(run, pr, "tiny", "fp32")
+    rep = res["replayed"]
+    assert rep["tokens"] == res["tokens"] == 4 * 16 and rep["unrecorded_positions"] == 0
+    assert res["mean_abs"] < 2e-5 and rep["mean_abs"] < 2e-5 and rep["kl_k3"] < 1e-9  # fp32: the same math
+    # routes that are not the engine's, on the prompt tokens alone: only the replayed numbers move
+    E = model.config.num_experts
+    wrong = [(t, lp, r, (p + 1) % E) for t, lp, r, p in pr["sampled"]]
+    bad = bench.compare_to_learner(run, {**pr, "sampled": wrong}, "tiny", "fp32")
+    assert bad["mean_abs"] == res["mean_abs"]
+    assert bad["replayed"]["mean_abs"] > 100 * max(rep["mean_abs"], 1e-6)
+    kv = dict(attention_backends=["CPU_ATTN"], layout_bytes=1, vllm_real_bytes=1, vllm_allocated_bytes=1)
+    check = dict(vs_learner=res, kv=kv, greedy_vs_generate={"all_equal": True}, first_call_s=1.0)
+    table = bench.markdown({"logprobs": {"tiny/fp32": check}}).splitlines()
+    header = next(x for x in table if x.startswith("| part |")).split(" | ")
+    row = next(x for x in table if x.startswith("| logprobs |")).split(" | ")
+    assert len(header) == len(row) and row[header.index("replayed mean abs")] == f"{rep['mean_abs']:.2e}"
+    assert row[header.index("replayed KL k3")] == f"{rep['kl_k3']:.2e}"
+    assert row[header.index("mean abs")] == f"{res['mean_abs']:.2e}"  # the free-routing columns stay
