@@ -9,8 +9,9 @@ Module names follow Kimi Linear's HF/vLLM layout (``model.layers.N.self_attn``,
 Forward options the RL stack relies on:
 * ``cu_seqlens`` (input [1, T]): packed varlen sequences; KDA state, conv state and attention never
   cross a boundary; labels never predict across one.
-* ``routed_experts`` [B*T, num_moe_layers, top_k]: replay the rollout's expert choices (R3);
-  ``output_router_choices=True`` returns the experts used in the same layout.
+* ``routed_experts`` [B*T, num_moe_layers, top_k]: replay the rollout's expert choices (R3); a
+  token-layer row of -1 is routed freely in the same forward; ``output_router_choices=True`` returns
+  the experts used in the same layout.
 * ``target_ids`` [B, T]: returns ``token_logprobs`` = log p(target_ids[t] | tokens <= t).
 * ``past_key_values`` (``HybridCache``) + ``use_cache``: incremental decoding.
 """
@@ -35,7 +36,7 @@ from model.kda import KimiDeltaAttention
 from model.layers import RMSNorm, SeqLayout, ShortConvolution, f32, seq_layout, to_device
 from model.lm_head import chunked_logprobs_entropy, logits_entropy
 from model.mla import GatedMLA
-from model.moe import DenseMLP, MoEGate, SparseMoE
+from model.moe import DenseMLP, MoEGate, SparseMoE, check_replay_ids
 
 
 @dataclass
@@ -182,9 +183,7 @@ class HybridModel(HybridPreTrainedModel):
             raise ValueError(
                 f"routed_experts must be [B*T, num_moe_layers, top_k] = {list(want)}, got {list(routed.shape)}"
             )
-        E = self.config.num_experts
-        if routed.numel() and (bool((routed < 0).any()) or bool((routed >= E).any())):
-            raise ValueError(f"replayed expert ids must lie in [0, {E})")
+        check_replay_ids(routed, self.config.num_experts)
         return to_device(routed.long(), device)  # host routes: pinned, no host sync
 
     def _attn(self, layer: HybridDecoderLayer, x_BTD, step: _Step) -> torch.Tensor:

@@ -8,7 +8,8 @@ routing, off for K3 and Kimi Linear) only experts of the ``topk_group`` groups w
 sum of their two best biased scores are selectable; balancing statistics then see the masked scores.
 
 Routing replay (R3): given expert indices [T, k] are used for the selection while the weights are
-still the router's s at those indices, so the router keeps learning.
+still the router's s at those indices, so the router keeps learning. A token whose row is all -1 (the
+engine did not compute it) is routed freely, in the same forward.
 
 Stable LatentMoE (K3): z = routed_expert_down_proj(x); u = sum_i p_i E_i(z);
 y = shared_experts(x) + routed_expert_up_proj(RMSNorm(u)). Without routed_expert_hidden_size the
@@ -44,6 +45,17 @@ from model.layers import GLUMLP, RMSNorm, f32, recompute_in_backward
 class RouterOutput:
     experts_TK: torch.Tensor  # long, the experts used
     weights_TK: torch.Tensor  # fp32 routing weights (differentiable w.r.t. the router)
+
+
+def check_replay_ids(replay: torch.Tensor, num_experts: int) -> None:
+    """Replayed ids lie in [0, num_experts), or a token's whole row is -1 (route it freely)."""
+    if not replay.numel():
+        return
+    free = replay == -1
+    if bool(((replay < -1) | (replay >= num_experts)).any()):
+        raise ValueError(f"replayed expert ids must lie in [0, {num_experts}), or be -1 (route freely)")
+    if bool((free.any(-1) & ~free.all(-1)).any()):
+        raise ValueError("a replayed token's experts are all -1 (route it freely) or none of them")
 
 
 class MoEGate(nn.Module):
@@ -108,10 +120,11 @@ class MoEGate(nn.Module):
         needs_cutoff = collect and self.balancing_mode.startswith("quantile")  # alpha_i = (k+1)-th value
         top_vals, top_idx = biased_TE.topk(self.top_k + 1 if needs_cutoff else self.top_k, dim=-1)
         experts_TK = top_idx[:, : self.top_k]
-        if replay_TK is not None:
+        if replay_TK is not None:  # a token whose row is -1 keeps its own top-k (routed freely)
             if not replay_checked:
                 replay_TK = self._check_replay(replay_TK, x_TD.shape[0])
-            experts_TK = replay_TK.to(experts_TK)
+            replay_TK = replay_TK.to(experts_TK)
+            experts_TK = torch.where(replay_TK >= 0, replay_TK, experts_TK)
         weights_TK = scores_TE.gather(-1, experts_TK)
         if self.renormalize:
             weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True).clamp(min=1e-20)
@@ -134,8 +147,7 @@ class MoEGate(nn.Module):
             raise ValueError(
                 f"replayed experts must be [T, top_k] = [{T}, {self.top_k}], got {tuple(replay_TK.shape)}"
             )
-        if bool((replay_TK < 0).any()) or bool((replay_TK >= self.num_experts).any()):
-            raise ValueError(f"replayed expert ids must lie in [0, {self.num_experts})")
+        check_replay_ids(replay_TK, self.num_experts)
         return replay_TK.long()
 
     @torch.no_grad()

@@ -8,8 +8,8 @@ engine's): ``mismatch/logprob_abs_mean`` and ``mismatch/kl`` (k3 estimate of KL(
 
 Routing replay (R3): a micro-batch's ``routed_experts_TLK`` fixes the experts of every token the
 engine computed, prompt and observation tokens included; tokens without a record (-1: a prefix-cache
-hit from another request, an episode's never-fed last token) take the learner's own choice from a
-no-grad routing pass first. The gate weights are always recomputed, so the router still learns.
+hit from another request, an episode's never-fed last token) are routed freely by the router in the
+same forward. The gate weights are always recomputed, so the router still learns.
 
 Balancing bias: ``balancer = frozen`` (default) never changes it during RL; ``update`` recomputes it
 after each optimizer step with the model's balancing rule, and the bias ships with the weights
@@ -187,10 +187,6 @@ class Learner:
         return min(1.0, (self.step_count + 1) / w) if w > 0 else 1.0
 
     # ------------------------------------------------------------------ forward
-    def _free_routes(self, model, ids_1T, cu) -> torch.Tensor:
-        with torch.no_grad(), self._paths(), self._autocast():
-            return model(ids_1T, cu_seqlens=cu, output_router_choices=True).router_choices
-
     def forward(self, batch: TrainBatch, model=None, need_entropy: bool = False) -> ForwardOut:
         """Learner logprobs of every token given its prefix (per packed sequence), entropy, values.
 
@@ -203,12 +199,8 @@ class Learner:
         ids_1T = batch.input_ids_T.to(self.device)[None]
         cu_host = batch.cu_seqlens_N1
         cu = cu_host.to(self.device)
-        routes = None
-        if self.cfg.routing_replay and batch.routed_experts_TLK is not None:
-            routes = batch.routed_experts_TLK
-            if bool((routes < 0).any()):
-                dev_routes = routes.to(self.device)
-                routes = torch.where(dev_routes >= 0, dev_routes, self._free_routes(model, ids_1T, cu_host))
+        # tokens the engine recorded no experts for (-1 rows) are routed freely in the same forward
+        routes = batch.routed_experts_TLK if self.cfg.routing_replay else None
         targets_1T = torch.roll(ids_1T, -1, dims=1)
         with self._paths():
             plain = pick("lm_head", self.device) == "plain"

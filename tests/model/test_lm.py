@@ -114,6 +114,33 @@ def test_routing_replay_uses_given_experts():
         model(ids, routed_experts=forced[:, :1])
 
 
+def test_tokens_replayed_as_minus_one_are_routed_freely_in_the_same_forward():
+    """A -1 row routes that token by the router, given the replayed context: with the model's own
+    choices elsewhere nothing changes; with forced experts elsewhere the -1 tokens take their top-k of
+    that forward, so replaying what it reports reproduces it exactly."""
+    model = make_model(torch.float32)
+    ids = torch.randint(0, 128, (2, 8))
+    own = model(ids, output_router_choices=True)
+    n_moe, k = len(model.config.moe_layer_indices), model.config.num_experts_per_token
+    partial = own.router_choices.clone()
+    partial[::3] = -1
+    same = model(ids, routed_experts=partial)
+    torch.testing.assert_close(same.logits, own.logits, rtol=0, atol=0)
+    forced = torch.stack([torch.randperm(8)[:k] for _ in range(16 * n_moe)]).view(16, n_moe, k)
+    forced[5:] = -1  # tokens 5.. of the first row and the whole second row route freely
+    mixed = model(ids, routed_experts=forced, output_router_choices=True)
+    assert torch.equal(mixed.router_choices[:5], forced[:5])
+    assert bool((mixed.router_choices[5:] >= 0).all())
+    again = model(ids, routed_experts=mixed.router_choices)
+    torch.testing.assert_close(again.logits, mixed.logits, rtol=0, atol=0)
+    half = forced.clone()
+    half[0, 0, 0] = -1  # one of a token's k experts only
+    with pytest.raises(ValueError, match=r"all -1 .* or none of them"):
+        model(ids, routed_experts=half)
+    with pytest.raises(ValueError, match=r"must lie in \[0, 8\), or be -1"):
+        model(ids, routed_experts=torch.full_like(forced, -2))
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_save_load_round_trip_is_bit_exact(tmp_path, tie):
     from transformers import AutoConfig, AutoModelForCausalLM
