@@ -1,13 +1,15 @@
 """Regional torch.compile: the element-wise regions of the model, each with an eager fallback.
 
-Compiled: the three element-wise functions the modules call with their weights as arguments,
-``model.layers.rms_norm`` (every ``RMSNorm``), ``model.attnres.attn_res_mix`` (every ``AttnResMix``)
-and ``model.layers.glu_activation`` (the reference GLU of every ``GLUMLP``: dense layers, shared and
-routed experts; an fp32 upcast, a reduction and a few element-wise ops each, one fused kernel
-instead of five to ten). Each is one ``torch.compile`` shared by every module instance, so dynamo
-compiles one graph per distinct call signature - (dtype, rank, feature size, number of sources,
-grad mode) - and not one per module: a per-instance compile of a bound ``forward`` guards on
-``self`` and hit dynamo's recompile limit (8) after the eighth RMSNorm, the rest then ran eagerly.
+Compiled: the functions the modules call with their weights as arguments,
+``model.layers.rms_norm`` (every ``RMSNorm``), ``model.attnres.attn_res_mix`` (every ``AttnResMix``),
+``model.layers.glu_activation`` (the reference GLU of every ``GLUMLP``: dense layers, shared and
+routed experts), ``model.moe.routing_weights`` (gather, renormalise, scale of every ``MoEGate``) and
+``kernels.moe.route_tensors`` (the ~25 small integer ops of each grouped MoE's route layout): an
+fp32 upcast, a reduction and a few element-wise ops each, one or two fused kernels instead of five
+to twenty-five. Each is one ``torch.compile`` shared by every module instance, so dynamo compiles
+one graph per distinct call signature - (dtype, rank, feature size, number of sources, grad mode) -
+and not one per module: a per-instance compile of a bound ``forward`` guards on ``self`` and hit
+dynamo's recompile limit (8) after the eighth RMSNorm, the rest then ran eagerly.
 
 Shapes: ``dynamic=False`` plus ``maybe_mark_dynamic`` on every dim but the last of each tensor
 argument: the token dims are symbolic (a new micro-batch size reuses the graph; a dim of size 1 is
@@ -78,16 +80,21 @@ class CompiledOrEager:
 
 
 def compile_regions(model: nn.Module, backend: str | Callable = "inductor") -> list[CompiledOrEager]:
-    """Point every norm, AttnRes mix and GLU of ``model`` at the shared compiled functions; returns
-    the wrappers (one per function that ``model`` has modules for)."""
+    """Point every norm, AttnRes mix, GLU, router and grouped MoE of ``model`` at the shared compiled
+    functions; returns the wrappers (one per function that ``model`` has modules for)."""
+    from kernels.moe import route_tensors
     from model.attnres import AttnResMix, attn_res_mix
     from model.layers import GLUMLP, RMSNorm, glu_activation, rms_norm
+    from model.moe import MoEGate, SparseMoE, routing_weights
 
     if torch._dynamo.config.recompile_limit < REGION_RECOMPILE_LIMIT:
         log.info("dynamo recompile_limit %d -> %d (compiled regions)", torch._dynamo.config.recompile_limit,
                  REGION_RECOMPILE_LIMIT)  # fmt: skip
         torch._dynamo.config.recompile_limit = REGION_RECOMPILE_LIMIT
-    kinds = ((RMSNorm, "norm_fn", rms_norm), (AttnResMix, "mix_fn", attn_res_mix), (GLUMLP, "glu_fn", glu_activation))
+    kinds = (
+        (RMSNorm, "norm_fn", rms_norm), (AttnResMix, "mix_fn", attn_res_mix), (GLUMLP, "glu_fn", glu_activation),
+        (MoEGate, "weights_fn", routing_weights), (SparseMoE, "route_fn", route_tensors),
+    )  # fmt: skip
     regions: dict[str, CompiledOrEager] = {}
     for module in model.modules():
         for cls, attr, fn in kinds:
