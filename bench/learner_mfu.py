@@ -53,6 +53,7 @@ import argparse
 import contextlib
 import gc
 import json
+import logging
 import math
 import os
 import platform
@@ -182,6 +183,22 @@ def matmul_params(model: torch.nn.Module, top_k: int, num_experts: int) -> int:
         elif type(m).__name__.endswith("Experts"):
             routed += sum(p.numel() for p in m.parameters(recurse=False))
     return total + routed * top_k // max(num_experts, 1)
+
+
+class _RecompileHits(logging.Handler):
+    """dynamo's "hit config.recompile_limit" warnings (the function and the last guard that failed)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record) -> None:
+        if "recompile_limit" in record.getMessage():
+            self.messages.append(record.getMessage()[:400])
+
+
+RECOMPILE_HITS = _RecompileHits()
+logging.getLogger("torch._dynamo").addHandler(RECOMPILE_HITS)
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -842,6 +859,10 @@ def run_ours(report: Report, learner, tokens: int, args, clock: Clock, peak: flo
         "active_matmul_params": n_mm, "peak_mem_gib": peak_gib, "warmup_s": warm_s, "components": comps,
         "checkpoint": args.checkpoint, "compile": args.compile, "fast_paths": str(learner.fast_paths), **prof,
     }  # fmt: skip
+    if learner.compiled_regions:  # one graph per call signature; a limit hit would leave variants eager
+        row["compiled_regions"] = {r.name: {"graphs": r.graphs(), "failed": r.failed} for r in learner.compiled_regions}
+        row["recompile_limit_hits"] = list(RECOMPILE_HITS.messages)
+        print(f"[compile] {row['compiled_regions']}; recompile limit hits: {len(RECOMPILE_HITS.messages)}", flush=True)
     report.runs.append(row)
     print(f"[ours] {tokens} tokens ({len(lengths)} episodes): {step_s * 1e3:.0f} ms/step, "
           f"{row['tokens_per_s']:.0f} tok/s, MFU {row['mfu'] * 100:.1f}%, peak "
@@ -1003,6 +1024,12 @@ def markdown(report: Report) -> str:
             lines.append(f"\n{r['tokens']} tokens, optimizer {o['s'] * 1e3:.0f} ms: clip {o['clip_s'] * 1e3:.0f} ms, AdamW "
                          f"{o['adamw_s'] * 1e3:.0f} ms, host dispatch {o['host_dispatch_s'] * 1e3:.0f} ms{busy}; "
                          f"{o['param_tensors']} parameter tensors, clip foreach: {o['clip_foreach']}")  # fmt: skip
+    for r in report.runs:
+        if r.get("compiled_regions"):
+            regions = ", ".join(f"{k} {v['graphs']} graphs{' (FAILED, eager)' if v['failed'] else ''}"
+                                for k, v in r["compiled_regions"].items())  # fmt: skip
+            lines.append(f"\n{r['tokens']} tokens, compiled: {regions}; recompile limit hits: "
+                         f"{len(r.get('recompile_limit_hits', []))}")  # fmt: skip
     if report.env.get("resident_before_peer_gib") is not None:
         lines.append(f"\npeer measured alone: {report.env['resident_before_peer_gib']:.2f} GiB of ours left allocated")
     return "\n".join(lines)

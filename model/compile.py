@@ -72,6 +72,13 @@ class CompiledOrEager:
                 log.warning("torch.compile of %s failed, running it eagerly: %s", self.name, self.failed)
         return self.eager(*args)
 
+    def graphs(self) -> int | None:
+        """Compiled variants dynamo holds for the function (its cache entries), None where unknown."""
+        try:
+            return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(self.eager))
+        except Exception:  # a private helper: a torch without it
+            return None
+
     def __deepcopy__(self, memo) -> CompiledOrEager:
         return self
 

@@ -77,7 +77,7 @@ def _graphs_of_steps(layers: int, lengths_per_step: list[list[int]]) -> tuple[in
     eager = {}
     for n, lengths in enumerate(lengths_per_step):
         eager[n] = _packed_step(model, lengths)
-    compile_regions(model, backend=backend)
+    regions = compile_regions(model, backend=backend)
     warnings = LimitWarnings()
     logging.getLogger("torch._dynamo").addHandler(warnings)
     try:
@@ -89,6 +89,7 @@ def _graphs_of_steps(layers: int, lengths_per_step: list[list[int]]) -> tuple[in
                     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
     finally:
         logging.getLogger("torch._dynamo").removeHandler(warnings)
+    assert sum(r.graphs() for r in regions) == backend.graphs  # the bench reports graphs() per region
     return backend.graphs, warnings.messages
 
 
