@@ -9,9 +9,10 @@ tiny widths: the counts do not depend on the widths, they do on the structure. I
 varlen sequences (lengths 1, 15, 64, 65, 300 by default), captured from one model forward.
 
 The CPU takes its own paths where the GPU's do not run (``model.fast`` "auto" on the CPU: attention
-``loop``, one SDPA per sequence; conv ``torch``; GLU ``recompute`` instead of the fused Triton kernel;
-F.rms_norm is op by op on the CPU, one fused kernel each way on CUDA): compare counts per kind between
-commits, not with a GPU profile. ``--bf16`` runs under CPU bf16 autocast, which shows the dtype casts a
+``loop``, one SDPA per sequence; conv ``torch``; GLU ``recompute`` instead of the fused Triton kernel):
+compare counts per kind between commits, not with a GPU profile. ``F.rms_norm``, op by op on the CPU,
+is counted as CUDA runs it (``aten._fused_rms_norm``, one kernel each way; ``--cpu-rms-norm``: as the
+CPU runs it). ``--bf16`` runs under CPU bf16 autocast, which shows the dtype casts a
 GPU step pays (KDA is left out there: its chunked CPU core has no bf16 triangular solve).
 
     python bench/op_counts.py [--bf16] [--json out.json]
@@ -55,6 +56,14 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.ops: Counter = Counter()
 
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name not in NO_KERNEL:
@@ -86,8 +95,68 @@ def tiny_preset(preset: Path) -> dict:
     return {**arch, **TINY_WIDTHS, "linear_attn_config": lac}
 
 
-def layer_op_counts(arch: dict, lengths: list[int], bf16: bool = False) -> dict[str, dict]:
-    """{kind: {"total": n, "ops": {op: count}}} for the first layer of each kind, fwd + bwd."""
+class _FusedRMSNorm(torch.autograd.Function):
+    """F.rms_norm counted as CUDA runs it: one ``_fused_rms_norm`` forward, one backward (the CPU's op-by-op
+    composite computes the values, uncounted)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, normalized_shape, eps, real):
+        ctx.real, ctx.args = real, (normalized_shape, eps)
+        ctx.save_for_backward(x, weight)
+        _count("_fused_rms_norm")
+        with _uncounted():
+            return real(x, normalized_shape, weight, eps)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        _count("_fused_rms_norm_backward")
+        with _uncounted(), torch.enable_grad():
+            xs = [t.detach().requires_grad_() for t in (x, weight) if t is not None]
+            out = ctx.real(xs[0], ctx.args[0], xs[1] if weight is not None else None, ctx.args[1])
+            grads = torch.autograd.grad(out, xs, g)
+        return grads[0], grads[1] if weight is not None else None, None, None, None
+
+
+_ACTIVE: list[OpCounter] = []
+
+
+def _count(name: str) -> None:
+    if _ACTIVE:
+        _ACTIVE[-1].ops[name] += 1
+
+
+@contextlib.contextmanager
+def _uncounted():
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
+@contextlib.contextmanager
+def fused_rms_norm():
+    """F.rms_norm counted as one kernel each way, as CUDA dispatches it (``aten._fused_rms_norm``)."""
+    real = torch.nn.functional.rms_norm
+
+    def fused(x, normalized_shape, weight=None, eps=None):
+        return _FusedRMSNorm.apply(x, weight, tuple(normalized_shape), eps, real)
+
+    torch.nn.functional.rms_norm = fused
+    try:
+        yield
+    finally:
+        torch.nn.functional.rms_norm = real
+
+
+def layer_op_counts(arch: dict, lengths: list[int], bf16: bool = False, cuda_rms_norm: bool = True) -> dict[str, dict]:
+    """{kind: {"total": n, "ops": {op: count}}} for the first layer of each kind, fwd + bwd, and for the
+    whole model ("model": forward with token logprobs, backward to every weight)."""
+    with fused_rms_norm() if cuda_rms_norm else contextlib.nullcontext():
+        return _layer_op_counts(arch, lengths, bf16)
+
+
+def _layer_op_counts(arch: dict, lengths: list[int], bf16: bool) -> dict[str, dict]:
     from model import HybridConfig
     from model.attnres import AttnResMix
     from model.kda import KimiDeltaAttention
@@ -138,6 +207,13 @@ def layer_op_counts(arch: dict, lengths: list[int], bf16: bool = False) -> dict[
 
         counter = count_fwd_bwd(run, inputs, params)
         out[kind] = {"total": counter.total, "ops": dict(counter.ops.most_common())}
+
+    def step():  # the whole model: forward with token logprobs (chunked LM head), backward to every weight
+        with autocast, _kda_core_fp32() if bf16 else contextlib.nullcontext():
+            return model(ids, cu_seqlens=cu, target_ids=ids.roll(-1, 1), return_logits=False).token_logprobs
+
+    counter = count_fwd_bwd(step, [], [p for p in model.parameters() if p.requires_grad])
+    out["model"] = {"total": counter.total, "ops": dict(counter.ops.most_common())}
     return out
 
 
@@ -181,10 +257,12 @@ def main() -> int:
     ap.add_argument("--preset", type=Path, default=ROOT / "configs/model/gpu_1b.yaml")
     ap.add_argument("--lengths", default="1,15,64,65,300")
     ap.add_argument("--bf16", action="store_true", help="under CPU bf16 autocast (KDA left out)")
+    ap.add_argument("--cpu-rms-norm", action="store_true", help="F.rms_norm as the CPU runs it, op by op")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    counts = layer_op_counts(tiny_preset(args.preset), [int(n) for n in args.lengths.split(",")], args.bf16)
+    lengths = [int(n) for n in args.lengths.split(",")]
+    counts = layer_op_counts(tiny_preset(args.preset), lengths, args.bf16, not args.cpu_rms_norm)
     for kind, row in counts.items():
         top = ", ".join(f"{k} {v}" for k, v in list(row["ops"].items())[:12])
         print(f"{kind:10s} {row['total']:5d}  {top}")

@@ -66,6 +66,15 @@ class RMSNorm(nn.Module):
 
 
 def _l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x rsqrt(sum x^2 + eps) = D^-1/2 RMSNorm(x; eps / D): the fused RMSNorm kernel on CUDA (one
+    launch each way instead of five element-wise ones), the same value as ``l2_normalize_reference``."""
+    x32 = f32(x)
+    D = x32.shape[-1]
+    return (F.rms_norm(x32, (D,), None, eps / D) * D**-0.5).to(x.dtype)
+
+
+def l2_normalize_reference(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The op-by-op L2 norm the tests hold ``l2_normalize`` to."""
     x32 = f32(x)
     return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
