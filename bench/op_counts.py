@@ -149,7 +149,9 @@ def fused_rms_norm():
         torch.nn.functional.rms_norm = real
 
 
-def layer_op_counts(arch: dict, lengths: list[int], bf16: bool = False, cuda_rms_norm: bool = True) -> dict[str, dict]:
+def layer_op_counts(
+    arch: dict, lengths: list[int], bf16: bool = False, cuda_rms_norm: bool = True
+) -> dict[str, dict]:
     """{kind: {"total": n, "ops": {op: count}}} for the first layer of each kind, fwd + bwd, and for the
     whole model ("model": forward with token logprobs, backward to every weight)."""
     with fused_rms_norm() if cuda_rms_norm else contextlib.nullcontext():

@@ -28,13 +28,15 @@ from model import fast
 from model.layers import RMSNorm, f32, recompute_in_backward
 
 
-def attn_res_mix(query: torch.Tensor, norm_weight: torch.Tensor, eps: float, *sources: torch.Tensor) -> torch.Tensor:
+def attn_res_mix(
+    query: torch.Tensor, norm_weight: torch.Tensor, eps: float, *sources: torch.Tensor
+) -> torch.Tensor:
     """The mix of two or more sources as a function of the weights: one compiled graph per (number of
     sources, dtype, rank) serves every mix of the model (``model.compile``). The keys are normalised
     from the one fp32 copy of the stacked sources (in fp32 the reference's ops; in bf16 the normed keys
     are no longer rounded to bf16 before the dot product with the query)."""
     v32_SBTD = f32(torch.stack(sources))
-    keys_SBTD = F.rms_norm(v32_SBTD, v32_SBTD.shape[-1:], f32(norm_weight), eps)
+    keys_SBTD = F.rms_norm(v32_SBTD, v32_SBTD.shape[-1:], norm_weight.to(v32_SBTD.dtype), eps)
     a_SBT = (keys_SBTD * f32(query)).sum(-1).softmax(dim=0)
     return (a_SBT[..., None] * v32_SBTD).sum(0).to(sources[0].dtype)
 

@@ -38,7 +38,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     ``F.rms_norm`` is one fused kernel each way on CUDA (the same formula as the op-by-op reference
     ``rms_norm_reference``; on the CPU it is those ops)."""
     x32 = f32(x)
-    return F.rms_norm(x32, x32.shape[-1:], f32(weight), eps).to(x.dtype)
+    return F.rms_norm(x32, x32.shape[-1:], weight.to(x32.dtype), eps).to(
+        x.dtype
+    )  # same dtypes: the fused kernel
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,7 +102,9 @@ def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def glu_activation(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float, linear_beta: float) -> torch.Tensor:
+def glu_activation(
+    gate: torch.Tensor, up: torch.Tensor, act: str, beta: float, linear_beta: float
+) -> torch.Tensor:
     """``act`` ("situ" or "silu") of (gate, up) as a function of plain arguments: one compiled graph per
     (act, betas, dtype, rank) serves every expert and dense MLP (``model.compile``)."""
     return situ_glu(gate, up, beta, linear_beta) if act == "situ" else silu_glu(gate, up)

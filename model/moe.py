@@ -42,7 +42,9 @@ from model.config import HybridConfig
 from model.layers import GLUMLP, RMSNorm, f32
 
 
-def routing_weights(scores_TE: torch.Tensor, experts_TK: torch.Tensor, renormalize: bool, scaling: float) -> torch.Tensor:
+def routing_weights(
+    scores_TE: torch.Tensor, experts_TK: torch.Tensor, renormalize: bool, scaling: float
+) -> torch.Tensor:
     """The chosen experts' unbiased scores, renormalised over the k and scaled (a multiply by 1.0 is
     skipped): a function of tensors and constants, compiled as one region by ``model.compile``."""
     weights_TK = scores_TE.gather(-1, experts_TK)
@@ -73,7 +75,9 @@ class MoEGate(nn.Module):
         self.balancing_quantile = config.moe_balancing_quantile
         self._stats: RoutingStats | None = None
         self._balancer_attached = False  # statistics pile up only while an ExpertBalancer consumes them
-        self.weights_fn: Callable = routing_weights  # ``model.compile.compile_regions`` swaps in the compiled one
+        self.weights_fn: Callable = (
+            routing_weights  # ``model.compile.compile_regions`` swaps in the compiled one
+        )
         nn.init.normal_(self.weight, std=config.initializer_range)
 
     def _apply(self, fn, recurse=True):
@@ -183,7 +187,9 @@ class SparseMoE(nn.Module):
             else None
         )
         self.latent = bool(latent)
-        self.route_fn: Callable | None = None  # kernels.moe.route_tensors; ``model.compile`` swaps in a compiled one
+        self.route_fn: Callable | None = (
+            None  # kernels.moe.route_tensors; ``model.compile`` swaps in a compiled one
+        )
 
     def forward(
         self, x_BTD: torch.Tensor, replay_TK: torch.Tensor | None = None, replay_checked: bool = False

@@ -19,7 +19,9 @@ from model.modeling import HybridForCausalLM
 def _small_model(**overrides):
     torch._dynamo.reset()  # compiled code of an earlier test (another backend) must not be reused
     torch.manual_seed(0)
-    return HybridForCausalLM(tiny_config(**{"num_hidden_layers": 2, "routed_expert_hidden_size": 32, **overrides}))
+    return HybridForCausalLM(
+        tiny_config(**{"num_hidden_layers": 2, "routed_expert_hidden_size": 32, **overrides})
+    )
 
 
 class CountingBackend:

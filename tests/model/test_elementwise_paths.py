@@ -40,7 +40,9 @@ def _routing(T, k, E, seed=0):
 
 def _grads(fn, *leaves, seed=1):
     out = fn()
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32).to(out.dtype)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32).to(
+        out.dtype
+    )
     return [out.detach(), *torch.autograd.grad(out, leaves, g)]
 
 
@@ -119,7 +121,11 @@ def test_route_tensors_is_route_layout():
     experts = _routing(65, 8, 16, seed=2)
     lay = route_layout(experts, 16, 8)
     src, rows, offs = route_tensors(experts, 16, 8)
-    assert torch.equal(src, lay.src_row_P) and torch.equal(rows, lay.row_of_slot_S) and torch.equal(offs, lay.offs_E)
+    assert (
+        torch.equal(src, lay.src_row_P)
+        and torch.equal(rows, lay.row_of_slot_S)
+        and torch.equal(offs, lay.offs_E)
+    )
     with pytest.raises(ValueError, match="align must be >= 1"):
         route_layout(experts, 16, 0)
 

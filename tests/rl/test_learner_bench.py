@@ -98,7 +98,9 @@ def test_memory_breakdown_accounts_saved_bytes_per_mode(bench, monkeypatch, tmp_
     assert set(fits) == {"none-autograd", "none", "layer"}
     total = {k: v["total_at_target_gib"] for k, v in fits.items()}
     assert total["layer"] < total["none"] < 0.8 * total["none-autograd"]
-    ledger = next(r for r in report["memory"] if r["kind"] == "memory" and r["checkpoint"] == "none")["ledger"]
+    ledger = next(r for r in report["memory"] if r["kind"] == "memory" and r["checkpoint"] == "none")[
+        "ledger"
+    ]
     assert any(k.startswith("kda+moe layer / block_sparse_moe") for k in ledger["per_site_bytes"])
     assert "Saved for backward at 16384 tokens" in (tmp_path / "learner_mfu.md").read_text()
 
@@ -123,7 +125,12 @@ def test_optimizer_is_split_and_the_peer_runs_after_our_learner_is_released(benc
     assert bench.main() == 0
     report = json.loads((tmp_path / "learner_mfu.json").read_text())
     opt = report["runs"][0]["components"]["optimizer"]
-    assert opt["clip_s"] > 0 and opt["adamw_s"] > 0 and opt["host_dispatch_s"] > 0 and opt["clip_foreach"] is True
+    assert (
+        opt["clip_s"] > 0
+        and opt["adamw_s"] > 0
+        and opt["host_dispatch_s"] > 0
+        and opt["clip_foreach"] is True
+    )
     assert opt["param_tensors"] == opt["with_grad"] > 100
     assert released == [(None, True)]
     peer = report["peer"][0]
