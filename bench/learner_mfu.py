@@ -44,7 +44,9 @@ all three are pure-Python wheels, fetched once into the git-ignored ``.bench-car
     python3 bench/learner_mfu.py --out $OUT --tokens 16384 --profile
 
 then ``--tokens 65536`` in a second call (one call is limited to 10 minutes; ``--budget`` stops
-starting new parts past it).
+starting new parts past it). With ``--compile`` (``learner.compile``, ``model.compile``) each run's row
+holds the graphs dynamo compiled per region function and any recompile-limit warning (none expected:
+the count depends on the call signatures, not on the layer count or the micro-batch size).
 """
 
 from __future__ import annotations
