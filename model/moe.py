@@ -20,9 +20,9 @@ Two implementations of the routed sum (``model.fast``, op "moe"): ``loop``, the 
 (``kernels.moe``: slots sorted by expert on the device, the gate/up and down projections of all
 experts as two grouped GEMMs, results gathered back; no host sync; the weighted fp32 sum over the
 k slots is one autograd node, ``kernels.moe.combine``, which keeps the gathered rows but not their fp32
-[T, k, Z] product). Deviation of ``grouped``: the expert weights are stacked into [E, ...] tensors of the
-compute dtype at every forward (one cast copy of the expert weights, ``kernels.moe.stack_as``, about
-0.1 ms per gpu_1b layer on an H200's bandwidth), the price of keeping the per-expert
+[T, k, Z] product). Deviation of ``grouped``: the expert weights are stacked into [E, ...] tensors at
+every forward (one copy of the expert weights, about 0.1-0.2 ms per gpu_1b layer on an H200's
+bandwidth), the price of keeping the per-expert
 nn.Linear modules (checkpoint names, LoRA); plain nn.Linear experts only, LoRA-wrapped experts take
 the loop.
 """
@@ -231,17 +231,17 @@ class SparseMoE(nn.Module):
     def _routed_grouped(self, z_TZ: torch.Tensor, route: RouterOutput) -> torch.Tensor:
         """The grouped form of ``_routed_loop``: same products, same (token, slot) order of the
         weighted fp32 sum, so it equals the loop up to the GEMMs' own rounding."""
-        from kernels.moe import combine, grouped_mm, grouped_mm_alignment, permute, route_layout, stack_as
+        from kernels.moe import combine, grouped_mm, grouped_mm_alignment, permute, route_layout
 
         dt = _compute_dtype(z_TZ)
         E = len(self.experts)
         gate_up, down = self._plain_expert_weights()
         layout = route_layout(route.experts_TK, E, grouped_mm_alignment(z_TZ.device, dt), self.route_fn)
-        # [E, 2I, Z]: expert e's gate rows then its up rows (one stack of 2E weights, one GEMM), stacked
-        # straight into the compute dtype
-        w_gu = stack_as(gate_up, dt)
+        # [E, 2I, Z]: expert e's gate rows then its up rows (one stack of 2E weights, one GEMM). Stack, then
+        # cast: a stack straight into a bf16 buffer (cat with out= of another dtype) copies tensor by tensor
+        w_gu = torch.stack(gate_up).to(dt)
         w_gu = w_gu.view(E, -1, w_gu.shape[-1])
-        w_down = stack_as(down, dt)
+        w_down = torch.stack(down).to(dt)
         gu_PI2 = grouped_mm(permute(z_TZ.to(dt), layout), w_gu, layout.offs_E)
         g_PI, u_PI = gu_PI2.chunk(2, dim=-1)
         y_PZ = grouped_mm(self.experts[0].glu(g_PI, u_PI), w_down, layout.offs_E)

@@ -31,7 +31,7 @@ import torch
 from kernels.moe.naive import grouped_mm_naive
 
 __all__ = ["RouteLayout", "combine", "combine_reference", "grouped_mm", "grouped_mm_alignment", "grouped_mm_backend",
-           "permute", "permute_reference", "route_layout", "route_tensors", "stack_as", "unpermute"]  # fmt: skip
+           "permute", "permute_reference", "route_layout", "route_tensors", "unpermute"]  # fmt: skip
 
 
 @dataclass
@@ -173,28 +173,6 @@ class _Combine(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             dw_TK = (y_TKN * g32_T1N).sum(-1)
         return dy_PN, None, dw_TK, None
-
-
-def stack_as(weights: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.stack(weights).to(dtype)`` in one pass: the stack writes the cast values (one kernel, no
-    full-precision [G, ...] copy in between); backward casts the gradient back once and splits it."""
-    if all(w.dtype == dtype for w in weights):
-        return torch.stack(weights)
-    return _StackAs.apply(dtype, *weights)
-
-
-class _StackAs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, dtype, *weights):
-        ctx.dtypes = [w.dtype for w in weights]
-        out = torch.empty((len(weights), *weights[0].shape), dtype=dtype, device=weights[0].device)
-        return torch.stack(weights, out=out)
-
-    @staticmethod
-    def backward(ctx, g):
-        if len(set(ctx.dtypes)) == 1:
-            return None, *g.to(ctx.dtypes[0]).unbind(0)
-        return None, *(gi.to(dt) for gi, dt in zip(g.unbind(0), ctx.dtypes))
 
 
 def _torch_grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
