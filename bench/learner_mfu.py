@@ -21,7 +21,15 @@ when ``fla`` is importable, else transformers' PyTorch fallbacks; experts throug
 grouped_mm implementation where the version has it) at matched size (hidden size, layers, layer
 pattern, heads, KDA head size, MLA ranks, experts, top-k, shared experts, vocabulary; its experts act
 on the hidden size, it has no latent MoE), same bf16 autocast, fused AdamW and token count per step,
-as equal-length rows (its best case: no packing). The ratio ours / peer of tokens/s is reported.
+as equal-length rows (its best case: no packing). The ratio ours / peer of tokens/s is reported. The
+peer runs after all of our sizes, alone on the device: our learner (weights, gradients, optimizer state,
+compiled graphs, the allocator's cache) is released first, and its peak memory is its own.
+
+The optimizer component is also split (``optimizer_times``): clip_grad_norm_ alone, AdamW's step alone,
+the host's dispatch time of the two, and on a GPU the device's busy time and kernel count of one clip +
+step; host dispatch close to the component's time means per-tensor host work (the per-expert
+nn.Linear experts make ~6k parameter tensors) and not the device sets it.
+``bench/op_counts.py`` counts the aten ops per layer kind on the CPU (no GPU needed).
 
 Results: ``<out>/learner_mfu.json`` (everything) and ``<out>/learner_mfu.md`` (the table), rewritten
 after every part. ``--small`` runs the same plumbing on a CPU with a tiny config (fp32).
@@ -36,7 +44,9 @@ all three are pure-Python wheels, fetched once into the git-ignored ``.bench-car
     python3 bench/learner_mfu.py --out $OUT --tokens 16384 --profile
 
 then ``--tokens 65536`` in a second call (one call is limited to 10 minutes; ``--budget`` stops
-starting new parts past it).
+starting new parts past it). With ``--compile`` (``learner.compile``, ``model.compile``) each run's row
+holds the graphs dynamo compiled per region function and any recompile-limit warning (none expected:
+the count depends on the call signatures, not on the layer count or the micro-batch size).
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ import argparse
 import contextlib
 import gc
 import json
+import logging
 import math
 import os
 import platform
@@ -174,6 +185,22 @@ def matmul_params(model: torch.nn.Module, top_k: int, num_experts: int) -> int:
         elif type(m).__name__.endswith("Experts"):
             routed += sum(p.numel() for p in m.parameters(recurse=False))
     return total + routed * top_k // max(num_experts, 1)
+
+
+class _RecompileHits(logging.Handler):
+    """dynamo's "hit config.recompile_limit" warnings (the function and the last guard that failed)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record) -> None:
+        if "recompile_limit" in record.getMessage():
+            self.messages.append(record.getMessage()[:400])
+
+
+RECOMPILE_HITS = _RecompileHits()
+logging.getLogger("torch._dynamo").addHandler(RECOMPILE_HITS)
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -448,7 +475,49 @@ def component_times(learner, batch, clock: Clock, counts: dict) -> dict:
         (lp.sum() + 0.01 * ent.sum()).backward()
 
     out["lm_head_loss"] = {"s": clock.time(run_head)}
-    out["optimizer"] = {"s": clock.time(learner._clip_and_step)}  # grads are those of the last step
+    out["optimizer"] = optimizer_times(learner, clock)  # grads are those of the last step
+    return out
+
+
+def optimizer_times(learner, clock: Clock) -> dict:
+    """The learner's clip + AdamW step (``s``, what the table shows), and apart: clip_grad_norm_ alone,
+    the optimizer step alone, the host's dispatch time of clip + step (until the calls return, before
+    the device finishes: close to ``s`` means the host's per-tensor Python work, not the device, sets the
+    time) and, on a GPU, the device's busy time and kernel count of one clip + step (profiler). Optimizer
+    state exists already (the timed steps ran), so no first-step state allocation is in these clocks."""
+    params = [p for g in learner.optimizer.param_groups for p in g["params"]]
+    grads = [p for p in params if p.grad is not None]
+    clip = learner.cfg.grad_clip
+    out = {"s": clock.time(learner._clip_and_step), "param_tensors": len(params), "with_grad": len(grads),
+           "param_numel": sum(p.numel() for p in params),
+           "clip_s": clock.time(lambda: torch.nn.utils.clip_grad_norm_(params, clip)),
+           "adamw_s": clock.time(learner.optimizer.step)}  # fmt: skip
+    host = []
+    for _ in range(3):
+        clock.sync()
+        t0 = time.perf_counter()
+        learner._clip_and_step()
+        host.append(time.perf_counter() - t0)
+        clock.sync()
+    out["host_dispatch_s"] = float(np.median(host))
+    try:  # the foreach norm is what clip takes on the device; a fallback to one norm per tensor shows here
+        torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        out["clip_foreach"] = True
+    except RuntimeError as e:
+        out["clip_foreach"] = f"no: {str(e)[:200]}"
+    if clock.cuda:
+        act = torch.profiler.ProfilerActivity
+        clock.sync()
+        with torch.profiler.profile(activities=[act.CPU, act.CUDA]) as prof:
+            learner._clip_and_step()
+            clock.sync()
+        kernels = [ev for ev in prof.key_averages() if getattr(ev, "self_device_time_total", 0) > 0]
+        out["device_busy_s"] = sum(ev.self_device_time_total for ev in kernels) / 1e6
+        out["kernels"] = sum(ev.count for ev in kernels)
+        out["top_kernels_ms"] = sorted(((ev.key[:60], ev.self_device_time_total / 1e3, ev.count) for ev in kernels),
+                                       key=lambda r: -r[1])[:6]  # fmt: skip
+        out["top_host_ms"] = sorted(((ev.key[:60], ev.self_cpu_time_total / 1e3, ev.count) for ev in prof.key_averages()),
+                                    key=lambda r: -r[1])[:8]  # fmt: skip
     return out
 
 
@@ -792,6 +861,10 @@ def run_ours(report: Report, learner, tokens: int, args, clock: Clock, peak: flo
         "active_matmul_params": n_mm, "peak_mem_gib": peak_gib, "warmup_s": warm_s, "components": comps,
         "checkpoint": args.checkpoint, "compile": args.compile, "fast_paths": str(learner.fast_paths), **prof,
     }  # fmt: skip
+    if learner.compiled_regions:  # one graph per call signature; a limit hit would leave variants eager
+        row["compiled_regions"] = {r.name: {"graphs": r.graphs(), "failed": r.failed} for r in learner.compiled_regions}
+        row["recompile_limit_hits"] = list(RECOMPILE_HITS.messages)
+        print(f"[compile] {row['compiled_regions']}; recompile limit hits: {len(RECOMPILE_HITS.messages)}", flush=True)
     report.runs.append(row)
     print(f"[ours] {tokens} tokens ({len(lengths)} episodes): {step_s * 1e3:.0f} ms/step, "
           f"{row['tokens_per_s']:.0f} tok/s, MFU {row['mfu'] * 100:.1f}%, peak "
@@ -868,11 +941,12 @@ def run_peer(report: Report, arch: dict, tokens: int, args, clock: Clock, peak: 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
+    resident = torch.cuda.memory_allocated() if cuda else 0  # the peer's weights and batch
     try:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()  # from before its first step: optimizer state included
         for _ in range(args.warmup):
             step()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
         step_s = clock.time(step, reps=args.steps, warmup=0)
     except Exception as e:
         report.peer.append({"tokens": tokens, "error": f"{type(e).__name__}: {e}", "kernels": kernels})
@@ -885,12 +959,30 @@ def run_peer(report: Report, arch: dict, tokens: int, args, clock: Clock, peak: 
            "experts_implementation": getattr(model.config, "_experts_implementation", None), "step_s": step_s,
            "tokens_per_s": rows * (tokens // rows) / step_s, "active_matmul_params": n_mm,
            "mfu": 6 * n_mm * rows * (tokens // rows) / step_s / peak,
-           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}  # fmt: skip
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+           "weights_and_batch_gib": resident / 2**30 if cuda else None}  # fmt: skip
     report.peer.append(row)
     print(f"[peer] {row['tokens']} tokens as {rows} rows ({kernels}): {step_s * 1e3:.0f} ms/step, "
           f"{row['tokens_per_s']:.0f} tok/s, MFU {row['mfu'] * 100:.1f}%", flush=True)  # fmt: skip
     model = opt = None
     free(cuda)
+
+
+def release_learner(learner, cuda: bool) -> float | None:
+    """Drop our learner's device memory before the peer runs: gradients, optimizer state, the parameters'
+    storage (so that a reference left anywhere holds no memory), the reference model, compiled graphs and
+    the allocator's cache. Returns the GiB still allocated afterwards (the peer's baseline)."""
+    learner.optimizer.zero_grad(set_to_none=True)
+    learner.optimizer.state.clear()
+    models = [m for m in (learner.policy, learner.base_model, learner.reference, learner.value_head) if m is not None]
+    for m in models:
+        for t in [*m.parameters(), *m.buffers()]:
+            t.grad = None
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    learner.optimizer = learner.policy = learner.base_model = learner.reference = learner.value_head = None
+    torch._dynamo.reset()
+    free(cuda)
+    return torch.cuda.memory_allocated() / 2**30 if cuda else None
 
 
 def free(cuda: bool) -> None:
@@ -927,6 +1019,21 @@ def markdown(report: Report) -> str:
             lines.append(f"| {p['tokens']} | KimiLinearForCausalLM ({p['kernels']}, {p['rows']} rows) | "
                          f"{p['step_s'] * 1e3:.0f} ms | {p['tokens_per_s']:.0f} | {p['mfu'] * 100:.1f}% | {mem} | "
                          "- | - | - | - | - | - | 1.00x |")  # fmt: skip
+    for r in report.runs:  # the optimizer apart: clip and AdamW, host dispatch vs device busy time
+        o = r.get("components", {}).get("optimizer")
+        if o and "clip_s" in o:
+            busy = f", device busy {o['device_busy_s'] * 1e3:.0f} ms in {o['kernels']} kernels" if "device_busy_s" in o else ""
+            lines.append(f"\n{r['tokens']} tokens, optimizer {o['s'] * 1e3:.0f} ms: clip {o['clip_s'] * 1e3:.0f} ms, AdamW "
+                         f"{o['adamw_s'] * 1e3:.0f} ms, host dispatch {o['host_dispatch_s'] * 1e3:.0f} ms{busy}; "
+                         f"{o['param_tensors']} parameter tensors, clip foreach: {o['clip_foreach']}")  # fmt: skip
+    for r in report.runs:
+        if r.get("compiled_regions"):
+            regions = ", ".join(f"{k} {v['graphs']} graphs{' (FAILED, eager)' if v['failed'] else ''}"
+                                for k, v in r["compiled_regions"].items())  # fmt: skip
+            lines.append(f"\n{r['tokens']} tokens, compiled: {regions}; recompile limit hits: "
+                         f"{len(r.get('recompile_limit_hits', []))}")  # fmt: skip
+    if report.env.get("resident_before_peer_gib") is not None:
+        lines.append(f"\npeer measured alone: {report.env['resident_before_peer_gib']:.2f} GiB of ours left allocated")
     return "\n".join(lines)
 
 
@@ -1015,31 +1122,40 @@ def main() -> int:
                 return 1
     if args.memory_breakdown:  # after the check: its step times are timings too
         run_memory_breakdown(report, learner, args, cuda)
-    for tokens in [int(t) for t in args.tokens.split(",") if t]:
-        for part in ("ours", "peer") if args.peer else ("ours",):
-            if time.time() - t_start > args.budget:
-                report.notes.append(f"budget reached before {part} at {tokens} tokens")
-                continue
-            for attempt in range(2):
-                try:
-                    if part == "ours":
-                        run_ours(report, learner, tokens, args, clock, peak, cuda)
-                    else:
-                        run_peer(report, arch, tokens, args, clock, peak, cuda)
+    token_sizes = [int(t) for t in args.tokens.split(",") if t]
+    for tokens in token_sizes:
+        if time.time() - t_start > args.budget:
+            report.notes.append(f"budget reached before ours at {tokens} tokens")
+            continue
+        for attempt in range(2):
+            try:
+                run_ours(report, learner, tokens, args, clock, peak, cuda)
+                break
+            except torch.OutOfMemoryError as e:
+                report.notes.append(f"ours at {tokens} tokens, checkpoint={args.checkpoint}: out of memory")
+                print(f"[oom] ours {tokens} checkpoint={args.checkpoint}: {str(e)[:200]}", flush=True)
+                learner.optimizer.zero_grad(set_to_none=True)
+                free(cuda)
+                if args.checkpoint != "none" or attempt:
                     break
-                except torch.OutOfMemoryError as e:
-                    report.notes.append(
-                        f"{part} at {tokens} tokens, checkpoint={args.checkpoint}: out of memory"
-                    )
-                    print(f"[oom] {part} {tokens} checkpoint={args.checkpoint}: {str(e)[:200]}", flush=True)
-                    learner.optimizer.zero_grad(set_to_none=True)
-                    free(cuda)
-                    if part != "ours" or args.checkpoint != "none" or attempt:
-                        break
-                    from rl.learner import _checkpoint_layers  # once on, it stays on for the later sizes
+                from rl.learner import _checkpoint_layers  # once on, it stays on for the later sizes
 
-                    _checkpoint_layers(learner.base_model, "layer")
-                    args.checkpoint = "layer"
+                _checkpoint_layers(learner.base_model, "layer")
+                args.checkpoint = "layer"
+        report.save(args.out)
+    if args.peer:  # the peer runs alone on the device: our model, optimizer state and caches are gone
+        report.env["resident_before_peer_gib"] = release_learner(learner, cuda)
+        learner = None
+        for tokens in token_sizes:
+            if time.time() - t_start > args.budget:
+                report.notes.append(f"budget reached before peer at {tokens} tokens")
+                continue
+            try:
+                run_peer(report, arch, tokens, args, clock, peak, cuda)
+            except torch.OutOfMemoryError as e:
+                report.notes.append(f"peer at {tokens} tokens: out of memory")
+                print(f"[oom] peer {tokens}: {str(e)[:200]}", flush=True)
+                free(cuda)
             report.save(args.out)
     print(markdown(report), flush=True)
     print(f"[done] {time.time() - t_start:.0f} s", flush=True)

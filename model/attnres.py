@@ -18,18 +18,35 @@ block sums the model holds anyway) and the mix is recomputed in backward: the sa
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from model import fast
 from model.layers import RMSNorm, f32, recompute_in_backward
 
 
+def attn_res_mix(
+    query: torch.Tensor, norm_weight: torch.Tensor, eps: float, *sources: torch.Tensor
+) -> torch.Tensor:
+    """The mix of two or more sources as a function of the weights: one compiled graph per (number of
+    sources, dtype, rank) serves every mix of the model (``model.compile``). The keys are normalised
+    from the one fp32 copy of the stacked sources (in fp32 the reference's ops; in bf16 the normed keys
+    are no longer rounded to bf16 before the dot product with the query)."""
+    v32_SBTD = f32(torch.stack(sources))
+    keys_SBTD = F.rms_norm(v32_SBTD, v32_SBTD.shape[-1:], norm_weight.to(v32_SBTD.dtype), eps)
+    a_SBT = (keys_SBTD * f32(query)).sum(-1).softmax(dim=0)
+    return (a_SBT[..., None] * v32_SBTD).sum(0).to(sources[0].dtype)
+
+
 class AttnResMix(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.query = nn.Parameter(torch.zeros(hidden_size))
-        self.norm = RMSNorm(hidden_size, eps=eps)
+        self.norm = RMSNorm(hidden_size, eps=eps)  # its weight and eps; the mix normalises itself
+        self.mix_fn: Callable = attn_res_mix  # ``model.compile.compile_regions`` swaps in the compiled one
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
         if len(sources) == 1:
@@ -39,8 +56,5 @@ class AttnResMix(nn.Module):
         return self.mix(*sources)
 
     def mix(self, *sources: torch.Tensor) -> torch.Tensor:
-        """The reference mix of two or more sources; ``model.compile`` compiles it."""
-        v_SBTD = torch.stack(sources)
-        logits_SBT = (f32(self.norm(v_SBTD)) * f32(self.query)).sum(-1)
-        a_SBT = logits_SBT.softmax(dim=0)
-        return (a_SBT[..., None] * f32(v_SBTD)).sum(0).to(v_SBTD.dtype)
+        """The mix of two or more sources (autograd keeps its intermediates unless recomputed)."""
+        return self.mix_fn(self.query, self.norm.weight, self.norm.eps, *sources)

@@ -32,11 +32,30 @@ def f32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the last dim in fp32, cast back to x's dtype: the math of ``RMSNorm`` as a function of
+    its weight, so that one compiled graph serves every norm of a shape (``model.compile``).
+    ``F.rms_norm`` is one fused kernel each way on CUDA (the same formula as the op-by-op reference
+    ``rms_norm_reference``; on the CPU it is those ops)."""
+    x32 = f32(x)
+    return F.rms_norm(x32, x32.shape[-1:], weight.to(x32.dtype), eps).to(
+        x.dtype
+    )  # same dtypes: the fused kernel
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The op-by-op RMSNorm the tests hold ``rms_norm`` to."""
+    x32 = f32(x)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * f32(weight)).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.norm_fn: Callable = rms_norm  # ``model.compile.compile_regions`` swaps in the compiled one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``model.fast`` op "norm" = recompute: only x is kept for backward, not its fp32 normalised copy."""
@@ -45,12 +64,19 @@ class RMSNorm(nn.Module):
         return self.normalize(x)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = f32(x)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * f32(self.weight)).to(x.dtype)
+        return self.norm_fn(x, self.weight, self.eps)
 
 
 def _l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x rsqrt(sum x^2 + eps) = D^-1/2 RMSNorm(x; eps / D): the fused RMSNorm kernel on CUDA (one
+    launch each way instead of five element-wise ones), the same value as ``l2_normalize_reference``."""
+    x32 = f32(x)
+    D = x32.shape[-1]
+    return (F.rms_norm(x32, (D,), None, eps / D) * D**-0.5).to(x.dtype)
+
+
+def l2_normalize_reference(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The op-by-op L2 norm the tests hold ``l2_normalize`` to."""
     x32 = f32(x)
     return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -76,6 +102,14 @@ def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def glu_activation(
+    gate: torch.Tensor, up: torch.Tensor, act: str, beta: float, linear_beta: float
+) -> torch.Tensor:
+    """``act`` ("situ" or "silu") of (gate, up) as a function of plain arguments: one compiled graph per
+    (act, betas, dtype, rank) serves every expert and dense MLP (``model.compile``)."""
+    return situ_glu(gate, up, beta, linear_beta) if act == "situ" else silu_glu(gate, up)
+
+
 class GLUMLP(nn.Module):
     """down_proj(act(gate_proj x, up_proj x)); used for dense layers, shared and routed experts."""
 
@@ -88,6 +122,7 @@ class GLUMLP(nn.Module):
             raise ValueError(f"GLU activation must be 'situ' or 'silu', got {act!r}")
         self.act = act
         self.situ_betas = tuple(situ_betas)
+        self.glu_fn: Callable = glu_activation  # ``model.compile.compile_regions`` swaps in the compiled one
 
     def glu(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """The gated activation of (gate_proj x, up_proj x), through ``model.fast`` op "glu"."""
@@ -104,7 +139,7 @@ class GLUMLP(nn.Module):
 
     def glu_torch(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """The reference activation (autograd keeps its intermediates); ``model.compile`` compiles it."""
-        return situ_glu(g, u, *self.situ_betas) if self.act == "situ" else silu_glu(g, u)
+        return self.glu_fn(g, u, self.act, *self.situ_betas)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))

@@ -1,7 +1,7 @@
 """Sparse MoE with K3's sigmoid router, shared experts and (optionally) latent experts.
 
 Router (``MoEGate``, DeepSeek/NeMo naming: ``gate.weight``, ``gate.e_score_correction_bias``):
-s = sigmoid(W_r x) in fp32; experts = top-k of (s + b); weights = the *unbiased* s of the chosen
+s = sigmoid(W_r x) in fp32 (autocast off around it); experts = top-k of (s + b); weights = the *unbiased* s of the chosen
 experts, renormalised (moe_renormalize), times routed_scaling_factor. b is a buffer (no gradient)
 set by ``model.balancing.ExpertBalancer``. With ``num_expert_group`` > 1 (DeepSeek-V3 group-limited
 routing, off for K3 and Kimi Linear) only experts of the ``topk_group`` groups with the largest
@@ -20,15 +20,17 @@ Two implementations of the routed sum (``model.fast``, op "moe"): ``loop``, the 
 (one GLU per expert on its tokens; the per-expert counts are read on the host), and ``grouped``
 (``kernels.moe``: slots sorted by expert on the device, the gate/up and down projections of all
 experts as two grouped GEMMs, results gathered back; no host sync; the weighted fp32 sum over the
-k slots is recomputed in backward instead of keeping its fp32 [T, k, Z] copy). Deviation of ``grouped``: the
-expert weights are stacked into [E, ...] tensors at every forward (one copy of the expert weights,
-about 0.1-0.2 ms per gpu_1b layer on an H200's bandwidth), the price of keeping the per-expert
+k slots is one autograd node, ``kernels.moe.combine``, which keeps the gathered rows but not their fp32
+[T, k, Z] product). Deviation of ``grouped``: the expert weights are stacked into [E, ...] tensors at
+every forward (one copy of the expert weights, about 0.1-0.2 ms per gpu_1b layer on an H200's
+bandwidth), the price of keeping the per-expert
 nn.Linear modules (checkpoint names, LoRA); plain nn.Linear experts only, LoRA-wrapped experts take
 the loop.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +40,20 @@ from torch import nn
 from model import fast
 from model.balancing import RoutingStats, histogram_range
 from model.config import HybridConfig
-from model.layers import GLUMLP, RMSNorm, f32, recompute_in_backward
+from model.layers import GLUMLP, RMSNorm, f32
+
+
+def routing_weights(
+    scores_TE: torch.Tensor, experts_TK: torch.Tensor, renormalize: bool, scaling: float
+) -> torch.Tensor:
+    """The chosen experts' unbiased scores, renormalised over the k and scaled (a multiply by 1.0 is
+    skipped): a function of tensors and constants, compiled as one region by ``model.compile``."""
+    weights_TK = scores_TE.gather(-1, experts_TK)
+    if renormalize:
+        weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True).clamp(min=1e-20)
+    if scaling != 1.0:
+        weights_TK = weights_TK * scaling
+    return weights_TK
 
 
 @dataclass
@@ -72,6 +87,9 @@ class MoEGate(nn.Module):
         self.balancing_quantile = config.moe_balancing_quantile
         self._stats: RoutingStats | None = None
         self._balancer_attached = False  # statistics pile up only while an ExpertBalancer consumes them
+        self.weights_fn: Callable = (
+            routing_weights  # ``model.compile.compile_regions`` swaps in the compiled one
+        )
         nn.init.normal_(self.weight, std=config.initializer_range)
 
     def _apply(self, fn, recurse=True):
@@ -105,7 +123,8 @@ class MoEGate(nn.Module):
     ) -> RouterOutput:
         """``replay_checked``: the caller already validated the replayed ids (HybridModel does so
         once per forward, so that no MoE layer reads them on the host)."""
-        scores_TE = torch.sigmoid(F.linear(f32(x_TD), f32(self.weight)))
+        with torch.autocast(x_TD.device.type, enabled=False):  # fp32 even under autocast (its bias is fp32)
+            scores_TE = torch.sigmoid(F.linear(f32(x_TD), f32(self.weight)))
         biased_TE = scores_TE.detach() + self.e_score_correction_bias.to(scores_TE.dtype)
         # only gradient-carrying training forwards count: no-grad passes (old logprobs, replay
         # lookups) would add their tokens a second time
@@ -125,10 +144,7 @@ class MoEGate(nn.Module):
                 replay_TK = self._check_replay(replay_TK, x_TD.shape[0])
             replay_TK = replay_TK.to(experts_TK)
             experts_TK = torch.where(replay_TK >= 0, replay_TK, experts_TK)
-        weights_TK = scores_TE.gather(-1, experts_TK)
-        if self.renormalize:
-            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True).clamp(min=1e-20)
-        weights_TK = weights_TK * self.scaling
+        weights_TK = self.weights_fn(scores_TE, experts_TK, self.renormalize, self.scaling)
         if collect:
             self._record(scores_TE, top_vals[:, -1], experts_TK)
         return RouterOutput(experts_TK, weights_TK)
@@ -183,6 +199,9 @@ class SparseMoE(nn.Module):
             else None
         )
         self.latent = bool(latent)
+        self.route_fn: Callable | None = (
+            None  # kernels.moe.route_tensors; ``model.compile`` swaps in a compiled one
+        )
 
     def forward(
         self, x_BTD: torch.Tensor, replay_TK: torch.Tensor | None = None, replay_checked: bool = False
@@ -205,34 +224,41 @@ class SparseMoE(nn.Module):
         return self._routed_loop(z_TZ, route)
 
     def _plain_experts(self) -> bool:
-        return all(
-            type(getattr(e, name)) is nn.Linear
-            for e in self.experts
-            for name in ("gate_proj", "up_proj", "down_proj")
-        )
+        return self._plain_expert_weights() is not None
+
+    def _plain_expert_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """(gate, up, gate, up, ... weights; down weights) of the experts, None unless every projection is a
+        plain nn.Linear (LoRA-wrapped experts take the loop). Reads the module and parameter dicts directly:
+        three Module.__getattr__ lookups per projection of 128 experts cost about 1 ms per layer per forward."""
+        gate_up, down = [], []
+        for expert in self.experts._modules.values():
+            mods = expert._modules
+            g, u, d = mods["gate_proj"], mods["up_proj"], mods["down_proj"]
+            if not (type(g) is nn.Linear and type(u) is nn.Linear and type(d) is nn.Linear):
+                return None
+            gate_up += (g._parameters["weight"], u._parameters["weight"])
+            down.append(d._parameters["weight"])
+        return gate_up, down
 
     def _routed_grouped(self, z_TZ: torch.Tensor, route: RouterOutput) -> torch.Tensor:
         """The grouped form of ``_routed_loop``: same products, same (token, slot) order of the
         weighted fp32 sum, so it equals the loop up to the GEMMs' own rounding."""
-        from kernels.moe import grouped_mm, grouped_mm_alignment, permute, route_layout, unpermute
+        from kernels.moe import combine, grouped_mm, grouped_mm_alignment, permute, route_layout
 
         dt = _compute_dtype(z_TZ)
         E = len(self.experts)
-        layout = route_layout(route.experts_TK, E, grouped_mm_alignment(z_TZ.device, dt))
-        # [E, 2I, Z]: expert e's gate rows then its up rows (one stack of 2E weights, one GEMM)
-        w_gu = torch.stack([w for e in self.experts for w in (e.gate_proj.weight, e.up_proj.weight)])
-        w_gu = w_gu.view(E, -1, w_gu.shape[-1]).to(dt)
-        w_down = torch.stack([e.down_proj.weight for e in self.experts]).to(dt)
+        gate_up, down = self._plain_expert_weights()
+        layout = route_layout(route.experts_TK, E, grouped_mm_alignment(z_TZ.device, dt), self.route_fn)
+        # [E, 2I, Z]: expert e's gate rows then its up rows (one stack of 2E weights, one GEMM). Stack, then
+        # cast: a stack straight into a bf16 buffer (cat with out= of another dtype) copies tensor by tensor
+        w_gu = torch.stack(gate_up).to(dt)
+        w_gu = w_gu.view(E, -1, w_gu.shape[-1])
+        w_down = torch.stack(down).to(dt)
         gu_PI2 = grouped_mm(permute(z_TZ.to(dt), layout), w_gu, layout.offs_E)
         g_PI, u_PI = gu_PI2.chunk(2, dim=-1)
         y_PZ = grouped_mm(self.experts[0].glu(g_PI, u_PI), w_down, layout.offs_E)
-
-        def weighted_sum(y_PZ, weights_TK):
-            weighted_TKZ = f32(unpermute(y_PZ, layout)) * weights_TK[..., None]
-            return weighted_TKZ.sum(1).to(z_TZ.dtype)
-
-        # recomputed in backward: autograd would keep the fp32 [T, k, Z] copy (twice y's bytes)
-        return recompute_in_backward(weighted_sum, y_PZ, route.weights_TK)
+        # one autograd node: keeps the gathered rows and the weights, not the fp32 [T, k, Z] product
+        return combine(y_PZ, layout, route.weights_TK, z_TZ.dtype)
 
     def _routed_loop(self, z_TZ: torch.Tensor, route: RouterOutput) -> torch.Tensor:
         """sum_j w_tj E_{e_tj}(z_t): experts run on their tokens, results go back to (token, slot)

@@ -10,6 +10,7 @@ from the routing itself: no host sync, whatever the expert loads.
     x_PZ   = permute(z_TZ, layout)                          # [P, Z]
     y_PN   = grouped_mm(x_PZ, w_ENZ, layout.offs_E)         # y[rows of e] = x[rows of e] @ w[e]^T
     y_TKN  = unpermute(y_PN, layout)                        # [T, k, N], slot order
+    y_TN   = combine(y_PN, layout, weights_TK)              # sum_j w_tj y_TjN in fp32, one autograd node
 
 ``grouped_mm`` takes weights in nn.Linear layout [G, N, K] and dispatches to PyTorch's grouped
 matrix product (``torch._grouped_mm``) where it has a kernel for the device and dtype: CUDA with
@@ -29,8 +30,8 @@ import torch
 
 from kernels.moe.naive import grouped_mm_naive
 
-__all__ = ["RouteLayout", "grouped_mm", "grouped_mm_alignment", "grouped_mm_backend", "permute", "route_layout",
-           "unpermute"]  # fmt: skip
+__all__ = ["RouteLayout", "combine", "combine_reference", "grouped_mm", "grouped_mm_alignment", "grouped_mm_backend",
+           "permute", "permute_reference", "route_layout", "route_tensors", "unpermute"]  # fmt: skip
 
 
 @dataclass
@@ -53,14 +54,23 @@ class RouteLayout:
         return self.src_row_P.numel()
 
 
-def route_layout(experts_TK: torch.Tensor, num_experts: int, align: int = 1) -> RouteLayout:
+def route_layout(experts_TK: torch.Tensor, num_experts: int, align: int = 1, build=None) -> RouteLayout:
     """Sort the slots by expert (stable: equal experts keep token order), groups padded to ``align``.
 
     The buffer has a static size, S + num_experts * (align - 1) rows (S = T * k), so nothing
     depends on the loads on the host; unused tail rows read the zero row and are never gathered.
+    ``build``: what computes the index tensors, ``route_tensors`` or a compiled version of it
+    (``model.compile``: about 25 small integer ops in one or two kernels).
     """
     if align < 1:
         raise ValueError(f"align must be >= 1, got {align}")
+    T, k = experts_TK.shape
+    src_row_P, row_of_slot_S, offs_E = (build or route_tensors)(experts_TK, num_experts, align)
+    return RouteLayout(src_row_P, row_of_slot_S, offs_E, T, k)
+
+
+def route_tensors(experts_TK: torch.Tensor, num_experts: int, align: int) -> tuple[torch.Tensor, ...]:
+    """(src_row_P, row_of_slot_S, offs_E) of ``route_layout``, as a function of tensors and ints only."""
     T, k = experts_TK.shape
     dev = experts_TK.device
     flat_S = experts_TK.reshape(-1).long()
@@ -79,18 +89,90 @@ def route_layout(experts_TK: torch.Tensor, num_experts: int, align: int = 1) -> 
     P = S + num_experts * (align - 1)
     src_row_P = torch.full((P,), T, dtype=torch.long, device=dev)
     src_row_P.scatter_(0, row_of_slot_S, torch.arange(S, device=dev) // k)
-    return RouteLayout(src_row_P, row_of_slot_S, ends_E.to(torch.int32), T, k)
+    return src_row_P, row_of_slot_S, ends_E.to(torch.int32)
 
 
 def permute(z_TZ: torch.Tensor, layout: RouteLayout) -> torch.Tensor:
-    """[T, Z] -> [P, Z]: each buffer row is its token's input (padding rows: zeros)."""
+    """[T, Z] -> [P, Z]: each buffer row is its token's input (padding rows: zeros).
+
+    Backward: a token's gradient is the sum of its k rows' gradients, gathered (``row_of_slot_S``) and
+    summed over the slots in one reduction (fp32 accumulation, one rounding, deterministic) instead of
+    autograd's scatter-add of index_select (bf16 atomics on CUDA, a rounding per added row)."""
+    return _Permute.apply(z_TZ, layout)
+
+
+def permute_reference(z_TZ: torch.Tensor, layout: RouteLayout) -> torch.Tensor:
+    """``permute`` by autograd on index_select (the reference of its backward)."""
     z_T1Z = torch.cat([z_TZ, z_TZ.new_zeros(1, z_TZ.shape[1])])
     return z_T1Z.index_select(0, layout.src_row_P)
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z_TZ, layout):
+        ctx.layout = layout
+        z_T1Z = torch.cat([z_TZ, z_TZ.new_zeros(1, z_TZ.shape[1])])
+        return z_T1Z.index_select(0, layout.src_row_P)
+
+    @staticmethod
+    def backward(ctx, g_PZ):
+        lay = ctx.layout
+        g_TKZ = g_PZ.index_select(0, lay.row_of_slot_S).view(lay.tokens, lay.top_k, -1)
+        return g_TKZ.sum(1), None
 
 
 def unpermute(y_PN: torch.Tensor, layout: RouteLayout) -> torch.Tensor:
     """[P, N] -> [T, k, N] in (token, slot) order (a gather: each row is read at most once)."""
     return y_PN.index_select(0, layout.row_of_slot_S).view(layout.tokens, layout.top_k, -1)
+
+
+def combine(
+    y_PN: torch.Tensor, layout: RouteLayout, weights_TK: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """sum_j w_tj y[row of (t, j)]: [P, N] rows and [T, k] weights -> [T, N] in ``dtype`` (default y's).
+
+    The weighted slot sum of the grouped MoE in fp32 as one autograd node: forward a gather, one
+    mixed-dtype multiply (bf16 rows times fp32 weights give fp32, no separate upcast copy), the sum
+    over the slots and the cast; it keeps the gathered rows (as many bytes as y) and the weights, not
+    the fp32 [T, k, N] product. Backward: dy rows = w g (written to their rows once, an index_copy),
+    dw = <y rows, g> in fp32. Same math as ``combine_reference`` (the unpermute, upcast, multiply, sum
+    of autograd), so it agrees to fp32 rounding."""
+    if weights_TK.shape != (layout.tokens, layout.top_k):
+        raise ValueError(
+            f"weights must be [T, k] = [{layout.tokens}, {layout.top_k}], got {tuple(weights_TK.shape)}"
+        )
+    w_TK = weights_TK if weights_TK.dtype in (torch.float32, torch.float64) else weights_TK.float()
+    return _Combine.apply(y_PN, layout, w_TK, dtype or y_PN.dtype)
+
+
+def combine_reference(
+    y_PN: torch.Tensor, layout: RouteLayout, weights_TK: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    y_TKN = unpermute(y_PN, layout)
+    y32 = y_TKN if y_TKN.dtype in (torch.float32, torch.float64) else y_TKN.float()
+    return (y32 * weights_TK[..., None]).sum(1).to(dtype or y_PN.dtype)
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_PN, layout, weights_TK, dtype):
+        y_TKN = unpermute(y_PN, layout)
+        ctx.layout, ctx.rows = layout, y_PN.shape[0]
+        ctx.save_for_backward(y_TKN, weights_TK)
+        return (y_TKN * weights_TK[..., None]).sum(1).to(dtype)
+
+    @staticmethod
+    def backward(ctx, g_TN):
+        y_TKN, w_TK = ctx.saved_tensors
+        lay = ctx.layout
+        g32_T1N = g_TN.to(w_TK.dtype)[:, None, :]
+        dy_PN = dw_TK = None
+        if ctx.needs_input_grad[0]:
+            dy_SN = (g32_T1N * w_TK[..., None]).to(y_TKN.dtype).view(lay.tokens * lay.top_k, -1)
+            dy_PN = y_TKN.new_zeros(ctx.rows, y_TKN.shape[-1]).index_copy_(0, lay.row_of_slot_S, dy_SN)
+        if ctx.needs_input_grad[2]:
+            dw_TK = (y_TKN * g32_T1N).sum(-1)
+        return dy_PN, None, dw_TK, None
 
 
 def _torch_grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -1,5 +1,5 @@
-"""The memory-saving "recompute" fast paths (model.fast ops "glu", "attn_res", "norm", and the grouped MoE's
-weighted slot sum): the same outputs and gradients as autograd on the reference ops, bit for bit, and
+"""The memory-saving "recompute" fast paths (model.fast ops "glu", "attn_res", "norm"; the grouped MoE's
+weighted slot sum is kernels.moe.combine on both sides): the same outputs and gradients as autograd on the reference ops, bit for bit, and
 fewer bytes kept for backward (counted with saved_tensors_hooks)."""
 
 from __future__ import annotations

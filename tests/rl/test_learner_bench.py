@@ -98,6 +98,41 @@ def test_memory_breakdown_accounts_saved_bytes_per_mode(bench, monkeypatch, tmp_
     assert set(fits) == {"none-autograd", "none", "layer"}
     total = {k: v["total_at_target_gib"] for k, v in fits.items()}
     assert total["layer"] < total["none"] < 0.8 * total["none-autograd"]
-    ledger = next(r for r in report["memory"] if r["kind"] == "memory" and r["checkpoint"] == "none")["ledger"]
+    ledger = next(r for r in report["memory"] if r["kind"] == "memory" and r["checkpoint"] == "none")[
+        "ledger"
+    ]
     assert any(k.startswith("kda+moe layer / block_sparse_moe") for k in ledger["per_site_bytes"])
     assert "Saved for backward at 16384 tokens" in (tmp_path / "learner_mfu.md").read_text()
+
+
+def test_optimizer_is_split_and_the_peer_runs_after_our_learner_is_released(bench, monkeypatch, tmp_path):
+    """The optimizer component holds clip and AdamW apart with the host's dispatch time; the peer (the
+    transformers model, torch fallbacks on the CPU) runs after all of our sizes, with our learner's
+    parameters and optimizer state released first."""
+    released = []
+    real = bench.release_learner
+
+    def spy(learner, cuda):
+        params = list(learner.base_model.parameters())
+        out = real(learner, cuda)
+        released.append((learner.optimizer, all(p.numel() == 0 for p in params)))
+        return out
+
+    monkeypatch.setattr(bench, "release_learner", spy)
+    argv = ["learner_mfu.py", "--small", "--tokens", "256", "--steps", "1", "--warmup", "0", "--no-probe",
+            "--skip-check", "--out", str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    assert bench.main() == 0
+    report = json.loads((tmp_path / "learner_mfu.json").read_text())
+    opt = report["runs"][0]["components"]["optimizer"]
+    assert (
+        opt["clip_s"] > 0
+        and opt["adamw_s"] > 0
+        and opt["host_dispatch_s"] > 0
+        and opt["clip_foreach"] is True
+    )
+    assert opt["param_tensors"] == opt["with_grad"] > 100
+    assert released == [(None, True)]
+    peer = report["peer"][0]
+    assert "error" in peer or peer["tokens"] == 256
+    assert "optimizer" in (tmp_path / "learner_mfu.md").read_text()
