@@ -328,9 +328,13 @@ class LearnerConfig:
     weight_sync: str = "directory"
     """How new weights reach the rollout workers (rl/weight_sync.py): directory (a checkpoint directory
     under run.dir that every worker reads), object_store (buckets through Ray's object store, no files),
-    nccl (not implemented yet: refused at start)."""
+    nccl (buckets broadcast over a process group of the learner and the workers: NCCL when every end is
+    on a GPU of its own, gloo otherwise; a learner sharing its GPU with an engine uses object_store)."""
     sync_bucket_mb: float = 256
     """Largest bucket of gathered parameters (MiB) an export or sync holds in one host buffer."""
+    sync_timeout_s: float = 300
+    """weight_sync=nccl: the broadcast group's timeout; a worker that never joins a collective makes the
+    sync fail after it, naming the worker, instead of hanging."""
 
 
 # --------------------------------------------------------------------------- sft

@@ -132,10 +132,8 @@ def _validate_learner(c: LearnerConfig, errors: list[str]) -> None:
     _check(not (c.sharding == "none" and c.num_workers > 1), "learner.sharding",
            "none needs learner.num_workers=1 (several learner ranks shard with fsdp)", errors)  # fmt: skip
     _choice(c.weight_sync, ("directory", "object_store", "nccl"), "learner.weight_sync", errors)
-    _check(c.weight_sync != "nccl", "learner.weight_sync",
-           "nccl (broadcast to vLLM workers on GPU) is not implemented yet; use directory or object_store",
-           errors)  # fmt: skip
     _check(c.sync_bucket_mb > 0, "learner.sync_bucket_mb", "must be > 0", errors)
+    _check(c.sync_timeout_s > 0, "learner.sync_timeout_s", "must be > 0", errors)
     _choice(c.lora.sync, ("merged", "adapter"), "learner.lora.sync", errors)
     _check(not (c.lora.enabled and c.lora.sync == "adapter" and c.balancer == "update"), "learner.lora.sync",
            "adapter sync ships only the adapters, not the balancing bias that balancer=update changes; "
