@@ -124,3 +124,53 @@ def test_nccl_transport_is_accepted_and_its_timeout_checked():
     assert WeightSync(None, c.learner, "unused").transport == "nccl"
     with pytest.raises(ConfigError, match="sync_timeout_s"):
         make_cfg("learner.weight_sync=nccl", "learner.sync_timeout_s=0")
+
+
+def _greedy(worker) -> tuple[list[int], list[float]]:
+    import ray
+
+    from rollout.worker import TurnRequest
+
+    ask = TurnRequest(session_id="probe", token_ids=[5, 17, 42, 99, 7, 256], max_tokens=6, temperature=0.0)
+    out = ray.get(worker.generate.remote([ask]))[0]
+    ray.get(worker.end_sessions.remote(["probe"]))
+    return out.token_ids, out.logprobs
+
+
+def test_nccl_sync_of_an_actor_pool_survives_a_replaced_worker(ray_local, tmp_path):
+    """A WorkerPool of two actor workers on the nccl transport: push; one worker is killed and replaced
+    (``replace_dead`` pulls it through a group of its own); the next push rebuilds the pool's group. At
+    each version both workers answer a greedy probe with the same tokens and logprobs, which differ from
+    the previous version's (the probe sees the weights)."""
+    import ray
+
+    from rl.rollouts import WorkerPool
+
+    c = make_cfg(VOCAB, "learner.weight_sync=nccl", "learner.sync_bucket_mb=0.05", "learner.sync_timeout_s=60",
+                 "rollout.num_workers=2", "rollout.max_context_tokens=128", "rollout.max_tokens_per_turn=32",
+                 "rollout.engine.max_num_seqs=4", f"rollout.engine.kv_cache_memory_bytes={16 << 20}")  # fmt: skip
+    shaper = Learner(c.model, c.learner, c.algorithm)
+    group = LearnerGroup(c.model, c.learner, c.algorithm)  # one rank: the plain learner actor
+    sync = WeightSync(group, c.learner, tmp_path / "weights")
+    start, _, version = sync.start_weights()
+    pool = WorkerPool(c.rollout, start, version, sync=sync)
+    try:
+        before = _greedy(pool.workers[0])
+        group.train_step(batches_for(shaper, c, make_group(seed=0, n=4)))
+        first = sync.push(pool)
+        assert first.version == 1 and first.buckets > 1 and sync.group.backend == "gloo"
+        v1 = [_greedy(w) for w in pool.workers]
+        assert v1[0] == v1[1] != before
+        ray.kill(pool.workers[0])
+        assert pool.replace_dead() == [0]
+        assert ray.get(pool.workers[0].get_version.remote()) == 1 and _greedy(pool.workers[0]) == v1[1]
+        group.train_step(batches_for(shaper, c, make_group(seed=1, n=4)))
+        pulled_group = sync.group
+        assert sync.push(pool).version == 2 and sync.group is not pulled_group  # rebuilt over the pool
+        v2 = [_greedy(w) for w in pool.workers]
+        assert v2[0] == v2[1] != v1[1]
+        assert ray.get([w.get_version.remote() for w in pool.workers]) == [2, 2]
+    finally:
+        sync.close()
+        pool.shutdown()
+        group.shutdown()
