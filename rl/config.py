@@ -149,6 +149,10 @@ class RolloutConfig:
     num_workers: int = 1
     """Rollout worker actors (one vLLM engine each)."""
     worker_num_cpus: float = 1.0
+    worker_num_gpus: float = 0
+    """GPUs each rollout worker actor reserves: 0 (the default) reserves none, and its engine takes the
+    first GPU it sees (beside a learner on a one-GPU machine); 1 puts each engine on a GPU of its own, which
+    learner.weight_sync=nccl needs (NCCL cannot put two ranks on one GPU)."""
     group_size: int = 8
     """Episodes per task (G): the unit of group baselines."""
     tasks_per_step: int = 8
@@ -329,7 +333,8 @@ class LearnerConfig:
     """How new weights reach the rollout workers (rl/weight_sync.py): directory (a checkpoint directory
     under run.dir that every worker reads), object_store (buckets through Ray's object store, no files),
     nccl (buckets broadcast over a process group of the learner and the workers: NCCL when every end is
-    on a GPU of its own, gloo otherwise; a learner sharing its GPU with an engine uses object_store)."""
+    on CUDA, each on a GPU of its own (rollout.worker_num_gpus=1), gloo otherwise; a learner sharing its
+    GPU with an engine uses object_store)."""
     sync_bucket_mb: float = 256
     """Largest bucket of gathered parameters (MiB) an export or sync holds in one host buffer."""
     sync_timeout_s: float = 300

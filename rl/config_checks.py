@@ -142,6 +142,7 @@ def _validate_learner(c: LearnerConfig, errors: list[str]) -> None:
 
 def _validate_rollout(r: RolloutConfig, errors: list[str]) -> None:
     _check(r.num_workers >= 1, "rollout.num_workers", "must be >= 1", errors)
+    _check(r.worker_num_gpus >= 0, "rollout.worker_num_gpus", "must be >= 0", errors)
     _check(r.group_size >= 1 and r.tasks_per_step >= 1, "rollout", "group_size and tasks_per_step must be >= 1",
            errors)  # fmt: skip
     _check(r.temperature > 0, "rollout.temperature", "must be > 0 (sampling needs it)", errors)

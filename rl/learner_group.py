@@ -109,8 +109,8 @@ class LearnerGroup:
         self.cfg, self.world_size = cfg, cfg.num_workers
         self.sharded = cfg.sharding == "fsdp" or (cfg.sharding == "auto" and cfg.num_workers > 1)
         gpus = _gpus_per_rank(cfg)
-        if not self.sharded:
-            self.ranks = [ray.remote(num_cpus=cfg.num_cpus)(Learner).remote(model_cfg, cfg, algo)]
+        if not self.sharded:  # one GPU on CUDA, as a rank of a sharded group (the engines' placement sees it)
+            self.ranks = [ray.remote(num_cpus=cfg.num_cpus, num_gpus=gpus)(Learner).remote(model_cfg, cfg, algo)]
             return
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

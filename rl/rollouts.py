@@ -131,7 +131,8 @@ class WorkerPool:
             prepare_model_dir(self.model_path, self.renderer)
         wc = WorkerConfig(model_path=self.model_path, policy_version=self.version, seed=self.cfg.seed + i,
                           max_model_len=self.max_model_len, **self.cfg.engine)  # fmt: skip
-        actor = ray.remote(num_cpus=self.cfg.worker_num_cpus, max_restarts=0)(RolloutWorker)
+        actor = ray.remote(num_cpus=self.cfg.worker_num_cpus, num_gpus=self.cfg.worker_num_gpus,
+                           max_restarts=0)(RolloutWorker)  # fmt: skip
         return actor.remote(wc)
 
     def _apply_adapter(self, workers: list) -> None:

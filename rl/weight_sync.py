@@ -29,8 +29,11 @@ started from, rollout/adapters.py). How it travels is the transport (``learner.w
   group of its own (learner + the new workers), after which the next push rebuilds the pool's. Every
   collective carries ``learner.sync_timeout_s``: a worker that dies or never joins makes the sync raise,
   naming the worker, instead of hanging; the broken group is dropped and rebuilt at the next sync.
-  NCCL cannot put two ranks on one GPU: a learner colocated with its engine on one GPU must use the
-  in-process paths (``object_store`` / ``directory``); the setup refuses that case by name.
+  NCCL cannot put two ranks on one GPU: every engine needs a GPU of its own (``rollout.worker_num_gpus=1``;
+  the learner reserves its GPU), and a learner colocated with its engine on one GPU must use the
+  in-process paths (``object_store`` / ``directory``); the setup refuses a shared GPU by name. A push that
+  (re)builds the group counts the setup in its ``perf/sync_s``. On GPUs, bench/weight_sync_gpu.py checks
+  and times it against the other two transports (NCCL is not exercised by the CPU tests).
 
 Every push returns a ``SyncReport``; its metrics (``perf/sync_s``: seconds of the whole version's sync,
 export included; ``sync/version``; ``sync/buckets``) go into the step's row of metrics.jsonl.

@@ -249,7 +249,8 @@ def distinct_gpus(devices: list[dict], names: list[str]) -> None:
     for d, who in zip(devices, names):
         if d["uuid"] in seen:
             raise ValueError(f"learner.weight_sync=nccl: {seen[d['uuid']]} and {who} are on the same GPU "
-                             f"({d['uuid']}); NCCL cannot put two ranks of one group on one device. A learner "
-                             "colocated with its engine on one GPU should use the in-process path "
+                             f"({d['uuid']}); NCCL cannot put two ranks of one group on one device. Give every "
+                             "engine a GPU of its own (rollout.worker_num_gpus=1, besides the learner's); a "
+                             "learner colocated with its engine on one GPU should use the in-process path "
                              "(learner.weight_sync=object_store or directory)")  # fmt: skip
         seen[d["uuid"]] = who

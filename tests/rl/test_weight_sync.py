@@ -116,14 +116,16 @@ def _dead_worker_is_named_then_the_group_is_rebuilt(sync, pool, tmp_path, want):
     assert all(torch.equal(want[k], got[k]) for k in want)
 
 
-def test_nccl_transport_is_accepted_and_its_timeout_checked():
+def test_nccl_transport_is_accepted_and_its_settings_checked():
     from rl.config import ConfigError
 
-    c = make_cfg("learner.weight_sync=nccl", "learner.sync_timeout_s=30")
-    assert c.learner.weight_sync == "nccl" and c.learner.sync_timeout_s == 30
+    c = make_cfg("learner.weight_sync=nccl", "learner.sync_timeout_s=30", "rollout.worker_num_gpus=1")
+    assert c.learner.weight_sync == "nccl" and c.learner.sync_timeout_s == 30 and c.rollout.worker_num_gpus == 1
     assert WeightSync(None, c.learner, "unused").transport == "nccl"
     with pytest.raises(ConfigError, match="sync_timeout_s"):
         make_cfg("learner.weight_sync=nccl", "learner.sync_timeout_s=0")
+    with pytest.raises(ConfigError, match="worker_num_gpus"):
+        make_cfg("rollout.worker_num_gpus=-1")
 
 
 def _greedy(worker) -> tuple[list[int], list[float]]:
