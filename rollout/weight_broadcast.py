@@ -158,7 +158,7 @@ def new_backend(spec: GroupSpec, store, device: torch.device):
         return dist.ProcessGroupGloo(store, spec.rank, spec.world_size, timeout)
     if spec.backend != "nccl":
         raise ValueError(f"weight-broadcast backend must be one of {sorted(BACKENDS.values())}, got {spec.backend!r}")
-    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    nccl = getattr(dist, "ProcessGroupNCCL", None) or getattr(dist.distributed_c10d, "ProcessGroupNCCL", None)
     if nccl is None:
         raise RuntimeError("this torch build has no NCCL (torch.distributed.ProcessGroupNCCL); "
                            "the nccl weight sync needs a CUDA build of torch")  # fmt: skip

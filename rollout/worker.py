@@ -19,7 +19,10 @@ Weight updates copy tensors into the running model in place (our vLLM model uses
 layers, so there is no CPU repacking to redo) -- full weights, or a LoRA adapter folded into the
 base weights (``rollout.adapters``) -- bump the policy version, close every resident
 session and reset the prefix cache; requests also carry ``cache_salt = "v<version>"`` so no prefix
-computed by an older version can be matched, unless ``allow_stale_cache`` is set.
+computed by an older version can be matched, unless ``allow_stale_cache`` is set. Full weights also
+arrive in buckets, through Ray's object store (``load_weight_bucket``) or broadcast over a process group
+of the learner and the workers (``join_weight_group`` / ``receive_weight_bucket``, the ``nccl`` transport,
+rollout/weight_broadcast.py), and are loaded the same way.
 """
 
 from __future__ import annotations
