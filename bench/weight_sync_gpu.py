@@ -10,17 +10,20 @@ rl/train.py sets them up. Parts:
 * ``sync``: for each transport (directory first, the reference; then object_store, then nccl): every
   weight of the engine is zeroed, ``WeightSync.push`` sends the learner's weights, and the SHA-1 of
   every tensor of the engine's state dict must equal the reference's (a transport that moved nothing,
-  or moved it wrong, fails); then ``--repeats`` more pushes timed (``perf/sync_s``, GB/s of the
-  learner's bucket bytes). The nccl group's backend must be ``nccl`` when every end is on CUDA.
+  or moved it wrong, fails); then ``--repeats`` more pushes timed (``perf/sync_s``, and GiB/s of the
+  engine's weights: the learner sends its fp32 tensors, so the wire carries more under a bf16 engine). The nccl group's backend must be ``nccl`` when every end is on CUDA.
   ``--lora``: adapter-only sync (the learner sharded with fsdp, also at one rank).
-* ``shared_gpu``: two rollout workers on one GPU (``num_gpus=0.5`` each, the learner on another):
-  an nccl push must be refused naming both workers (NCCL cannot put two ranks on one device).
+  Needs a second GPU for the engine (skipped on one GPU: the learner reserves it).
+* ``shared_gpu``: two rollout workers on one GPU (``num_gpus=0.5`` each, the learner on another), or on a
+  one-GPU machine one worker beside the learner: an nccl push must be refused naming both ends (NCCL
+  cannot put two ranks on one device).
 
 Results: DIR/weight_sync_gpu.json (rewritten after every part); exit 1 when a check fails. On a
 machine without CUDA it runs on CPU (gloo; ``--preset tiny``), which is how the script is tried here.
 
-Device run (2 GPUs: nvidia-h200-x2), with the Ray / vLLM / omegaconf / gymnasium wheels carried as for
-bench/rollout_gpu.py (bench/RESULTS.md, "Rollout on the H200")::
+Device run (2 GPUs: nvidia-h200-x2; on nvidia-h200 only ``shared_gpu`` runs), with the Ray, vLLM,
+omegaconf and gymnasium wheels carried as for bench/rollout_gpu.py (bench/RESULTS.md, "Rollout on the
+H200")::
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_LOGGING_LEVEL=WARNING \\
         python3 bench/weight_sync_gpu.py --out $OUT --preset gpu_1b
@@ -74,6 +77,10 @@ def _digest(worker) -> dict[str, str]:
     return {k: hashlib.sha1(b.tobytes()).hexdigest() for k, b in raw.items()}
 
 
+def _nbytes(worker) -> int:
+    return sum(t.numel() * t.element_size() for t in worker.model_runner.get_model().state_dict().values())
+
+
 class BenchWorker(RolloutWorker):
     """A rollout worker with two probes into its engine: zero every weight, hash every weight."""
 
@@ -82,6 +89,9 @@ class BenchWorker(RolloutWorker):
 
     def digest(self) -> dict[str, str]:
         return self.llm.collective_rpc(_digest)[0]
+
+    def nbytes(self) -> int:
+        return self.llm.collective_rpc(_nbytes)[0]
 
 
 class Pool:
@@ -148,6 +158,8 @@ class Bench:
 
         from rl.weight_sync import WeightSync
 
+        if self.cuda and self.results["gpus"] < 2:
+            return {"skipped": "one GPU: the learner holds it, the engine needs another"}
         syncs = {t: WeightSync(group, dataclasses.replace(self.cfg.learner, weight_sync=t), self.tmp / t / "weights")
                  for t in self.args.transports}  # fmt: skip
         start, adapter, version = syncs[self.args.transports[0]].start_weights()
@@ -158,6 +170,8 @@ class Bench:
         ray.get(w.get_version.remote())
         log(f"engine up in {time.time() - t0:.1f} s")
         pool, out, reference = Pool([w], version), {}, None
+        gib = ray.get(w.nbytes.remote()) / 2**30
+        self.results["engine_gib"] = gib
         for t in self.args.transports:
             ray.get(w.zero_weights.remote())
             first = syncs[t].push(pool)
@@ -168,7 +182,8 @@ class Bench:
             ok = not bad and got.keys() == reference.keys()
             self.check(f"{t}_weights_equal_the_reference", ok)  # the first transport's (directory)
             times = [first.seconds] + [syncs[t].push(pool).seconds for _ in range(self.args.repeats)]
-            out[t] = {"seconds": times, "best_s": min(times), "buckets": first.buckets, "mismatched": bad[:10]}
+            out[t] = {"seconds": times, "best_s": min(times), "engine_gib_per_s": gib / min(times),
+                      "buckets": first.buckets, "mismatched": bad[:10]}  # fmt: skip
             if t == "nccl":
                 out[t]["backend"] = syncs[t].group.backend
                 if self.cuda:
@@ -191,14 +206,19 @@ class Bench:
             return {"skipped": "no CUDA"}
         sync = WeightSync(group, dataclasses.replace(self.cfg.learner, weight_sync="nccl"), self.tmp / "shared")
         start, _adapter, version = sync.start_weights()
-        workers = [self.worker(start, 0.5, self.args.gpu_share / 2) for _ in range(2)]
+        if self.results["gpus"] >= 2:  # two engines share the GPU the learner left
+            workers = [self.worker(start, 0.5, self.args.gpu_share / 2) for _ in range(2)]
+            want = "rollout worker 0 and rollout worker 1 are on the same GPU"
+        else:  # one engine reserving no GPU: it takes the learner's
+            workers = [self.worker(start, 0, self.args.gpu_share / 2)]
+            want = "the learner and rollout worker 0 are on the same GPU"
         ray.get([w.get_version.remote() for w in workers])
         try:
             sync.push(Pool(workers, version))
             message = ""
         except ValueError as e:
             message = str(e)
-        self.check("shared_gpu_refused_by_name", "rollout worker 0 and rollout worker 1 are on the same GPU" in message)
+        self.check("shared_gpu_refused_by_name", want in message)
         for w in workers:
             ray.get(w.shutdown.remote())
             ray.kill(w)
