@@ -237,8 +237,10 @@ def _open_group(learner, workers: list, timeout_s: float) -> _Group:
     from rollout.weight_broadcast import GroupSpec, distinct_gpus, group_backend
 
     names = ["the learner"] + [f"rollout worker {i}" for i in range(len(workers))]
-    devices = [_get(learner.sender_call("weight_device"), names[0], timeout_s)]
-    devices += _on_each(workers, "weight_device", [()] * len(workers), timeout_s)
+    # no timeout here: a replacement worker may still be starting its engine (minutes on a GPU); the
+    # group's timeout is for the collectives, from the join on
+    devices = [_get(learner.sender_call("weight_device"), names[0], None)]
+    devices += _on_each(workers, "weight_device", [()] * len(workers), None)
     backend = group_backend(devices)
     if backend == "nccl":
         distinct_gpus(devices, names)
@@ -262,8 +264,9 @@ def _member_key(w) -> object:
     return actor_id.hex() if actor_id is not None else id(w)
 
 
-def _get(ref, who: str, timeout_s: float):
-    """``ray.get(ref)``; a failure or a wait past ``timeout_s`` raised as a ``WeightSyncError`` naming ``who``."""
+def _get(ref, who: str, timeout_s: float | None):
+    """``ray.get(ref)``; a failure or a wait past ``timeout_s`` (None: no limit) raised as a
+    ``WeightSyncError`` naming ``who``."""
     import ray
 
     try:
@@ -274,7 +277,7 @@ def _get(ref, who: str, timeout_s: float):
         raise WeightSyncError(f"weight sync (nccl) failed on {who}: {e}") from e
 
 
-def _on_each(workers: list, method: str, args: list[tuple], timeout_s: float) -> list:
+def _on_each(workers: list, method: str, args: list[tuple], timeout_s: float | None) -> list:
     """``method(*args[i])`` on every worker at once (the ends of a collective must all be in it): actors
     through Ray, in-process workers on threads. The first failure is raised naming its worker."""
     from concurrent.futures import ThreadPoolExecutor

@@ -139,6 +139,26 @@ def _greedy(worker) -> tuple[list[int], list[float]]:
     return out.token_ids, out.logprobs
 
 
+def _kill(actor) -> None:
+    """``ray.kill``, then wait until calls fail (the kill is asynchronous: a ping right after it may
+    still be answered, and the pool would see no dead worker)."""
+    import time
+
+    import ray
+
+    ray.kill(actor)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.get_version.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the killed worker still answers after 60 s")
+
+
 def test_nccl_sync_of_an_actor_pool_survives_a_replaced_worker(ray_local, tmp_path):
     """A WorkerPool of two actor workers on the nccl transport: push; one worker is killed and replaced
     (``replace_dead`` pulls it through a group of its own); the next push rebuilds the pool's group. At
@@ -163,7 +183,7 @@ def test_nccl_sync_of_an_actor_pool_survives_a_replaced_worker(ray_local, tmp_pa
         assert first.version == 1 and first.buckets > 1 and sync.group.backend == "gloo"
         v1 = [_greedy(w) for w in pool.workers]
         assert v1[0] == v1[1] != before
-        ray.kill(pool.workers[0])
+        _kill(pool.workers[0])
         assert pool.replace_dead() == [0]
         assert ray.get(pool.workers[0].get_version.remote()) == 1 and _greedy(pool.workers[0]) == v1[1]
         group.train_step(batches_for(shaper, c, make_group(seed=1, n=4)))
