@@ -129,13 +129,12 @@ def _validate_learner(c: LearnerConfig, errors: list[str]) -> None:
     _check(c.lora.r >= 1, "learner.lora.r", "must be >= 1", errors)
     _check(c.num_workers >= 1, "learner.num_workers", "must be >= 1", errors)
     _choice(c.sharding, ("auto", "fsdp", "none"), "learner.sharding", errors)
+    _check(c.num_gpus is None or c.num_gpus >= 0, "learner.num_gpus", "must be >= 0", errors)
     _check(not (c.sharding == "none" and c.num_workers > 1), "learner.sharding",
            "none needs learner.num_workers=1 (several learner ranks shard with fsdp)", errors)  # fmt: skip
     _choice(c.weight_sync, ("directory", "object_store", "nccl"), "learner.weight_sync", errors)
-    _check(c.weight_sync != "nccl", "learner.weight_sync",
-           "nccl (broadcast to vLLM workers on GPU) is not implemented yet; use directory or object_store",
-           errors)  # fmt: skip
     _check(c.sync_bucket_mb > 0, "learner.sync_bucket_mb", "must be > 0", errors)
+    _check(c.sync_timeout_s > 0, "learner.sync_timeout_s", "must be > 0", errors)
     _choice(c.lora.sync, ("merged", "adapter"), "learner.lora.sync", errors)
     _check(not (c.lora.enabled and c.lora.sync == "adapter" and c.balancer == "update"), "learner.lora.sync",
            "adapter sync ships only the adapters, not the balancing bias that balancer=update changes; "
@@ -144,6 +143,7 @@ def _validate_learner(c: LearnerConfig, errors: list[str]) -> None:
 
 def _validate_rollout(r: RolloutConfig, errors: list[str]) -> None:
     _check(r.num_workers >= 1, "rollout.num_workers", "must be >= 1", errors)
+    _check(r.worker_num_gpus is None or r.worker_num_gpus >= 0, "rollout.worker_num_gpus", "must be >= 0", errors)
     _check(r.group_size >= 1 and r.tasks_per_step >= 1, "rollout", "group_size and tasks_per_step must be >= 1",
            errors)  # fmt: skip
     _check(r.temperature > 0, "rollout.temperature", "must be > 0 (sampling needs it)", errors)

@@ -449,6 +449,34 @@ class Learner:
         lc = self.cfg.lora
         return {"r": lc.r, "alpha": float(lc.alpha), "use_rslora": False}
 
+    # ------------------------------------------------------------------ the nccl weight sync's sending end
+    # (rank 0 only; rl/weight_sync.py drives these and keeps the group's state in this process)
+    def weight_device(self) -> dict:
+        from rollout.weight_broadcast import device_record
+
+        return device_record(self.device)
+
+    def open_weight_group(self, name: str, world_size: int, backend: str, timeout_s: float) -> tuple[str, int]:
+        from rl.weight_sync import open_sender
+
+        return open_sender(name, world_size, backend, timeout_s, self.device)
+
+    def join_weight_group(self, name: str) -> None:
+        from rl.weight_sync import join_sender
+
+        join_sender(name)
+
+    def broadcast_weight_buckets(self, name: str, kind: str = "full", bucket_bytes: int | None = None):
+        """``weight_buckets(kind)`` broadcast over group ``name``, yielding each bucket's metadata first."""
+        from rl.weight_sync import broadcast_buckets
+
+        yield from broadcast_buckets(name, self.weight_buckets(kind, bucket_bytes), kind)
+
+    def close_weight_group(self, name: str) -> None:
+        from rl.weight_sync import close_sender
+
+        close_sender(name)
+
     def _write_gathered(self, path: Path, kind: str) -> None:
         """``weight_buckets(kind)`` written by rank 0: an HF sharded checkpoint (config.json + shards) or,
         for ``adapter``, a peft-style adapter directory; every rank joins the gathers."""

@@ -110,7 +110,7 @@ class LearnerGroup:
         self.cfg, self.world_size = cfg, cfg.num_workers
         self.sharded = cfg.sharding == "fsdp" or (cfg.sharding == "auto" and cfg.num_workers > 1)
         gpus = learner_rank_gpus(cfg)
-        if not self.sharded:
+        if not self.sharded:  # a rank's GPU reservation, as in a sharded group (rl/placement.py)
             self.ranks = [ray.remote(num_cpus=cfg.num_cpus, num_gpus=gpus)(Learner).remote(model_cfg, cfg, algo)]
             return
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -166,6 +166,19 @@ class LearnerGroup:
         head = self.ranks[0].weight_buckets.options(num_returns="streaming").remote(kind, bucket_bytes)
         others = [a.drain_weight_buckets.remote(kind, bucket_bytes) for a in self.ranks[1:]]
         return head, others
+
+    def weight_broadcast(self, group: str, kind: str, bucket_bytes: int | None = None):
+        """Rank 0 broadcasting its buckets over weight-broadcast group ``group`` (the nccl transport,
+        rl/weight_sync.py): a streaming generator of each bucket's metadata, yielded as rank 0 enters
+        that bucket's broadcast; the other ranks join the gathers as for ``weight_stream``."""
+        head = self.ranks[0].broadcast_weight_buckets.options(num_returns="streaming").remote(group, kind, bucket_bytes)
+        others = [a.drain_weight_buckets.remote(kind, bucket_bytes) for a in self.ranks[1:]]
+        return head, others
+
+    def sender_call(self, method: str, *args):
+        """Rank 0's ``method`` (a weight-broadcast group's sending end) as an object ref, not waited on:
+        the group's setup needs rank 0 and the workers in it at once."""
+        return getattr(self.ranks[0], method).remote(*args)
 
     def adapter_scale_fields(self) -> dict:
         return self._all([self.ranks[0].adapter_scale_fields.remote()])

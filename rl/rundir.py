@@ -56,7 +56,10 @@ RESUME_FREE_KEYS: dict[str, str] = {
     "ray": "where the run executes (cluster address, CPUs, object store, runtime env)",
     "rollout.num_workers": "resources: the episodes' sampling streams differ, their distribution does not",
     "rollout.worker_num_cpus": "resources",
+    "rollout.worker_num_gpus": "resources",
+    "learner.sync_timeout_s": "how long a weight sync may wait, not what is trained",
     "learner.num_cpus": "resources",
+    "learner.num_gpus": "resources",
     "learner.torch_threads": "resources",
 }
 """Keys (or whole sections) that may change between invocations of one run without ``force``."""

@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ENV_FAILURE
     finally:
         log.close()
+        sync.close()  # the nccl transport's group (a no-op for the others)
         pool.shutdown()
         learner.shutdown()
 

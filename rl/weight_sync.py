@@ -14,8 +14,26 @@ started from, rollout/adapters.py). How it travels is the transport (``learner.w
   before the learner's next one is waited for, so neither side holds more than a bucket or two of the
   model in host memory and no file is written. A replacement worker starts from the start directory and
   is streamed the newest weights.
-- ``nccl`` (broadcast from the learner to vLLM workers on GPU, or CUDA IPC on a shared GPU): not
-  implemented yet; the config refuses it at start (``rl/config_checks.py``).
+- ``nccl``: a broadcast process group of its own between the learner (rank 0 of the learner group, the
+  process that gathers the full parameters) and every worker of the pool (rollout/weight_broadcast.py):
+  a ``TCPStore`` the learner opens on a free port of its node, handed to the workers through Ray, and a
+  ``ProcessGroupNCCL`` (every end on CUDA) or ``ProcessGroupGloo`` (otherwise: CPU engines, the CPU
+  tests) built on it directly, without ``init_process_group`` (the learner group owns the default
+  group). The learner gathers its parameters in buckets of ``learner.sync_bucket_mb`` exactly as for
+  ``object_store`` (the same CPU tensors, LoRA merge included, so every transport gives the same bits),
+  packs each bucket into one flat buffer per dtype (moved to its GPU under NCCL), yields the bucket's
+  metadata (names, shapes, dtypes, offsets) through a Ray streaming generator and broadcasts it; each
+  worker allocates the buffers from the metadata, joins the broadcast and loads the bucket in place
+  (``RolloutWorker.receive_weight_bucket``, the object store's load path). The group is built at the
+  first push and rebuilt when the pool's workers change; a replacement worker is ``pull``-ed through a
+  group of its own (learner + the new workers), after which the next push rebuilds the pool's. Every
+  collective carries ``learner.sync_timeout_s``: a worker that dies or never joins makes the sync raise,
+  naming the worker, instead of hanging; the broken group is dropped and rebuilt at the next sync.
+  NCCL cannot put two ranks on one GPU: every engine needs a GPU of its own (``rollout.worker_num_gpus=1``;
+  the learner reserves its GPU), and a learner colocated with its engine on one GPU must use the
+  in-process paths (``object_store`` / ``directory``); the setup refuses a shared GPU by name. A push that
+  (re)builds the group counts the setup in its ``perf/sync_s``. On GPUs, bench/weight_sync_gpu.py checks
+  and times it against the other two transports (NCCL is not exercised by the CPU tests).
 
 Every push returns a ``SyncReport``; its metrics (``perf/sync_s``: seconds of the whole version's sync,
 export included; ``sync/version``; ``sync/buckets``) go into the step's row of metrics.jsonl.
@@ -23,8 +41,10 @@ export included; ``sync/version``; ``sync/buckets``) go into the step's row of m
 
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rl.config import LearnerConfig
@@ -50,6 +70,10 @@ def _is_actor(w) -> bool:
     return hasattr(getattr(w, "update_weights", None), "remote")
 
 
+class WeightSyncError(RuntimeError):
+    """A sync that failed, naming where (a rollout worker by its index in the synced list, or the learner)."""
+
+
 def _on_all(workers: list, method: str, *args) -> list:
     """``method`` on every worker: in parallel for actors, in turn for in-process workers."""
     import ray
@@ -65,13 +89,13 @@ class WeightSync:
     def __init__(self, learner, cfg: LearnerConfig, weights_dir: str | Path) -> None:
         if cfg.weight_sync not in TRANSPORTS:
             raise ValueError(f"learner.weight_sync must be one of {TRANSPORTS}, got {cfg.weight_sync!r}")
-        if cfg.weight_sync == "nccl":
-            raise NotImplementedError("learner.weight_sync=nccl is not implemented yet; use directory or object_store")
         self.learner, self.transport = learner, cfg.weight_sync
         self.adapter_only = cfg.lora.enabled and cfg.lora.sync == "adapter"
         self.bucket_bytes = int(cfg.sync_bucket_mb * 2**20)
+        self.timeout_s = float(cfg.sync_timeout_s)
         self.weights_dir = Path(weights_dir)
         self.latest: SyncReport | None = None
+        self.group: _Group | None = None  # the nccl transport's broadcast group, over the last synced workers
 
     def start_weights(self, renderer=None) -> tuple[str, str | None, int]:
         """(model directory the engines start from, adapter directory or None, version): the current
@@ -110,6 +134,8 @@ class WeightSync:
             update = self.learner.export_weights(str(self.weights_dir))
             _on_all(workers, "update_weights", update.path, update.version, update.adapter_only)
             return SyncReport(update.version, 0.0, update.adapter_only, buckets=1, path=update.path)
+        if self.transport == "nccl":
+            return self._broadcast(workers)
         return self._stream(workers)
 
     def _stream(self, workers: list) -> SyncReport:
@@ -135,3 +161,210 @@ class WeightSync:
         ray.get(others)
         _on_all(workers, "finish_weight_update", version, count)
         return SyncReport(version, 0.0, False, buckets)
+
+    # ------------------------------------------------------------------ the nccl transport
+    def _broadcast(self, workers: list) -> SyncReport:
+        """The learner's buckets broadcast over the group of ``workers`` (built or rebuilt first)."""
+        group = self._group_for(workers)
+        version = self.learner.version
+        kind = "adapter" if self.adapter_only else "full"
+        head, others = self.learner.weight_broadcast(group.name, kind, self.bucket_bytes)
+        buckets, count = 0, 0
+        try:
+            for ref in head:  # bucket k's metadata, yielded as the learner enters bucket k's broadcast
+                meta = _get(ref, "the learner (rank 0)", self.timeout_s * 2)
+                counts = _on_each(workers, "receive_weight_bucket", [(meta,)] * len(workers), self.timeout_s * 2)
+                count += int(counts[0])
+                buckets += 1
+            _get(others, "the learner's other ranks", self.timeout_s * 2)
+            if kind == "adapter":
+                fields = self.learner.adapter_scale_fields()
+                _on_each(workers, "finish_adapter_broadcast", [(version, fields)] * len(workers), self.timeout_s)
+            else:
+                _on_each(workers, "finish_weight_update", [(version, count)] * len(workers), self.timeout_s)
+        except BaseException:
+            self._drop_group()  # a failed collective leaves the group unusable: the next sync builds a new one
+            raise
+        return SyncReport(version, 0.0, kind == "adapter", buckets)
+
+    def _group_for(self, workers: list) -> _Group:
+        """The broadcast group of the learner and exactly ``workers``: the current one, or a new one."""
+        keys = tuple(_member_key(w) for w in workers)
+        if self.group is not None and self.group.members == keys:
+            return self.group
+        self._drop_group()
+        self.group = _open_group(self.learner, workers, self.timeout_s)
+        self.group.members = keys
+        return self.group
+
+    def _drop_group(self) -> None:
+        """Tear the current group down on every end, best effort (an end may be dead or still blocked)."""
+        group, self.group = self.group, None
+        if group is None:
+            return
+        group.close(self.learner)
+
+    def close(self) -> None:
+        """Release the nccl transport's group (a no-op for the other transports)."""
+        self._drop_group()
+
+
+@dataclass
+class _Group:
+    """The driver's record of one broadcast group: its name, spec and the workers (by identity) in it."""
+
+    name: str
+    backend: str
+    workers: list
+    members: tuple = field(default_factory=tuple)
+
+    def close(self, learner) -> None:
+        # never waited on: a dead worker, or one still blocked in a collective, must not block this;
+        # best effort: the group is abandoned either way
+        for w in self.workers:
+            with contextlib.suppress(Exception):
+                if _is_actor(w):
+                    w.leave_weight_group.remote()
+                else:
+                    w.leave_weight_group()
+        with contextlib.suppress(Exception):
+            learner.sender_call("close_weight_group", self.name)
+
+
+def _open_group(learner, workers: list, timeout_s: float) -> _Group:
+    """A new group: the devices of every end decide the backend (``group_backend``); the learner opens the
+    store on its node and every end constructs its backend object (they block until all have joined)."""
+    from rollout.weight_broadcast import GroupSpec, distinct_gpus, group_backend
+
+    names = ["the learner"] + [f"rollout worker {i}" for i in range(len(workers))]
+    # no timeout here: a replacement worker may still be starting its engine (minutes on a GPU); the
+    # group's timeout is for the collectives, from the join on
+    devices = [_get(learner.sender_call("weight_device"), names[0], None)]
+    devices += _on_each(workers, "weight_device", [()] * len(workers), None)
+    backend = group_backend(devices)
+    if backend == "nccl":
+        distinct_gpus(devices, names)
+    name = f"weight-sync-{uuid.uuid4().hex[:12]}"
+    host, port = _get(learner.sender_call("open_weight_group", name, len(workers) + 1, backend, timeout_s),
+                      names[0], timeout_s)  # fmt: skip
+    spec = GroupSpec(name, host, int(port), len(workers) + 1, backend, timeout_s)
+    lead = learner.sender_call("join_weight_group", name)
+    try:
+        _on_each(workers, "join_weight_group", [(spec.for_rank(i + 1),) for i in range(len(workers))], timeout_s * 2)
+        _get(lead, names[0], timeout_s * 2)
+    except BaseException:
+        _Group(name, backend, workers).close(learner)
+        raise
+    return _Group(name, backend, list(workers))
+
+
+def _member_key(w) -> object:
+    """A worker's identity in a group: its actor id, or the object itself for an in-process worker."""
+    actor_id = getattr(w, "_actor_id", None)
+    return actor_id.hex() if actor_id is not None else id(w)
+
+
+def _get(ref, who: str, timeout_s: float | None):
+    """``ray.get(ref)``; a failure or a wait past ``timeout_s`` (None: no limit) raised as a
+    ``WeightSyncError`` naming ``who``."""
+    import ray
+
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        raise WeightSyncError(f"weight sync (nccl): {who} did not answer within {timeout_s:.0f} s") from e
+    except Exception as e:
+        raise WeightSyncError(f"weight sync (nccl) failed on {who}: {e}") from e
+
+
+def _on_each(workers: list, method: str, args: list[tuple], timeout_s: float | None) -> list:
+    """``method(*args[i])`` on every worker at once (the ends of a collective must all be in it): actors
+    through Ray, in-process workers on threads. The first failure is raised naming its worker."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    refs: dict[int, object] = {}
+    local = [i for i, w in enumerate(workers) if not _is_actor(w)]
+    for i, w in enumerate(workers):
+        if _is_actor(w):
+            refs[i] = getattr(w, method).remote(*args[i])
+    results: dict[int, object] = {}
+    errors: dict[int, BaseException] = {}
+    if local:
+        with ThreadPoolExecutor(len(local)) as pool:
+            futures = {i: pool.submit(getattr(workers[i], method), *args[i]) for i in local}
+            for i, f in futures.items():
+                try:
+                    results[i] = f.result(timeout=timeout_s)
+                except Exception as e:  # named and re-raised below
+                    errors[i] = e
+    for i, ref in refs.items():
+        try:
+            results[i] = _get(ref, f"rollout worker {i}", timeout_s)
+        except WeightSyncError as e:
+            errors[i] = e
+    if errors:
+        i = min(errors)
+        e = errors[i]
+        if isinstance(e, WeightSyncError):
+            raise e
+        raise WeightSyncError(f"weight sync (nccl) failed on rollout worker {i} ({method}): {e}") from e
+    return [results[i] for i in range(len(workers))]
+
+
+# ----------------------------------------------------------------------------- the learner's end
+# One rank-0 learner process holds the sending end of each group it opened, by name (a Ray actor's
+# process state; rl/learner.py's ``*_weight_group`` methods call these).
+_SENDERS: dict[str, dict] = {}
+
+
+def open_sender(name: str, world_size: int, backend: str, timeout_s: float, device) -> tuple[str, int]:
+    """Open group ``name``'s store on a free port of this node; returns (host, port) for the workers."""
+    from rollout.weight_broadcast import GroupSpec, open_store
+
+    close_sender(name)
+    host = _node_ip()
+    spec = GroupSpec(name, host, 0, world_size, backend, timeout_s)
+    store = open_store(spec, is_master=True)
+    _SENDERS[name] = {"spec": GroupSpec(name, host, int(store.port), world_size, backend, timeout_s),
+                      "store": store, "device": device, "group": None}  # fmt: skip
+    return host, int(store.port)
+
+
+def join_sender(name: str) -> None:
+    """Construct rank 0's backend object (blocks until every worker has joined)."""
+    from rollout.weight_broadcast import BroadcastGroup
+
+    s = _sender(name)
+    s["group"] = BroadcastGroup(s["spec"], s["device"], store=s["store"])
+
+
+def broadcast_buckets(name: str, buckets, kind: str):
+    """For each bucket: flatten it (one buffer per dtype), yield its metadata, broadcast it."""
+    from rollout.weight_broadcast import flatten_bucket
+
+    group = _sender(name)["group"]
+    if group is None:
+        raise RuntimeError(f"weight-broadcast group {name!r} was opened but never joined")
+    for k, bucket in enumerate(buckets):
+        meta, flats = flatten_bucket(bucket, kind, k, group.device)
+        yield meta
+        group.broadcast(flats)
+        del flats
+
+
+def close_sender(name: str) -> None:
+    s = _SENDERS.pop(name, None)
+    if s is not None and s["group"] is not None:
+        s["group"].close()
+
+
+def _sender(name: str) -> dict:
+    if name not in _SENDERS:
+        raise KeyError(f"no weight-broadcast group {name!r} on this learner (open_weight_group first)")
+    return _SENDERS[name]
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"

@@ -27,7 +27,10 @@ Weight updates copy tensors into the running model in place (our vLLM model uses
 layers, so there is no CPU repacking to redo) -- full weights, or a LoRA adapter folded into the
 base weights (``rollout.adapters``) -- bump the policy version, close every resident
 session and reset the prefix cache; requests also carry ``cache_salt = "v<version>"`` so no prefix
-computed by an older version can be matched, unless ``allow_stale_cache`` is set.
+computed by an older version can be matched, unless ``allow_stale_cache`` is set. Full weights also
+arrive in buckets, through Ray's object store (``load_weight_bucket``) or broadcast over a process group
+of the learner and the workers (``join_weight_group`` / ``receive_weight_bucket``, the ``nccl`` transport,
+rollout/weight_broadcast.py), and are loaded the same way.
 """
 
 from __future__ import annotations
@@ -304,6 +307,48 @@ class RolloutWorker:
             self.llm.reset_prefix_cache()
         self.version = int(version)
         return {"version": self.version, "tensors": tensors, "adapter_only": False}
+
+    # --- the nccl weight sync's receiving end (rl/weight_sync.py, rollout/weight_broadcast.py) ---------
+    def weight_device(self) -> dict:
+        """The engine's model device (type, name, GPU UUID): what picks the broadcast group's backend."""
+        from rollout.weight_broadcast import engine_device
+
+        return self.llm.collective_rpc(engine_device)[0]
+
+    def join_weight_group(self, spec) -> None:
+        """Join a weight-broadcast group (``spec``: a ``GroupSpec`` for this worker's rank), leaving any
+        group joined before; blocks until every rank has joined or ``spec.timeout_s`` has passed."""
+        import torch
+
+        from rollout.weight_broadcast import WeightReceiver
+
+        self.leave_weight_group()
+        self._receiver = WeightReceiver(spec, torch.device(self.weight_device()["device"]))
+
+    def receive_weight_bucket(self, meta) -> int:
+        """One broadcast bucket (``meta``: its ``BucketMeta``): full weights are copied in place like
+        ``load_weight_bucket``'s (``finish_weight_update`` ends the update); adapter tensors are kept
+        until ``finish_adapter_broadcast``. Returns the tensors received."""
+        tensors = self._weight_receiver().receive(meta)
+        return len(tensors) if meta.kind == "adapter" else self._load_full(tensors)
+
+    def finish_adapter_broadcast(self, version: int, scale_fields: dict) -> dict[str, Any]:
+        """Fold the adapter received over the group into the base weights (``update_weights``'s path)."""
+        from rollout.adapters import AdapterWeights
+
+        tensors = self._weight_receiver().pop_adapter()
+        return self.update_weights(AdapterWeights(tensors, **scale_fields), version, True)
+
+    def leave_weight_group(self) -> None:
+        receiver, self._receiver = getattr(self, "_receiver", None), None
+        if receiver is not None:
+            receiver.close()
+
+    def _weight_receiver(self):
+        receiver = getattr(self, "_receiver", None)
+        if receiver is None:
+            raise RuntimeError("this worker is in no weight-broadcast group (join_weight_group first)")
+        return receiver
 
     def _load_adapter(self, adapter) -> int:
         from rollout.adapters import AdapterWeights, apply_adapter_inplace

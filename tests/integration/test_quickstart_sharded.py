@@ -1,6 +1,6 @@
 """The quickstart experiment with a sharded learner under ``ray job submit``: configs/exp/quickstart.yaml
 (its model, env, algorithm and engine) with ``learner.num_workers=2`` (two FSDP2 ranks over gloo) and the
-object-store weight sync, shortened to 3 GRPO steps without the warm start, on a local cluster of the
+object-store weight sync (and again with the nccl one), shortened to 3 GRPO steps without the warm start, on a local cluster of the
 test's own (the plug-in job test's fixture: scripts/ray_local.sh, stopped at the end)."""
 
 import json
@@ -18,15 +18,16 @@ pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow]
 SHORT = ("sft.enabled=false", "curriculum.steps=3", "env.num_eval_tasks=8", "rollout.tasks_per_step=4",
          "rollout.group_size=4", "run.eval_every=0", "run.save_every=0", "run.plots=false", "run.tensorboard=false",
          "run.progress_bar=false")  # fmt: skip
-SHARDED = ("learner.num_workers=2", "learner.num_cpus=0.5", "learner.weight_sync=object_store",
-           "learner.sync_bucket_mb=0.25")  # fmt: skip
+SHARDED = ("learner.num_workers=2", "learner.num_cpus=0.5", "learner.sync_bucket_mb=0.25")
 
 
-def test_quickstart_with_two_learner_ranks_under_ray_job_submit(tmp_path, cluster):  # noqa: F811
+@pytest.mark.parametrize("transport", ["object_store", "nccl"])  # nccl: its group over gloo on CPU
+def test_quickstart_with_two_learner_ranks_under_ray_job_submit(tmp_path, cluster, transport):  # noqa: F811
     dashboard, env = cluster
     run = tmp_path / "run"
     cmd = [RAY, "job", "submit", "--address", dashboard, "--", "python", "-m", "rl.train", "--config",
-           str(CONFIGS_ROOT / "exp" / "quickstart.yaml"), f"run.dir={run}", *SHORT, *SHARDED]  # fmt: skip
+           str(CONFIGS_ROOT / "exp" / "quickstart.yaml"), f"run.dir={run}", *SHORT, *SHARDED,
+           f"learner.weight_sync={transport}"]  # fmt: skip
     out = subprocess.run(cmd, cwd=CONFIGS_ROOT.parent, env=env, capture_output=True, text=True, timeout=600)
     log = out.stdout + out.stderr
     assert out.returncode == 0 and "succeeded" in log, log[-6000:]

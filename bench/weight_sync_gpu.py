@@ -1,0 +1,267 @@
+"""The weight-sync transports between GPUs: ``nccl`` (ProcessGroupNCCL) against object_store and directory.
+
+    python bench/weight_sync_gpu.py --out DIR [--preset gpu_1b] [--bucket-mb 256] [--repeats 2]
+                                    [--parts sync,shared_gpu] [--lora] [--learner-ranks 1]
+
+A local Ray cluster; the learner group (``--learner-ranks`` Learner actors, one GPU each) and one
+rollout worker actor (a vLLM engine on a GPU of its own) started from the learner's export, as
+rl/train.py sets them up. Parts:
+
+* ``sync``: for each transport (directory first, the reference; then object_store, then nccl): every
+  weight of the engine is zeroed, ``WeightSync.push`` sends the learner's weights, and the SHA-1 of
+  every tensor of the engine's state dict must equal the reference's (a transport that moved nothing,
+  or moved it wrong, fails); then ``--repeats`` more pushes timed (``perf/sync_s``, and GiB/s of the
+  engine's weights: the learner sends its fp32 tensors, so the wire carries more under a bf16 engine). The nccl group's backend must be ``nccl`` when every end is on CUDA.
+  ``--lora``: adapter-only sync (the learner sharded with fsdp, also at one rank).
+  Needs a second GPU for the engine (skipped on one GPU: the learner reserves it).
+* ``shared_gpu``: two rollout workers on one GPU (``num_gpus=0.5`` each, the learner on another), or on a
+  one-GPU machine one worker beside the learner: an nccl push must be refused naming both ends (NCCL
+  cannot put two ranks on one device).
+
+Results: DIR/weight_sync_gpu.json (rewritten after every part); exit 1 when a check fails. On a
+machine without CUDA it runs on CPU (gloo; ``--preset tiny``), which is how the script is tried here.
+
+Device run (2 GPUs: nvidia-h200-x2; on nvidia-h200 only ``shared_gpu`` runs), with the Ray, vLLM,
+omegaconf and gymnasium wheels carried as for bench/rollout_gpu.py (bench/RESULTS.md, "Rollout on the
+H200")::
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_LOGGING_LEVEL=WARNING \\
+        python3 bench/weight_sync_gpu.py --out $OUT --preset gpu_1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rollout.worker import RolloutWorker  # noqa: E402
+
+PRESETS = {"tiny": ROOT / "configs/model/cpu_tiny.yaml", "gpu_1b": ROOT / "configs/model/gpu_1b.yaml"}
+# the device image's NCCL settings (multicast off), kept in every Ray worker
+KEEP_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "PYTHONPATH",
+            "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_LOGGING_LEVEL")  # fmt: skip
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _zero(worker) -> int:
+    import torch
+
+    with torch.no_grad():
+        sd = worker.model_runner.get_model().state_dict()
+        for t in sd.values():
+            t.zero_()
+    return len(sd)
+
+
+def _digest(worker) -> dict[str, str]:
+    import hashlib
+
+    import torch
+
+    sd = worker.model_runner.get_model().state_dict()
+    raw = {k: v.detach().reshape(-1).view(torch.uint8).cpu().numpy() for k, v in sd.items()}
+    return {k: hashlib.sha1(b.tobytes()).hexdigest() for k, b in raw.items()}
+
+
+def _nbytes(worker) -> int:
+    return sum(t.numel() * t.element_size() for t in worker.model_runner.get_model().state_dict().values())
+
+
+class BenchWorker(RolloutWorker):
+    """A rollout worker with two probes into its engine: zero every weight, hash every weight."""
+
+    def zero_weights(self) -> int:
+        return self.llm.collective_rpc(_zero)[0]
+
+    def digest(self) -> dict[str, str]:
+        return self.llm.collective_rpc(_digest)[0]
+
+    def nbytes(self) -> int:
+        return self.llm.collective_rpc(_nbytes)[0]
+
+
+class Pool:
+    """What ``WeightSync.push`` needs of a pool: the workers and the version bookkeeping."""
+
+    def __init__(self, workers, version: int) -> None:
+        self.workers, self.version = workers, version
+
+    def adopt(self, version, path, adapter_only=False) -> None:
+        self.version = version
+
+
+class Bench:
+    def __init__(self, args) -> None:
+        import ray
+        import torch
+
+        self.args, self.out = args, args.out
+        self.cuda = torch.cuda.is_available()
+        self.results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "cuda": self.cuda,
+                              "gpus": torch.cuda.device_count() if self.cuda else 0, "checks": {}, "parts": {}}  # fmt: skip
+        env = {k: os.environ[k] for k in KEEP_ENV if k in os.environ}
+        ray.init(num_cpus=max(4, os.cpu_count() or 4), include_dashboard=False, log_to_driver=True,
+                 _node_ip_address="127.0.0.1", runtime_env={"env_vars": env})  # fmt: skip
+        self.tmp = Path(tempfile.mkdtemp(prefix="weight_sync_gpu_"))
+        self.cfg = self._config()
+
+    def _config(self):
+        from rl.config import load_config
+
+        a = self.args
+        overrides = [f"learner.device={'cuda' if self.cuda else 'cpu'}", f"learner.sync_bucket_mb={a.bucket_mb}",
+                     f"learner.num_workers={a.learner_ranks}", "learner.torch_threads=null",
+                     f"learner.sync_timeout_s={a.timeout_s}"]  # fmt: skip
+        if a.lora:  # sharded (fsdp, also at one rank): the unsharded learner's LoRA base export of a random
+            # init writes a config.json without ``architectures``, which vLLM refuses
+            overrides += ["learner.lora.enabled=true", "learner.lora.sync=adapter", "learner.sharding=fsdp"]
+        cfg = load_config(None, overrides)
+        from bench.learner_mfu import load_arch
+
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, arch=load_arch(PRESETS[a.preset]), seed=0))
+
+    def save(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "weight_sync_gpu.json").write_text(json.dumps(self.results, indent=1, default=str))
+
+    def check(self, name: str, ok: bool) -> None:
+        self.results["checks"][name] = bool(ok)
+        log(f"check {name}: {'ok' if ok else 'FAILED'}")
+
+    def worker(self, start: str, gpus: float, share: float):
+        import ray
+
+        engine = dict(model_path=start, dtype="bfloat16" if self.cuda else "float32", max_model_len=1024,
+                      max_num_seqs=4, kv_cache_memory_bytes=256 << 20)  # fmt: skip
+        if self.cuda:
+            engine["gpu_memory_utilization"] = share
+        actor = ray.remote(num_cpus=1, num_gpus=gpus if self.cuda else 0, max_restarts=0)(BenchWorker)
+        return actor.remote(engine)
+
+    # --- parts ----------------------------------------------------------------------------------------
+    def part_sync(self, group) -> dict:
+        import ray
+
+        from rl.weight_sync import WeightSync
+
+        if self.cuda and self.results["gpus"] < 2:
+            return {"skipped": "one GPU: the learner holds it, the engine needs another"}
+        syncs = {t: WeightSync(group, dataclasses.replace(self.cfg.learner, weight_sync=t), self.tmp / t / "weights")
+                 for t in self.args.transports}  # fmt: skip
+        start, adapter, version = syncs[self.args.transports[0]].start_weights()
+        t0 = time.time()
+        w = self.worker(start, 1, self.args.gpu_share)
+        if adapter:
+            ray.get(w.update_weights.remote(adapter, version, True))
+        ray.get(w.get_version.remote())
+        log(f"engine up in {time.time() - t0:.1f} s")
+        pool, out, reference = Pool([w], version), {}, None
+        gib = ray.get(w.nbytes.remote()) / 2**30
+        self.results["engine_gib"] = gib
+        for t in self.args.transports:
+            ray.get(w.zero_weights.remote())
+            first = syncs[t].push(pool)
+            got = ray.get(w.digest.remote())
+            if reference is None:
+                reference = got
+            bad = [k for k in reference if reference[k] != got.get(k)]
+            ok = not bad and got.keys() == reference.keys()
+            self.check(f"{t}_weights_equal_the_reference", ok)  # the first transport's (directory)
+            times = [first.seconds] + [syncs[t].push(pool).seconds for _ in range(self.args.repeats)]
+            out[t] = {"seconds": times, "best_s": min(times), "engine_gib_per_s": gib / min(times),
+                      "buckets": first.buckets, "mismatched": bad[:10]}  # fmt: skip
+            if t == "nccl":
+                out[t]["backend"] = syncs[t].group.backend
+                if self.cuda:
+                    self.check("nccl_group_is_nccl_on_cuda", syncs[t].group.backend == "nccl")
+            log(f"{t}: {times} s, {first.buckets} buckets")
+            self.results["parts"]["sync"] = out
+            self.save()
+        for sync in syncs.values():
+            sync.close()
+        ray.get(w.shutdown.remote())
+        ray.kill(w)
+        return out
+
+    def part_shared_gpu(self, group) -> dict:
+        import ray
+
+        from rl.weight_sync import WeightSync
+
+        if not self.cuda:
+            return {"skipped": "no CUDA"}
+        sync = WeightSync(group, dataclasses.replace(self.cfg.learner, weight_sync="nccl"), self.tmp / "shared")
+        start, _adapter, version = sync.start_weights()
+        if self.results["gpus"] >= 2:  # two engines share the GPU the learner left
+            workers = [self.worker(start, 0.5, self.args.gpu_share / 2) for _ in range(2)]
+            want = "rollout worker 0 and rollout worker 1 are on the same GPU"
+        else:  # one engine reserving no GPU: it takes the learner's
+            workers = [self.worker(start, 0, self.args.gpu_share / 2)]
+            want = "the learner and rollout worker 0 are on the same GPU"
+        ray.get([w.get_version.remote() for w in workers])
+        try:
+            sync.push(Pool(workers, version))
+            message = ""
+        except ValueError as e:
+            message = str(e)
+        self.check("shared_gpu_refused_by_name", want in message)
+        for w in workers:
+            ray.get(w.shutdown.remote())
+            ray.kill(w)
+        return {"message": message}
+
+    def run(self) -> int:
+        from rl.learner_group import LearnerGroup
+
+        t0 = time.time()
+        group = LearnerGroup(self.cfg.model, self.cfg.learner, self.cfg.algorithm)
+        log(f"learner group up in {time.time() - t0:.1f} s")
+        for part in self.args.parts:
+            try:
+                self.results["parts"][part] = getattr(self, f"part_{part}")(group)
+            except Exception:
+                self.results["parts"][part] = {"error": traceback.format_exc()}
+                self.check(f"{part}_ran", False)
+                log(traceback.format_exc())
+            self.save()
+        group.shutdown()
+        return 0 if all(self.results["checks"].values()) else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: gpu_1b on CUDA, else tiny")
+    p.add_argument("--bucket-mb", type=float, default=256)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--parts", default="sync,shared_gpu")
+    p.add_argument("--transports", default="directory,object_store,nccl")
+    p.add_argument("--lora", action="store_true", help="LoRA adapter-only sync")
+    p.add_argument("--learner-ranks", type=int, default=1)
+    p.add_argument("--timeout-s", type=float, default=120)
+    p.add_argument("--gpu-share", type=float, default=0.3, help="gpu_memory_utilization of the engine")
+    args = p.parse_args(argv)
+    import torch
+
+    args.preset = args.preset or ("gpu_1b" if torch.cuda.is_available() else "tiny")
+    args.parts = args.parts.split(",")
+    args.transports = args.transports.split(",")
+    return Bench(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
