@@ -18,7 +18,10 @@ of an H200; `bench/assets/fla-0.6.0_triton-3.6_h200_autotune.tgz` holds the pick
     tar xzf bench/assets/fla-0.6.0_triton-3.6_h200_autotune.tgz -C $TRITON_CACHE_DIR
     python bench/kda_kernel.py --out OUT [--shapes s1,s2,s3,s4,v] [--impls ours,fla_safe,fla_unb] [--warm]
 
-(Other versions or GPUs simply miss that cache and tune afresh.)
+(Other versions or GPUs simply miss that cache and tune afresh.) Our kernels compile one launch config
+each by default (`kernels/kda/triton/launch.py`: on an H200 the picks its autotuner made at gpu_1b's
+shapes); the tables in bench/RESULTS.md were measured with the whole search, which
+`LONGHORIZON_KDA_AUTOTUNE=1` restores for this benchmark.
 """
 
 from __future__ import annotations
