@@ -143,7 +143,7 @@ def test_a_rollout_worker_joins_at_a_rank_above_the_learners():
 
 def test_backend_follows_the_devices_and_one_gpu_for_two_ranks_is_refused():
     cpu = {"type": "cpu", "device": "cpu", "uuid": None}
-    gpu = lambda u: {"type": "cuda", "device": "cuda:0", "uuid": u}  # noqa: E731
+    gpu = lambda u: {"type": "cuda", "device": "cuda:0", "uuid": u}
     assert group_backend([cpu, cpu]) == "gloo"
     assert group_backend([gpu("a"), cpu]) == "gloo"  # a CPU engine: host buffers over gloo
     assert group_backend([gpu("a"), gpu("b")]) == "nccl"
