@@ -409,31 +409,21 @@ def check_fast_vs_reference(report: Report, learner, batch, half: bool) -> bool:
 # ------------------------------------------------------------------------------------------ components
 def capture_inputs(learner, batch) -> dict:
     """Inputs of the first KDA, MLA and MoE layer and of the LM head, from one no-grad forward."""
+    from model.capture import first_calls
     from model.kda import KimiDeltaAttention
     from model.mla import GatedMLA
     from model.moe import SparseMoE
 
     model = learner.base_model
     kinds = {KimiDeltaAttention: "kda", GatedMLA: "mla", SparseMoE: "moe"}
-    seen, hooks = {}, []
-    for m in model.modules():
-        kind = kinds.get(type(m))
-        if kind and kind not in seen:
-            seen[kind] = None
-
-            def hook(mod, args, kwargs, kind=kind):
-                if seen[kind] is None:
-                    seen[kind] = (mod, args, kwargs)
-
-            hooks.append(m.register_forward_pre_hook(hook, with_kwargs=True))
-    hooks.append(model.model.norm.register_forward_hook(lambda mod, a, out: seen.__setitem__("head", out)))
+    head = {}
+    hook = model.model.norm.register_forward_hook(lambda mod, a, out: head.__setitem__("head", out))
     try:
-        with torch.no_grad():
+        with first_calls(model, kinds) as seen, torch.no_grad():
             learner.forward(batch)
     finally:
-        for h in hooks:
-            h.remove()
-    return seen
+        hook.remove()
+    return {**seen, **head}
 
 
 def _leaf(x):

@@ -161,6 +161,7 @@ def layer_op_counts(
 def _layer_op_counts(arch: dict, lengths: list[int], bf16: bool) -> dict[str, dict]:
     from model import HybridConfig
     from model.attnres import AttnResMix
+    from model.capture import first_calls
     from model.kda import KimiDeltaAttention
     from model.mla import GatedMLA
     from model.modeling import HybridForCausalLM
@@ -168,35 +169,23 @@ def _layer_op_counts(arch: dict, lengths: list[int], bf16: bool) -> dict[str, di
 
     torch.manual_seed(0)
     model = HybridForCausalLM(HybridConfig(**arch)).train()
-    kinds = {KimiDeltaAttention: "kda", GatedMLA: "mla", SparseMoE: "moe", DenseMLP: "dense_mlp",
-             AttnResMix: "attn_res"}  # fmt: skip
-    seen: dict[str, tuple | None] = {}
-    hooks = []
-    for m in model.modules():
-        kind = kinds.get(type(m))
-        if kind == "kda" and bf16:
-            continue
-        if kind and kind not in seen:
-            seen[kind] = None
-
-            def hook(mod, args, kwargs, kind=kind):
-                if seen[kind] is None:
-                    seen[kind] = (mod, args, kwargs)
-
-            hooks.append(m.register_forward_pre_hook(hook, with_kwargs=True))
-    seen["norm"] = None
-    hooks.append(model.model.norm.register_forward_pre_hook(
-        lambda mod, args, kwargs: seen.__setitem__("norm", (mod, args, kwargs)), with_kwargs=True))  # fmt: skip
+    kinds = {GatedMLA: "mla", SparseMoE: "moe", DenseMLP: "dense_mlp", AttnResMix: "attn_res"}
+    if not bf16:
+        kinds[KimiDeltaAttention] = "kda"
+    norm: dict[str, tuple | None] = {"norm": None}
+    norm_hook = model.model.norm.register_forward_pre_hook(
+        lambda mod, args, kwargs: norm.__setitem__("norm", (mod, args, kwargs)), with_kwargs=True)  # fmt: skip
     T = sum(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     ids = torch.randint(0, arch["vocab_size"], (1, T))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     try:
-        with torch.no_grad(), autocast, _kda_core_fp32() if bf16 else contextlib.nullcontext():
+        kda_fp32 = _kda_core_fp32() if bf16 else contextlib.nullcontext()
+        with first_calls(model, kinds) as seen, torch.no_grad(), autocast, kda_fp32:
             model(ids, cu_seqlens=cu)
     finally:
-        for h in hooks:
-            h.remove()
+        norm_hook.remove()
+    seen = {**seen, **norm}
     out = {}
     for kind, (mod, args, kwargs) in seen.items():
         args = tuple(_leaf(a) for a in args)

@@ -37,10 +37,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     its weight, so that one compiled graph serves every norm of a shape (``model.compile``).
     ``F.rms_norm`` is one fused kernel each way on CUDA (the same formula as the op-by-op reference
     ``rms_norm_reference``; on the CPU it is those ops)."""
-    x32 = f32(x)
-    return F.rms_norm(x32, x32.shape[-1:], weight.to(x32.dtype), eps).to(
-        x.dtype
-    )  # same dtypes: the fused kernel
+    x32 = f32(x)  # x and weight in the same dtype: F.rms_norm's fused kernel
+    return F.rms_norm(x32, x32.shape[-1:], weight.to(x32.dtype), eps).to(x.dtype)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -87,9 +87,8 @@ class MoEGate(nn.Module):
         self.balancing_quantile = config.moe_balancing_quantile
         self._stats: RoutingStats | None = None
         self._balancer_attached = False  # statistics pile up only while an ExpertBalancer consumes them
-        self.weights_fn: Callable = (
-            routing_weights  # ``model.compile.compile_regions`` swaps in the compiled one
-        )
+        # ``model.compile.compile_regions`` swaps in the compiled one
+        self.weights_fn: Callable = routing_weights
         nn.init.normal_(self.weight, std=config.initializer_range)
 
     def _apply(self, fn, recurse=True):
@@ -199,9 +198,8 @@ class SparseMoE(nn.Module):
             else None
         )
         self.latent = bool(latent)
-        self.route_fn: Callable | None = (
-            None  # kernels.moe.route_tensors; ``model.compile`` swaps in a compiled one
-        )
+        # None: kernels.moe.route_tensors; ``model.compile`` swaps in a compiled one
+        self.route_fn: Callable | None = None
 
     def forward(
         self, x_BTD: torch.Tensor, replay_TK: torch.Tensor | None = None, replay_checked: bool = False
@@ -219,8 +217,9 @@ class SparseMoE(nn.Module):
 
     def _routed(self, z_TZ: torch.Tensor, route: RouterOutput) -> torch.Tensor:
         """sum_j w_tj E_{e_tj}(z_t) through the implementation ``model.fast`` picks."""
-        if fast.pick("moe", z_TZ.device) == "grouped" and self._plain_experts():
-            return self._routed_grouped(z_TZ, route)
+        weights = self._plain_expert_weights() if fast.pick("moe", z_TZ.device) == "grouped" else None
+        if weights is not None:  # one walk over the experts: the check and the weights together
+            return self._routed_grouped(z_TZ, route, weights)
         return self._routed_loop(z_TZ, route)
 
     def _plain_experts(self) -> bool:
@@ -240,14 +239,17 @@ class SparseMoE(nn.Module):
             down.append(d._parameters["weight"])
         return gate_up, down
 
-    def _routed_grouped(self, z_TZ: torch.Tensor, route: RouterOutput) -> torch.Tensor:
-        """The grouped form of ``_routed_loop``: same products, same (token, slot) order of the
-        weighted fp32 sum, so it equals the loop up to the GEMMs' own rounding."""
+    def _routed_grouped(
+        self, z_TZ: torch.Tensor, route: RouterOutput, weights: tuple[list[torch.Tensor], list[torch.Tensor]]
+    ) -> torch.Tensor:
+        """The grouped form of ``_routed_loop`` over ``weights`` (``_plain_expert_weights``): same products,
+        same (token, slot) order of the weighted fp32 sum, so it equals the loop up to the GEMMs' own
+        rounding."""
         from kernels.moe import combine, grouped_mm, grouped_mm_alignment, permute, route_layout
 
         dt = _compute_dtype(z_TZ)
         E = len(self.experts)
-        gate_up, down = self._plain_expert_weights()
+        gate_up, down = weights
         layout = route_layout(route.experts_TK, E, grouped_mm_alignment(z_TZ.device, dt), self.route_fn)
         # [E, 2I, Z]: expert e's gate rows then its up rows (one stack of 2E weights, one GEMM). Stack, then
         # cast: a stack straight into a bf16 buffer (cat with out= of another dtype) copies tensor by tensor

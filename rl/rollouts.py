@@ -41,6 +41,7 @@ from envs.types import Episode, EpisodeGroup, EpisodeStatus
 from rl.advantages import keep_group
 from rl.config import AlgorithmConfig, EnvConfig, ModelConfig, RolloutConfig, StageConfig
 from rl.errors import EnvFailure, failure_message, is_env_failure
+from rl.placement import rollout_worker_gpus
 from rl.signal import signal_metrics
 
 WORKER_FAILURE = "worker.generate"
@@ -118,6 +119,7 @@ class WorkerPool:
         self.cfg, self.model_path, self.version = cfg, model_path, version
         self.adapter_path, self.renderer, self.sync = adapter_path, renderer, sync
         self.max_model_len = (max_context_tokens or cfg.max_context_tokens) + cfg.max_tokens_per_turn
+        self.worker_gpus = rollout_worker_gpus(cfg)  # Ray GPUs per worker (rl/placement.py), once per pool
         self.workers = [self._start(i) for i in range(cfg.num_workers)]
         self._apply_adapter(self.workers)
         self.restarts = 0
@@ -131,10 +133,7 @@ class WorkerPool:
             prepare_model_dir(self.model_path, self.renderer)
         wc = WorkerConfig(model_path=self.model_path, policy_version=self.version, seed=self.cfg.seed + i,
                           max_model_len=self.max_model_len, **self.cfg.engine)  # fmt: skip
-        from rl.placement import rollout_worker_gpus
-
-        gpus = rollout_worker_gpus(self.cfg)
-        actor = ray.remote(num_cpus=self.cfg.worker_num_cpus, num_gpus=gpus, max_restarts=0)(RolloutWorker)
+        actor = ray.remote(num_cpus=self.cfg.worker_num_cpus, num_gpus=self.worker_gpus, max_restarts=0)(RolloutWorker)
         return actor.remote(wc)
 
     def _apply_adapter(self, workers: list) -> None:
