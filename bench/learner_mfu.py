@@ -28,7 +28,7 @@ compiled graphs, the allocator's cache) is released first, and its peak memory i
 The optimizer component is also split (``optimizer_times``): clip_grad_norm_ alone, AdamW's step alone,
 the host's dispatch time of the two, and on a GPU the device's busy time and kernel count of one clip +
 step; host dispatch close to the component's time means per-tensor host work (the per-expert
-nn.Linear experts make ~6k parameter tensors) and not the device sets it.
+per-expert nn.Linear experts made ~6k parameter tensors before the experts were stacked) and not the device sets it.
 ``bench/op_counts.py`` counts the aten ops per layer kind on the CPU (no GPU needed).
 
 Results: ``<out>/learner_mfu.json`` (everything) and ``<out>/learner_mfu.md`` (the table), rewritten
@@ -166,19 +166,13 @@ def make_learner(arch: dict, device: str, dtype: str, tokens: int, args, fast_pa
 
 
 def matmul_params(model: torch.nn.Module, top_k: int, num_experts: int) -> int:
-    """Active matmul parameters: nn.Linear weights (routed experts at top_k / num_experts), router weights,
-    3-D expert weights (the peer's fused experts, also at top_k / num_experts). No embedding."""
-    from model.moe import MoEGate, SparseMoE
+    """Active matmul parameters: nn.Linear weights, router weights, and the 3-D routed-expert weights (ours,
+    ``GroupedExperts``, and the peer's fused experts) at top_k / num_experts. No embedding."""
+    from model.moe import MoEGate
 
     total, routed = 0, 0
-    expert_ids = set()
     for m in model.modules():
-        if isinstance(m, SparseMoE):
-            for p in m.experts.parameters():
-                expert_ids.add(id(p))
-                routed += p.numel()
-    for m in model.modules():
-        if isinstance(m, torch.nn.Linear) and id(m.weight) not in expert_ids:
+        if isinstance(m, torch.nn.Linear):
             total += m.weight.numel()
         elif isinstance(m, MoEGate) or type(m).__name__.endswith(("Router", "Gate")):
             total += m.weight.numel() if isinstance(getattr(m, "weight", None), torch.Tensor) else 0

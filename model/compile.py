@@ -91,16 +91,16 @@ def compile_regions(model: nn.Module, backend: str | Callable = "inductor") -> l
     functions; returns the wrappers (one per function that ``model`` has modules for)."""
     from kernels.moe import route_tensors
     from model.attnres import AttnResMix, attn_res_mix
-    from model.layers import GLUMLP, RMSNorm, glu_activation, rms_norm
-    from model.moe import MoEGate, SparseMoE, routing_weights
+    from model.layers import GatedActivation, RMSNorm, glu_activation, rms_norm
+    from model.moe import GroupedExperts, MoEGate, routing_weights
 
     if torch._dynamo.config.recompile_limit < REGION_RECOMPILE_LIMIT:
         log.info("dynamo recompile_limit %d -> %d (compiled regions)", torch._dynamo.config.recompile_limit,
                  REGION_RECOMPILE_LIMIT)  # fmt: skip
         torch._dynamo.config.recompile_limit = REGION_RECOMPILE_LIMIT
     kinds = (
-        (RMSNorm, "norm_fn", rms_norm), (AttnResMix, "mix_fn", attn_res_mix), (GLUMLP, "glu_fn", glu_activation),
-        (MoEGate, "weights_fn", routing_weights), (SparseMoE, "route_fn", route_tensors),
+        (RMSNorm, "norm_fn", rms_norm), (AttnResMix, "mix_fn", attn_res_mix), (GatedActivation, "glu_fn", glu_activation),
+        (MoEGate, "weights_fn", routing_weights), (GroupedExperts, "route_fn", route_tensors),
     )  # fmt: skip
     regions: dict[str, CompiledOrEager] = {}
     for module in model.modules():

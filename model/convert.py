@@ -40,6 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from model.config import HybridConfig
+from model.moe import is_expert_tensor_name, stack_expert_weights
 
 # ---------------------------------------------------------------------------- config
 
@@ -193,8 +194,9 @@ def kimi_linear_state_dict(src_sd: dict[str, torch.Tensor], config: HybridConfig
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in HybridForCausalLM(config).state_dict().items()}
     out: dict[str, torch.Tensor] = {}
+    per_expert: dict[str, torch.Tensor] = {}  # one tensor per expert, stacked below as the model holds them
 
-    def put(name: str, t: torch.Tensor, source: str) -> None:
+    def check(name: str, t: torch.Tensor, source: str) -> None:
         if name not in expected:
             raise ValueError(f"source tensor {source!r} maps to {name!r}, which our model does not have")
         if name in out:
@@ -203,8 +205,18 @@ def kimi_linear_state_dict(src_sd: dict[str, torch.Tensor], config: HybridConfig
             raise ValueError(f"{source!r} -> {name!r}: shape {tuple(t.shape)}, expected {expected[name]}")
         out[name] = t.contiguous()
 
+    def put(name: str, t: torch.Tensor, source: str) -> None:
+        if is_expert_tensor_name(name):
+            if name in per_expert:
+                raise ValueError(f"two source tensors map to {name!r} (the second: {source!r})")
+            per_expert[name] = t
+        else:
+            check(name, t, source)
+
     for key, t in src_sd.items():
         _map_tensor(key, t, config, put)
+    for name, t in stack_expert_weights(per_expert.items(), config.num_experts):
+        check(name, t, name.rsplit(".", 1)[0] + ".*")
     missing = sorted(set(expected) - set(out))
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
@@ -226,14 +238,8 @@ def _map_tensor(key: str, t: torch.Tensor, config: HybridConfig, put: Callable) 
             put(prefix + f"self_attn.{name}_conv1d.weight", part, key)
     elif re.fullmatch(r"(block_sparse_moe|mlp)\.(gate|up|down)_proj\.weight", rest) and not is_moe:
         put(prefix + "mlp." + rest.split(".", 1)[1], t, key)  # a dense FFN, saved under either name
-    elif re.fullmatch(r"(block_sparse_moe|mlp)\.experts\.gate_up_proj", rest):  # [E, 2I, D]
-        for e, w in enumerate(t):
-            gate, up = w.chunk(2, dim=0)
-            put(prefix + f"block_sparse_moe.experts.{e}.gate_proj.weight", gate, key)
-            put(prefix + f"block_sparse_moe.experts.{e}.up_proj.weight", up, key)
-    elif re.fullmatch(r"(block_sparse_moe|mlp)\.experts\.down_proj", rest):  # [E, D, I]
-        for e, w in enumerate(t):
-            put(prefix + f"block_sparse_moe.experts.{e}.down_proj.weight", w, key)
+    elif re.fullmatch(r"(block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)", rest):  # [E, 2I, D], [E, D, I]
+        put(prefix + "block_sparse_moe.experts." + rest.rsplit(".", 1)[1], t, key)  # our layout already
     elif "shared_experts" in rest and config.num_shared_experts == 0:
         if t.numel():
             raise ValueError(f"{key!r}: shared expert weights with num_shared_experts = 0")

@@ -5,7 +5,7 @@ to); the choice is process-wide, read at each call, with "auto" resolved by the 
 
 | op | reference | fast path | "auto" on CUDA | "auto" on CPU |
 |---|---|---|---|---|
-| ``moe`` | ``loop``: one GLU per expert (``SparseMoE._routed_loop``) | ``grouped``: permute, grouped GEMM, unpermute (``kernels.moe``) | grouped | grouped (measured faster) |
+| ``moe`` | ``loop``: one GLU per expert (``GroupedExperts._loop``) | ``grouped``: permute, grouped GEMM, unpermute (``kernels.moe``) | grouped | grouped (measured faster) |
 | ``attention`` | ``loop``: one SDPA per sequence | ``varlen``: PyTorch's varlen flash attention; ``flex``: FlexAttention with a document-causal block mask | bf16/fp16: varlen if importable, else flex; fp32: loop | loop |
 | ``conv`` | ``torch``: the shifted-tap PyTorch conv | ``triton``: one varlen causal conv kernel (``kernels.conv``) | triton | torch |
 | ``lm_head`` | ``plain``: [T, V] logits, then log-softmax | ``chunked``: logits per token chunk, recomputed in backward (``model.lm_head``) | chunked | chunked (measured faster) |

@@ -6,6 +6,7 @@
   sequences: a token never sees inputs of another sequence, it sees the sequence's conv state
   (or zeros) instead.
 * ``GLUMLP`` is a gated MLP with either SiTU-GLU (K3) or SiLU-GLU (SwiGLU) activation. Its ``glu``
+  (``GatedActivation``, shared with the routed experts of ``model.moe``)
   goes through ``model.fast`` op "glu": autograd on the ops below (``torch``, the reference), the
   same ops recomputed in backward from gate/up only (``recompute``: bit-exact, the fp32
   intermediates - six [rows, intermediate] buffers for SiTU - are not kept), or the fused Triton
@@ -115,19 +116,20 @@ def glu_activation(
     return situ_glu(gate, up, beta, linear_beta) if act == "situ" else silu_glu(gate, up)
 
 
-class GLUMLP(nn.Module):
-    """down_proj(act(gate_proj x, up_proj x)); used for dense layers, shared and routed experts."""
+class GatedActivation:
+    """The gated activation act(g, u) of a GLU, shared by ``GLUMLP`` and the routed experts
+    (``model.moe.GroupedExperts``): "situ" (K3) or "silu", through ``model.fast`` op "glu"."""
 
-    def __init__(self, hidden: int, intermediate: int, act: str = "situ", situ_betas=(4.0, 25.0)) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+    act: str
+    situ_betas: tuple[float, float]
+    glu_fn: Callable
+
+    def _init_activation(self, act: str, situ_betas) -> None:
         if act not in ("situ", "silu"):
             raise ValueError(f"GLU activation must be 'situ' or 'silu', got {act!r}")
         self.act = act
         self.situ_betas = tuple(situ_betas)
-        self.glu_fn: Callable = glu_activation  # ``model.compile.compile_regions`` swaps in the compiled one
+        self.glu_fn = glu_activation  # ``model.compile.compile_regions`` swaps in the compiled one
 
     def glu(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """The gated activation of (gate_proj x, up_proj x), through ``model.fast`` op "glu"."""
@@ -145,6 +147,17 @@ class GLUMLP(nn.Module):
     def glu_torch(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """The reference activation (autograd keeps its intermediates); ``model.compile`` compiles it."""
         return self.glu_fn(g, u, self.act, *self.situ_betas)
+
+
+class GLUMLP(GatedActivation, nn.Module):
+    """down_proj(act(gate_proj x, up_proj x)); used for dense layers and shared experts."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "situ", situ_betas=(4.0, 25.0)) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self._init_activation(act, situ_betas)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))

@@ -1,7 +1,9 @@
-"""Which projections LoRA adapters go on (PEFT ``target_modules``).
+"""Which projections LoRA adapters go on (PEFT ``target_modules`` and ``target_parameters``).
 
-Attention (MLA), KDA and expert projections are all plain ``nn.Linear`` modules, so PEFT's LoRA
-wraps them directly; the router (``MoEGate``), the short convolutions, the norms and the decay
+Attention (MLA), KDA, shared-expert, dense-MLP and latent projections are plain ``nn.Linear`` modules, so
+PEFT's LoRA wraps them directly (``target_modules``). The routed experts are two stacked weights per layer
+(``model.moe.GroupedExperts``): PEFT adapts them as parameters (``target_parameters``: one rank-r adapter
+per expert, merged into the weight at each forward; no LoRA dropout there). The router (``MoEGate``), the short convolutions, the norms and the decay
 parameters (A_log, dt_bias) stay frozen-base (they are not Linear layers). PEFT matches a target
 name against the end of each module path, so "up_proj" does not catch "routed_expert_up_proj".
 """
@@ -22,8 +24,9 @@ KDA = (
     "g_b_proj",
     "o_proj",
 )
-EXPERTS = ("gate_proj", "up_proj", "down_proj")
+EXPERTS = ("gate_proj", "up_proj", "down_proj")  # the shared experts' (and dense layers') nn.Linear
 LATENT = ("routed_expert_down_proj", "routed_expert_up_proj")
+ROUTED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # parameters, not modules
 
 
 def lora_target_modules(attention: bool = True, kda: bool = True, experts: bool = True) -> list[str]:
@@ -33,3 +36,8 @@ def lora_target_modules(attention: bool = True, kda: bool = True, experts: bool 
         if on:
             names += [n for n in group if n not in names]
     return names
+
+
+def lora_target_parameters(experts: bool = True) -> list[str]:
+    """Parameter names for ``peft.LoraConfig(target_parameters=...)``: the routed experts' stacked weights."""
+    return list(ROUTED_EXPERTS) if experts else []

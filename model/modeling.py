@@ -36,7 +36,7 @@ from model.kda import KimiDeltaAttention
 from model.layers import RMSNorm, SeqLayout, ShortConvolution, f32, seq_layout, to_device
 from model.lm_head import chunked_logprobs_entropy, logits_entropy
 from model.mla import GatedMLA
-from model.moe import DenseMLP, MoEGate, SparseMoE, check_replay_ids
+from model.moe import DenseMLP, GroupedExperts, MoEGate, SparseMoE, check_replay_ids, expert_conversions
 
 
 @dataclass
@@ -121,6 +121,9 @@ class HybridPreTrainedModel(PreTrainedModel):
         elif isinstance(module, MoEGate):
             init.normal_(module.weight, mean=0.0, std=std)
             init.zeros_(module.e_score_correction_bias)
+        elif isinstance(module, GroupedExperts):  # each expert as the nn.Linear projections it stacks
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, KimiDeltaAttention):
             A_log, dt_bias = module.initial_gate_values()
             init.copy_(module.A_log, A_log)  # init.* skip tensors already loaded from a checkpoint
@@ -403,3 +406,14 @@ def chunked_token_logprobs(
 
 
 AutoModelForCausalLM.register(HybridConfig, HybridForCausalLM, exist_ok=True)
+
+
+def _register_expert_conversions() -> None:
+    """Per-expert tensors on disk, stacked experts in the model (``model.moe``): transformers applies the
+    mapping in ``from_pretrained`` and reverts it in ``save_pretrained``."""
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+
+    register_checkpoint_conversion_mapping(HybridConfig.model_type, expert_conversions(), overwrite=True)
+
+
+_register_expert_conversions()

@@ -15,22 +15,29 @@ Stable LatentMoE (K3): z = routed_expert_down_proj(x); u = sum_i p_i E_i(z);
 y = shared_experts(x) + routed_expert_up_proj(RMSNorm(u)). Without routed_expert_hidden_size the
 experts act on x directly (DeepSeek-style).
 
-Experts are a ModuleList of ``GLUMLP`` (nn.Linear projections) so that PEFT LoRA can target them.
+The routed experts are one module, ``GroupedExperts``, holding two stacked weights in nn.Linear layout
+per expert: ``experts.gate_up_proj`` [E, 2I, Z] (expert e's gate rows, then its up rows) and
+``experts.down_proj`` [E, Z, I], the names and layout of transformers' own MoE models. One parameter per
+weight kind, not per expert: 2 tensors per layer instead of 3E (384 at gpu_1b), so the forward does not
+stack them, the backward does not accumulate 3E gradients, and the optimizer, FSDP and weight sync walk
+two tensors. Checkpoints on disk keep one tensor per expert (``experts.N.gate_proj.weight``, ...,
+Moonshot's and DeepSeek's layout): ``save_pretrained`` splits, ``from_pretrained`` stacks (a transformers
+conversion mapping, ``EXPERT_CONVERSIONS``), and ``stack_expert_weights`` does the same for streams of
+named tensors (the vLLM model's loader). LoRA reaches the experts through PEFT's ``target_parameters``
+(one rank-r adapter per expert, ``model.lora``).
+
 Two implementations of the routed sum (``model.fast``, op "moe"): ``loop``, the readable reference
 (one GLU per expert on its tokens; the per-expert counts are read on the host), and ``grouped``
 (``kernels.moe``: slots sorted by expert on the device, the gate/up and down projections of all
 experts as two grouped GEMMs, results gathered back; no host sync; the weighted fp32 sum over the
 k slots is one autograd node, ``kernels.moe.combine``, which keeps the gathered rows but not their fp32
-[T, k, Z] product). Deviation of ``grouped``: the expert weights are stacked into [E, ...] tensors at
-every forward (one copy of the expert weights, about 0.1-0.2 ms per gpu_1b layer on an H200's
-bandwidth), the price of keeping the per-expert
-nn.Linear modules (checkpoint names, LoRA); plain nn.Linear experts only, LoRA-wrapped experts take
-the loop.
+[T, k, Z] product).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +47,7 @@ from torch import nn
 from model import fast
 from model.balancing import RoutingStats, histogram_range
 from model.config import HybridConfig
-from model.layers import GLUMLP, RMSNorm, f32
+from model.layers import GLUMLP, GatedActivation, RMSNorm, f32
 
 
 def routing_weights(
@@ -188,18 +195,13 @@ class SparseMoE(nn.Module):
                 RMSNorm(latent, eps=config.rms_norm_eps) if config.latent_moe_use_norm else nn.Identity()
             )
             self.routed_expert_up_proj = nn.Linear(latent, d, bias=False)
-        self.experts = nn.ModuleList(
-            GLUMLP(self.expert_dim, config.moe_intermediate_size, act, betas)
-            for _ in range(config.num_experts)
-        )
+        self.experts = GroupedExperts(config.num_experts, self.expert_dim, config.moe_intermediate_size, act, betas)
         self.shared_experts = (
             GLUMLP(d, config.moe_intermediate_size * config.num_shared_experts, act, betas)
             if config.num_shared_experts
             else None
         )
         self.latent = bool(latent)
-        # None: kernels.moe.route_tensors; ``model.compile`` swaps in a compiled one
-        self.route_fn: Callable | None = None
 
     def forward(
         self, x_BTD: torch.Tensor, replay_TK: torch.Tensor | None = None, replay_checked: bool = False
@@ -209,76 +211,155 @@ class SparseMoE(nn.Module):
         x_TD = x_BTD.reshape(B * T, D)
         route = self.gate(x_TD, replay_TK, replay_checked)
         z_TZ = self.routed_expert_down_proj(x_TD) if self.latent else x_TD
-        u_TZ = self._routed(z_TZ, route)
+        u_TZ = self.experts(z_TZ, route)
         y_TD = self.routed_expert_up_proj(self.routed_expert_norm(u_TZ)) if self.latent else u_TZ
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         return y_TD.view(B, T, D), route.experts_TK
 
-    def _routed(self, z_TZ: torch.Tensor, route: RouterOutput) -> torch.Tensor:
-        """sum_j w_tj E_{e_tj}(z_t) through the implementation ``model.fast`` picks."""
-        weights = self._plain_expert_weights() if fast.pick("moe", z_TZ.device) == "grouped" else None
-        if weights is not None:  # one walk over the experts: the check and the weights together
-            return self._routed_grouped(z_TZ, route, weights)
-        return self._routed_loop(z_TZ, route)
 
-    def _plain_experts(self) -> bool:
-        return self._plain_expert_weights() is not None
+class GroupedExperts(GatedActivation, nn.Module):
+    """The E routed experts of one MoE layer, GLUs Z -> I -> Z, as two stacked weights (module docstring).
 
-    def _plain_expert_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """(gate, up, gate, up, ... weights; down weights) of the experts, None unless every projection is a
-        plain nn.Linear (LoRA-wrapped experts take the loop). Reads the module and parameter dicts directly:
-        three Module.__getattr__ lookups per projection of 128 experts cost about 1 ms per layer per forward."""
-        gate_up, down = [], []
-        for expert in self.experts._modules.values():
-            mods = expert._modules
-            g, u, d = mods["gate_proj"], mods["up_proj"], mods["down_proj"]
-            if not (type(g) is nn.Linear and type(u) is nn.Linear and type(d) is nn.Linear):
-                return None
-            gate_up += (g._parameters["weight"], u._parameters["weight"])
-            down.append(d._parameters["weight"])
-        return gate_up, down
+    ``forward(z_TZ, route)`` = sum_j w_tj E_{e_tj}(z_t), through the implementation ``model.fast`` op "moe"
+    picks. The weights are read once per forward (under PEFT's LoRA each read of a wrapped parameter
+    merges its adapter)."""
 
-    def _routed_grouped(
-        self, z_TZ: torch.Tensor, route: RouterOutput, weights: tuple[list[torch.Tensor], list[torch.Tensor]]
-    ) -> torch.Tensor:
-        """The grouped form of ``_routed_loop`` over ``weights`` (``_plain_expert_weights``): same products,
-        same (token, slot) order of the weighted fp32 sum, so it equals the loop up to the GEMMs' own
-        rounding."""
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "situ", situ_betas=(4.0, 25.0)):
+        super().__init__()
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self._init_activation(act, situ_betas)
+        # None: kernels.moe.route_tensors; ``model.compile`` swaps in a compiled one
+        self.route_fn: Callable | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each expert's projections as nn.Linear initialises its weight: U(+-1/sqrt(fan_in))."""
+        for w in (self.gate_up_proj, self.down_proj):
+            bound = w.shape[-1] ** -0.5
+            nn.init.uniform_(w, -bound, bound)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}, act={self.act}"
+
+    def forward(self, z_TZ: torch.Tensor, route: RouterOutput) -> torch.Tensor:
+        w_gu, w_down = self.gate_up_proj, self.down_proj
+        if fast.pick("moe", z_TZ.device) == "grouped":
+            return self._grouped(z_TZ, route, w_gu, w_down)
+        return self._loop(z_TZ, route, w_gu, w_down)
+
+    def expert(self, e: int, x: torch.Tensor, w_gu: torch.Tensor | None = None, w_down: torch.Tensor | None = None):
+        """Expert e alone on rows x: down(act(gate x, up x))."""
+        w_gu = self.gate_up_proj if w_gu is None else w_gu
+        w_down = self.down_proj if w_down is None else w_down
+        g, u = F.linear(x, w_gu[e]).chunk(2, dim=-1)
+        return F.linear(self.glu(g, u), w_down[e])
+
+    def _grouped(self, z_TZ, route: RouterOutput, w_gu, w_down) -> torch.Tensor:
+        """The grouped form of ``_loop``: same products, same (token, slot) order of the weighted fp32 sum,
+        so it equals the loop up to the GEMMs' own rounding."""
         from kernels.moe import combine, grouped_mm, grouped_mm_alignment, permute, route_layout
 
         dt = _compute_dtype(z_TZ)
-        E = len(self.experts)
-        gate_up, down = weights
-        layout = route_layout(route.experts_TK, E, grouped_mm_alignment(z_TZ.device, dt), self.route_fn)
-        # [E, 2I, Z]: expert e's gate rows then its up rows (one stack of 2E weights, one GEMM). Stack, then
-        # cast: a stack straight into a bf16 buffer (cat with out= of another dtype) copies tensor by tensor
-        w_gu = torch.stack(gate_up).to(dt)
-        w_gu = w_gu.view(E, -1, w_gu.shape[-1])
-        w_down = torch.stack(down).to(dt)
-        gu_PI2 = grouped_mm(permute(z_TZ.to(dt), layout), w_gu, layout.offs_E)
+        layout = route_layout(route.experts_TK, self.num_experts, grouped_mm_alignment(z_TZ.device, dt), self.route_fn)
+        gu_PI2 = grouped_mm(permute(z_TZ.to(dt), layout), w_gu.to(dt), layout.offs_E)
         g_PI, u_PI = gu_PI2.chunk(2, dim=-1)
-        y_PZ = grouped_mm(self.experts[0].glu(g_PI, u_PI), w_down, layout.offs_E)
+        y_PZ = grouped_mm(self.glu(g_PI, u_PI), w_down.to(dt), layout.offs_E)
         # one autograd node: keeps the gathered rows and the weights, not the fp32 [T, k, Z] product
         return combine(y_PZ, layout, route.weights_TK, z_TZ.dtype)
 
-    def _routed_loop(self, z_TZ: torch.Tensor, route: RouterOutput) -> torch.Tensor:
+    def _loop(self, z_TZ, route: RouterOutput, w_gu, w_down) -> torch.Tensor:
         """sum_j w_tj E_{e_tj}(z_t): experts run on their tokens, results go back to (token, slot)
         order and are summed over the k slots (no scatter-add, so it is deterministic)."""
         T, k = route.experts_TK.shape
         flat_experts = route.experts_TK.reshape(-1)
         order = flat_experts.argsort(stable=True)
-        counts = torch.bincount(flat_experts, minlength=len(self.experts)).tolist()
+        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
         tokens_sorted = z_TZ[order // k]
         outs, start = [], 0
         for e, n in enumerate(counts):
             if n:
-                outs.append(self.experts[e](tokens_sorted[start : start + n]))
+                outs.append(self.expert(e, tokens_sorted[start : start + n], w_gu, w_down))
             start += n
         slots = torch.empty(T * k, z_TZ.shape[-1], dtype=z_TZ.dtype, device=z_TZ.device)
-        slots = slots.index_put((order,), torch.cat(outs)) if outs else slots.zero_()
+        slots = slots.index_put((order,), torch.cat(outs).to(z_TZ.dtype)) if outs else slots.zero_()
         weighted_TKZ = f32(slots.view(T, k, -1)) * route.weights_TK[..., None]
         return weighted_TKZ.sum(1).to(z_TZ.dtype)
+
+
+# ------------------------------------------------------------------ checkpoint layout: one tensor per expert
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts\.)(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def expert_tensor_names(prefix: str, num_experts: int) -> list[str]:
+    """The per-expert checkpoint names of one layer's experts (``prefix`` ends in "experts.")."""
+    return [f"{prefix}{e}.{proj}.weight" for e in range(num_experts) for proj in ("gate_proj", "up_proj", "down_proj")]
+
+
+def stack_expert_weights(named: Iterable[tuple[str, torch.Tensor]], num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Named tensors with one layer's per-expert weights (``...experts.N.gate_proj.weight`` ...) replaced
+    by its two stacked ones (``...experts.gate_up_proj``, ``...experts.down_proj``), yielded once all 3E of
+    that layer have passed; every other tensor passes through as it comes. A layer whose experts are
+    incomplete at the end (or an expert index >= ``num_experts``) is an error naming it."""
+    pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for name, t in named:
+        m = _PER_EXPERT.match(name)
+        if m is None:
+            yield name, t
+            continue
+        prefix, (e, proj) = m["prefix"], _expert_key(name)
+        if e >= num_experts:
+            raise ValueError(f"{name}: expert {e} out of range (num_experts = {num_experts})")
+        parts = pending.setdefault(prefix, {})
+        if (e, proj) in parts:
+            raise ValueError(f"{name} given twice")
+        parts[(e, proj)] = t
+        if len(parts) == 3 * num_experts:
+            del pending[prefix]
+            yield from _stacked(prefix, parts, num_experts)
+    if pending:
+        prefix, parts = next(iter(pending.items()))
+        missing = [n for n in expert_tensor_names(prefix, num_experts) if _expert_key(n) not in parts]
+        raise ValueError(f"{prefix}*: {len(missing)} per-expert tensors missing, e.g. {missing[:3]}")
+
+
+def is_expert_tensor_name(name: str) -> bool:
+    """A per-expert checkpoint name, ``...experts.N.{gate,up,down}_proj.weight``."""
+    return _PER_EXPERT.match(name) is not None
+
+
+def _expert_key(name: str) -> tuple[int, str]:
+    m = _PER_EXPERT.match(name)
+    return int(m["e"]), m["proj"]
+
+
+def _stacked(prefix: str, parts: dict, num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    experts = range(num_experts)
+    gate_up = [torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]]) for e in experts]
+    yield prefix + "gate_up_proj", torch.stack(gate_up)
+    yield prefix + "down_proj", torch.stack([parts[(e, "down_proj")] for e in experts])
+
+
+def expert_conversions() -> list:
+    """transformers' conversion mapping of our checkpoints: per-expert tensors on disk, stacked in the
+    model (``from_pretrained`` merges, ``save_pretrained`` splits back). Registered by ``model.modeling``."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    return [
+        WeightConverter(
+            source_patterns=["block_sparse_moe.experts.*.gate_proj.weight", "block_sparse_moe.experts.*.up_proj.weight"],
+            target_patterns="block_sparse_moe.experts.gate_up_proj",
+            operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
+        ),
+        WeightConverter(
+            source_patterns=["block_sparse_moe.experts.*.down_proj.weight"],
+            target_patterns="block_sparse_moe.experts.down_proj",
+            operations=[MergeModulelist(dim=0)],
+        ),
+    ]
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -33,7 +33,7 @@ def count_parameters(config: HybridConfig) -> ParamCount:
     per_expert = 0
     moe_layers = [layer.block_sparse_moe for layer in model.model.layers if layer.is_moe]
     if moe_layers:
-        per_expert = sum(p.numel() for p in moe_layers[0].experts[0].parameters())
+        per_expert = sum(p.numel() for p in moe_layers[0].experts.parameters()) // config.num_experts
     inactive = (config.num_experts - config.num_experts_per_token) * per_expert * len(moe_layers)
     embedding = model.model.embed_tokens.weight.numel()
     if not config.tie_word_embeddings:

@@ -81,6 +81,9 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """peft target module names; "all-linear" means every nn.Linear except the LM head."""
+    target_parameters: list[str] = field(default_factory=lambda: ["experts.gate_up_proj", "experts.down_proj"])
+    """peft target parameters: the routed experts' stacked weights (``model.lora.ROUTED_EXPERTS``, one adapter
+    per expert); [] leaves the routed experts frozen. peft adapts parameters only without LoRA dropout."""
     sync: str = "merged"
     """Weights shipped to rollout workers: merged (adapters folded into full weights by the learner)
     or adapter (adapter tensors only; workers fold them into their copy of the base weights,

@@ -127,6 +127,9 @@ def _validate_learner(c: LearnerConfig, errors: list[str]) -> None:
            "bfloat16 autocast is for GPUs; use float32 with device=cpu", errors)  # fmt: skip
     _choice(c.balancer, ("frozen", "update"), "learner.balancer", errors)
     _check(c.lora.r >= 1, "learner.lora.r", "must be >= 1", errors)
+    _check(not (c.lora.target_parameters and c.lora.dropout), "learner.lora.dropout",
+           f"must be 0 with target_parameters {list(c.lora.target_parameters)} (peft adapts parameters without "
+           "dropout); set learner.lora.target_parameters=[] to leave the routed experts out", errors)  # fmt: skip
     _check(c.num_workers >= 1, "learner.num_workers", "must be >= 1", errors)
     _choice(c.sharding, ("auto", "fsdp", "none"), "learner.sharding", errors)
     _check(c.num_gpus is None or c.num_gpus >= 0, "learner.num_gpus", "must be >= 0", errors)

@@ -166,7 +166,8 @@ class Learner:
         lc = self.cfg.lora
         targets = lc.target_modules[0] if lc.target_modules == ["all-linear"] else list(lc.target_modules)
         peft_cfg = PeftLoraConfig(
-            r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=targets
+            r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=targets,
+            target_parameters=list(lc.target_parameters) or None,
         )
         return get_peft_model(model, peft_cfg)
 

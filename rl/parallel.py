@@ -23,11 +23,11 @@ Gradient reduction: the loss weights of a mini-batch are normalised over the who
 (rl/losses.py), so the mini-batch gradient is the *sum* of the ranks' gradients: the reduce-scatter's
 divide factor is set to 1 (FSDP's default would average).
 
-Expert parallelism (not done here) slots in without changing the model: ``SparseMoE.experts`` is a
-ModuleList of per-expert GLUs, so an EP mesh dimension would give each rank E / ep of them (the others
-moved to meta), the FFN unit would be ``fully_shard``-ed over the remaining data-parallel sub-mesh only
-(``mesh["dp_shard"]``), and ``SparseMoE._routed`` would dispatch tokens to the owning rank by all-to-all.
-Nothing here flattens or concatenates expert weights across experts, so no layout stands in the way.
+Expert parallelism (not done here) slots in without changing the model's layout: ``SparseMoE.experts``
+holds the experts as two stacked weights [E, ...] (``model.moe.GroupedExperts``), so an EP mesh dimension
+gives each rank rows E / ep of them (a shard on dim 0), the FFN unit is ``fully_shard``-ed over the
+remaining data-parallel sub-mesh only (``mesh["dp_shard"]``), and ``GroupedExperts.forward`` dispatches
+tokens to the owning rank by all-to-all.
 """
 
 from __future__ import annotations

@@ -2,12 +2,13 @@
 
 The rollout model has no LoRA layers (plain ``nn.Linear``, see ``rollout.vllm_model``), so an
 adapter update folds the adapter into the weights: for every targeted Linear,
-``W = W_base + scale * (B @ A)`` with ``scale = alpha / r`` (``alpha / sqrt(r)`` with rsLoRA), the
+``W = W_base + scale * (B @ A)``, and per expert for the stacked routed-expert weights
+(``AdapterTarget``) with ``scale = alpha / r`` (``alpha / sqrt(r)`` with rsLoRA), the
 same arithmetic, in the same order, as peft's ``merge_adapter``; an fp32 engine therefore ends up
 with bitwise the weights of the learner's merged export.
 
 Every adapter update is relative to the base, never to the previous adapter: the model keeps a
-pristine copy of the base weight of each Linear an adapter has touched (``_lh_lora_base``, only
+pristine copy of each base weight an adapter has touched (``_lh_lora_base``, only
 those). Deviation from "copy at load": the copy of a module is taken the first time an adapter
 targets it (until then the running weight *is* the base, since only adapters change it), which
 needs no knowledge of the learner's target list. A full weight update replaces the base copy of
@@ -120,8 +121,31 @@ def _scale_fields(cfg: dict, where: str) -> dict:
     }
 
 
-def adapter_deltas(model: nn.Module, adapter: AdapterWeights) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Module path -> (A [r, in], B [out, r]), every name and shape checked against ``model``."""
+@dataclass
+class AdapterTarget:
+    """One adapted weight of the model: ``param`` (its name) gets ``scale * delta(A, B)``.
+
+    An nn.Linear weight [out, in]: A [r, in], B [out, r], delta = B @ A. A stacked expert weight [E, out, in]
+    (``model.moe.GroupedExperts``, adapted through peft's ``target_parameters``): one rank-r adapter per
+    expert, A [E r, in] (expert e's rows e r .. e r + r - 1), B [out, r E] (interleaved: column j E + e), and
+    delta[e] = B_e @ A_e, the einsum of peft's ``ParamWrapper.get_delta_weight``."""
+
+    param: str
+    A: torch.Tensor
+    B: torch.Tensor
+    experts: int = 0  # 0: an nn.Linear weight
+
+    def delta(self, scale: float, device: torch.device) -> torch.Tensor:
+        A, B = self.A.to(device, torch.float32), self.B.to(device, torch.float32)
+        if not self.experts:
+            return (B @ A) * scale
+        E = self.experts
+        r = A.shape[0] // E
+        return torch.einsum("o r e, e r i -> e o i", B.view(B.shape[0], r, E), A.view(E, r, -1)) * scale
+
+
+def adapter_deltas(model: nn.Module, adapter: AdapterWeights) -> dict[str, AdapterTarget]:
+    """Weight name -> its ``AdapterTarget``, every name and shape checked against ``model``."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in adapter.tensors.items():
         for kind in ("lora_A", "lora_B"):
@@ -135,58 +159,78 @@ def adapter_deltas(model: nn.Module, adapter: AdapterWeights) -> dict[str, tuple
             )
     modules = dict(model.named_modules())
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    out = {}
+    out: dict[str, AdapterTarget] = {}
     for path, ab in sorted(pairs.items()):
-        lin = modules.get(path)
-        if not isinstance(lin, nn.Linear):
-            found = "no module" if lin is None else f"a {type(lin).__name__}, not an nn.Linear"
-            raise ValueError(f"adapter targets {path!r}: the vLLM model has {found} there")
-        if tied and path == "lm_head":
-            raise ValueError("adapter targets lm_head, which is tied to the embedding in this model")
         if set(ab) != {"lora_A", "lora_B"}:
             raise ValueError(f"adapter for {path!r} has {sorted(ab)} only; it needs lora_A and lora_B")
-        A, B = ab["lora_A"], ab["lora_B"]
-        want_A, want_B = (adapter.r, lin.in_features), (lin.out_features, adapter.r)
+        if tied and path == "lm_head":
+            raise ValueError("adapter targets lm_head, which is tied to the embedding in this model")
+        target = _target(modules, path, ab["lora_A"], ab["lora_B"], adapter.r)
+        if target.param in out:
+            raise ValueError(f"two adapters in the file target {target.param!r}")
+        out[target.param] = target
+    return out
+
+
+def _target(modules: dict[str, nn.Module], path: str, A: torch.Tensor, B: torch.Tensor, r: int) -> AdapterTarget:
+    """The weight an adapter at module ``path`` adapts (peft nests the wrappers of several target
+    parameters of one module: ``experts``, ``experts.base_layer``, ...; which of them this is follows from
+    the adapter's shapes)."""
+    from model.moe import GroupedExperts
+
+    owner_path = path
+    while owner_path.endswith(".base_layer"):
+        owner_path = owner_path.removesuffix(".base_layer")
+    mod = modules.get(owner_path)
+    if isinstance(mod, nn.Linear) and owner_path == path:
+        want_A, want_B = (r, mod.in_features), (mod.out_features, r)
         if tuple(A.shape) != want_A or tuple(B.shape) != want_B:
             raise ValueError(
                 f"adapter for {path!r}: lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)} do not fit "
-                f"r={adapter.r} and the Linear's weight {tuple(lin.weight.shape)} (want {want_A} / {want_B})"
+                f"r={r} and the Linear's weight {tuple(mod.weight.shape)} (want {want_A} / {want_B})"
             )
-        out[path] = (A, B)
-    return out
+        return AdapterTarget(f"{path}.weight", A, B)
+    if isinstance(mod, GroupedExperts):
+        E = mod.num_experts
+        for name in ("gate_up_proj", "down_proj"):
+            _, out_f, in_f = getattr(mod, name).shape
+            if tuple(A.shape) == (r * E, in_f) and tuple(B.shape) == (out_f, r * E):
+                return AdapterTarget(f"{owner_path}.{name}", A, B, experts=E)
+        raise ValueError(
+            f"adapter for {path!r}: lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)} fit neither expert weight "
+            f"(gate_up_proj {tuple(mod.gate_up_proj.shape)}, down_proj {tuple(mod.down_proj.shape)}) at r={r}"
+        )
+    found = "no module" if mod is None else f"a {type(mod).__name__}, not an nn.Linear or the routed experts"
+    raise ValueError(f"adapter targets {path!r}: the vLLM model has {found} there")
 
 
 @torch.no_grad()
 def apply_adapter(model: nn.Module, adapter: AdapterWeights) -> int:
-    """Set every targeted Linear to base + scale * B @ A (others adapted before back to base)."""
+    """Set every targeted weight to base + scale * delta (others adapted before back to base)."""
     deltas = adapter_deltas(model, adapter)  # raises before anything changes
     base: dict[str, torch.Tensor] = model.__dict__.setdefault(_BASE_ATTR, {})
-    modules = dict(model.named_modules())
-    for path in deltas:
-        if path not in base:  # never adapted since its last full load: the running weight is the base
-            base[path] = modules[path].weight.detach().clone()
-    for path, W_base in base.items():
-        W = modules[path].weight
-        if path in deltas:
-            A, B = deltas[path]
-            dev = W_base.device
-            # peft's merge order: W + (B @ A) * scale, here in fp32 whatever the engine dtype
-            delta_OI = (B.to(dev, torch.float32) @ A.to(dev, torch.float32)) * adapter.scale
-            W.copy_((W_base.float() + delta_OI).to(W.dtype))
+    params = dict(model.named_parameters())
+    for name in deltas:
+        if name not in base:  # never adapted since its last full load: the running weight is the base
+            base[name] = params[name].detach().clone()
+    for name, W_base in base.items():
+        W = params[name]
+        if name in deltas:
+            # peft's merge order: W + delta * scale, here in fp32 whatever the engine dtype
+            W.copy_((W_base.float() + deltas[name].delta(adapter.scale, W_base.device)).to(W.dtype))
         else:
             W.copy_(W_base)
     return len(deltas)
 
 
 def rebase_after_full_update(model: nn.Module, names: list[str]) -> int:
-    """A full update carried these tensors: they are the new base of any module adapted so far."""
+    """A full update carried these tensors: they are the new base of any weight adapted so far."""
     base: dict[str, torch.Tensor] = model.__dict__.get(_BASE_ATTR, {})
-    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
     refreshed = 0
     for name in names:
-        path = name.removesuffix(".weight")
-        if name.endswith(".weight") and path in base:
-            base[path] = modules[path].weight.detach().clone()
+        if name in base:
+            base[name] = params[name].detach().clone()
             refreshed += 1
     return refreshed
 

@@ -28,6 +28,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 
 from model.config import HybridConfig
 from model.modeling import HybridModel
+from model.moe import stack_expert_weights
 from rollout.vllm_layers import (
     KDAStateLayer,
     MLALatentPagedAttention,
@@ -98,11 +99,12 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         """Copy checkpoint tensors in place (also used for weight updates from the learner).
 
         Every name and shape is checked before anything is copied, so a bad update leaves the
-        running weights untouched."""
+        running weights untouched. Per-expert tensors (``save_pretrained``'s layout on disk) are stacked
+        into the model's two expert weights per layer first (``model.moe.stack_expert_weights``)."""
         targets = dict(self.named_parameters())
         targets.update(dict(self.named_buffers()))
         items = []
-        for name, tensor in weights:
+        for name, tensor in stack_expert_weights(weights, self.config.num_experts):
             tied_head = name == "lm_head.weight" and self.config.tie_word_embeddings and name not in targets
             if tied_head:  # the learner's tied head is the embedding, which is loaded under its own name
                 name = "model.embed_tokens.weight"

@@ -1,4 +1,5 @@
-"""PEFT LoRA on attention, KDA and expert projections: wraps, trains a step, merges exactly."""
+"""PEFT LoRA on attention, KDA and expert projections (the routed experts' stacked weights through
+``target_parameters``): wraps, trains a step, merges exactly."""
 
 from __future__ import annotations
 
@@ -6,13 +7,17 @@ import torch
 from model_cases import tiny_config
 from peft import LoraConfig, get_peft_model
 
-from model.lora import lora_target_modules
+from model.fast import use_fast_paths
+from model.lora import lora_target_modules, lora_target_parameters
 from model.modeling import HybridForCausalLM
 
 
 def test_lora_wraps_trains_and_merges_to_identical_outputs():
     model = HybridForCausalLM(tiny_config(q_lora_rank=16, routed_expert_hidden_size=32))
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=lora_target_modules())
+    lora = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=lora_target_modules(),
+        target_parameters=lora_target_parameters(),
+    )
     peft_model = get_peft_model(model, lora)
     wrapped = {n.rsplit(".lora_A", 1)[0] for n, _ in peft_model.named_parameters() if ".lora_A" in n}
     for needle in (
@@ -20,7 +25,8 @@ def test_lora_wraps_trains_and_merges_to_identical_outputs():
         "self_attn.kv_b_proj",
         "self_attn.f_a_proj",  # KDA
         "self_attn.k_proj",
-        "experts.0.gate_proj",  # routed experts
+        "block_sparse_moe.experts.base_layer",  # routed experts: gate_up_proj (peft nests the wrappers)
+        "block_sparse_moe.experts",  # and down_proj
         "shared_experts.down_proj",
         "routed_expert_up_proj",
     ):
@@ -33,6 +39,8 @@ def test_lora_wraps_trains_and_merges_to_identical_outputs():
     opt = torch.optim.SGD([p for p in peft_model.parameters() if p.requires_grad], lr=0.5)
     loss = peft_model(input_ids=ids, labels=ids).loss
     loss.backward()
+    expert_grads = [p.grad for n, p in peft_model.named_parameters() if ".experts." in n and "lora_B" in n]
+    assert len(expert_grads) == 2 * 3 and all(float(g.abs().sum()) > 0 for g in expert_grads)
     opt.step()
     peft_model.eval()
     with torch.no_grad():
@@ -56,3 +64,23 @@ def test_peft_causal_lm_task_type_forward_and_generate():
     ids = torch.randint(0, 128, (1, 8))
     assert torch.isfinite(peft_model(input_ids=ids, labels=ids).loss)
     assert peft_model.generate(input_ids=ids, max_new_tokens=3).shape == (1, 11)
+
+
+def test_lora_on_routed_experts_grouped_equals_loop():
+    """The adapter merges into the stacked weights at each forward, so both MoE paths see it."""
+    torch.manual_seed(0)
+    model = HybridForCausalLM(tiny_config(routed_expert_hidden_size=32))
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=lora_target_parameters())
+    peft_model = get_peft_model(model, lora)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.1)  # a nonzero adapter (peft starts B at zero)
+    ids = torch.randint(0, 128, (1, 20))
+    outs = {}
+    for impl in ("loop", "grouped"):
+        with use_fast_paths("auto", moe=impl), torch.no_grad():
+            outs[impl] = peft_model(input_ids=ids).logits
+    torch.testing.assert_close(outs["grouped"], outs["loop"], rtol=1e-5, atol=1e-5)
+    with peft_model.disable_adapter(), torch.no_grad():
+        assert not torch.allclose(peft_model(input_ids=ids).logits, outs["loop"], atol=1e-4)

@@ -22,9 +22,12 @@ def _lora_model(base, seed: int):
     """A peft LoRA model on a copy of ``base`` with random (non-zero) A and B."""
     from peft import LoraConfig, get_peft_model
 
-    from model.lora import lora_target_modules
+    from model.lora import lora_target_modules, lora_target_parameters
 
-    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=lora_target_modules())
+    cfg = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=lora_target_modules(),
+        target_parameters=lora_target_parameters(),  # the routed experts' stacked weights, one adapter per expert
+    )
     peft_model = get_peft_model(copy.deepcopy(base), cfg).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -110,6 +113,10 @@ def test_adapter_update_equals_merged_update_and_never_accumulates(engines, adap
     ids = torch.tensor([PROMPTS["p1"]])
     assert out_a1[1].token_ids == peft1.generate(input_ids=ids, max_new_tokens=10)[0, -10:].tolist()
     assert torch.equal(_weight(a, Q), merged1[Q])  # bitwise peft's merge (fp32 engine)
+    experts = [k for k in merged1 if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert experts and all(not torch.equal(merged1[k], base.state_dict()[k]) for k in experts)
+    for k in experts:  # the stacked expert weights: one adapter per expert, peft's einsum
+        torch.testing.assert_close(_weight(a, k), merged1[k], rtol=0, atol=1e-6)
 
     a.update_weights(AdapterWeights.from_dir(dir2), version=2, adapter_only=True)  # in-memory tensors
     m.update_weights(merged2, version=2)
