@@ -477,6 +477,24 @@ class Learner:
 
         close_sender(name)
 
+    # ------------------------------------------------------------------ the ipc weight sync's sending end
+    # (rank 0 only; rl/weight_sync.py steps the stream bucket by bucket and keeps it in this process)
+    def open_weight_ipc(self, name: str, kind: str = "full", bucket_bytes: int | None = None) -> None:
+        from rl.weight_sync import open_ipc_stream
+
+        open_ipc_stream(name, self.weight_buckets(kind, bucket_bytes), kind, self.device)
+
+    def next_weight_ipc(self, name: str, acked: int):
+        """Free the buckets up to ``acked`` (loaded by every worker), share the next one (None: done)."""
+        from rl.weight_sync import next_ipc_bucket
+
+        return next_ipc_bucket(name, acked)
+
+    def close_weight_ipc(self, name: str) -> int:
+        from rl.weight_sync import close_ipc_stream
+
+        return close_ipc_stream(name)
+
     def _write_gathered(self, path: Path, kind: str) -> None:
         """``weight_buckets(kind)`` written by rank 0: an HF sharded checkpoint (config.json + shards) or,
         for ``adapter``, a peft-style adapter directory; every rank joins the gathers."""
