@@ -36,7 +36,8 @@ started from, rollout/adapters.py). How it travels is the transport (``learner.w
   and times it against the other two transports (NCCL is not exercised by the CPU tests).
 - ``ipc``: the learner and its engines on one GPU (colocated: ``learner.num_gpus=0.5
   rollout.worker_num_gpus=0.5``), or CPU learner and engines on one host (the CPU tests). Rank 0 gathers
-  the same buckets as for ``object_store`` (LoRA merge included), packs each into one flat buffer per
+  the same buckets as for ``object_store`` (LoRA merge included, on the host; without LoRA the gathered
+  copies stay on the learner's GPU), packs each into one flat buffer per
   dtype on its device (``flatten_bucket``, the nccl wire's layout) and sends the workers handles to
   those buffers, not their bytes (rollout/weight_ipc.py): a CUDA IPC handle (``reduce_tensor``) on a
   GPU, the name of a shared-memory file on the CPU. Each worker maps the learner's memory, loads the
