@@ -1,7 +1,8 @@
-"""The weight-sync transports between GPUs: ``nccl`` (ProcessGroupNCCL) against object_store and directory.
+"""The weight-sync transports on GPUs: ``nccl`` (ProcessGroupNCCL) between GPUs and ``ipc`` (CUDA IPC) on
+one GPU, each against object_store and directory.
 
     python bench/weight_sync_gpu.py --out DIR [--preset gpu_1b] [--bucket-mb 256] [--repeats 2]
-                                    [--parts sync,shared_gpu] [--lora] [--learner-ranks 1]
+                                    [--parts sync,colocated,shared_gpu] [--lora] [--learner-ranks 1]
 
 A local Ray cluster; the learner group (``--learner-ranks`` Learner actors, one GPU each) and one
 rollout worker actor (a vLLM engine on a GPU of its own) started from the learner's export, as
@@ -13,7 +14,13 @@ rl/train.py sets them up. Parts:
   or moved it wrong, fails); then ``--repeats`` more pushes timed (``perf/sync_s``, and GiB/s of the
   engine's weights: the learner sends its fp32 tensors, so the wire carries more under a bf16 engine). The nccl group's backend must be ``nccl`` when every end is on CUDA.
   ``--lora``: adapter-only sync (the learner sharded with fsdp, also at one rank).
-  Needs a second GPU for the engine (skipped on one GPU: the learner reserves it).
+  Needs a second GPU for the engine (skipped on one GPU: the learner reserves it). On CUDA an ipc push
+  to that engine must then be refused naming both GPUs (CUDA IPC maps memory of the same GPU only).
+* ``colocated``: the learner and one rollout worker on one GPU (Ray shares of 0.5 each, as
+  configs/exp/gpu_colocated.yaml; on a one-GPU machine the learner reserves 0.5 for it), the same
+  zero / push / SHA-1 check and timing for ``--colocated-transports`` (directory, the reference; then
+  object_store, then ipc: the engine maps the learner's bucket buffers by CUDA IPC). Skipped on two or
+  more GPUs (the learner holds a whole one there); on CPU it runs the same code through shared memory.
 * ``shared_gpu``: two rollout workers on one GPU (``num_gpus=0.5`` each, the learner on another), or on a
   one-GPU machine one worker beside the learner: an nccl push must be refused naming both ends (NCCL
   cannot put two ranks on one device).
@@ -21,7 +28,8 @@ rl/train.py sets them up. Parts:
 Results: DIR/weight_sync_gpu.json (rewritten after every part); exit 1 when a check fails. On a
 machine without CUDA it runs on CPU (gloo; ``--preset tiny``), which is how the script is tried here.
 
-Device run (2 GPUs: nvidia-h200-x2; on nvidia-h200 only ``shared_gpu`` runs), with the Ray, vLLM,
+Device run (2 GPUs: nvidia-h200-x2 for ``sync``; nvidia-h200 for ``colocated``, and ``shared_gpu`` on
+either), with the Ray, vLLM,
 omegaconf and gymnasium wheels carried as for bench/rollout_gpu.py (bench/RESULTS.md, "Rollout on the
 H200")::
 
@@ -126,6 +134,8 @@ class Bench:
         overrides = [f"learner.device={'cuda' if self.cuda else 'cpu'}", f"learner.sync_bucket_mb={a.bucket_mb}",
                      f"learner.num_workers={a.learner_ranks}", "learner.torch_threads=null",
                      f"learner.sync_timeout_s={a.timeout_s}"]  # fmt: skip
+        if self.colocates():  # half of the one GPU, the other half for the colocated part's engine
+            overrides.append("learner.num_gpus=0.5")
         if a.lora:  # sharded (fsdp, also at one rank): the unsharded learner's LoRA base export of a random
             # init writes a config.json without ``architectures``, which vLLM refuses
             overrides += ["learner.lora.enabled=true", "learner.lora.sync=adapter", "learner.sharding=fsdp"]
@@ -133,6 +143,10 @@ class Bench:
         from bench.learner_mfu import load_arch
 
         return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, arch=load_arch(PRESETS[a.preset]), seed=0))
+
+    def colocates(self) -> bool:
+        """A one-GPU machine: the learner and the colocated part's engine share its GPU."""
+        return self.cuda and self.results["gpus"] == 1 and "colocated" in self.args.parts
 
     def save(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -169,10 +183,60 @@ class Bench:
             ray.get(w.update_weights.remote(adapter, version, True))
         ray.get(w.get_version.remote())
         log(f"engine up in {time.time() - t0:.1f} s")
-        pool, out, reference = Pool([w], version), {}, None
+        pool = Pool([w], version)
+        out = self.time_transports("sync", syncs, pool, self.args.transports)
+        if "nccl" in out:
+            out["nccl"]["backend"] = syncs["nccl"].group.backend
+            if self.cuda:
+                self.check("nccl_group_is_nccl_on_cuda", syncs["nccl"].group.backend == "nccl")
+        if self.cuda:  # the engine on a GPU of its own: CUDA IPC cannot map the learner's memory there
+            ipc_cfg = dataclasses.replace(self.cfg.learner, weight_sync="ipc")
+            ipc = WeightSync(group, ipc_cfg, self.tmp / "ipc")
+            try:
+                ipc.push(pool)
+                message = ""
+            except ValueError as e:
+                message = str(e)
+            out["ipc_refused"] = message
+            self.check("ipc_on_another_gpu_refused_by_name", "rollout worker 0 is on GPU" in message)
+        for sync in syncs.values():
+            sync.close()
+        ray.get(w.shutdown.remote())
+        ray.kill(w)
+        return out
+
+    def part_colocated(self, group) -> dict:
+        """The learner and the engine on one GPU (or both on the CPU): directory, object_store, ipc."""
+        import ray
+
+        from rl.weight_sync import WeightSync
+
+        if self.cuda and not self.colocates():
+            return {"skipped": f"{self.results['gpus']} GPUs: the learner holds a whole one; run on one GPU"}
+        transports = self.args.colocated_transports
+        syncs = {t: WeightSync(group, dataclasses.replace(self.cfg.learner, weight_sync=t), self.tmp / f"co_{t}")
+                 for t in transports}  # fmt: skip
+        start, adapter, version = syncs[transports[0]].start_weights()
+        w = self.worker(start, 0.5, self.args.gpu_share)  # the other half of the learner's GPU
+        if adapter:
+            ray.get(w.update_weights.remote(adapter, version, True))
+        out = self.time_transports("colocated", syncs, Pool([w], version), transports)
+        for sync in syncs.values():
+            sync.close()
+        ray.get(w.shutdown.remote())
+        ray.kill(w)
+        return out
+
+    def time_transports(self, part: str, syncs: dict, pool: Pool, transports: list[str]) -> dict:
+        """For each transport: zero the engine, push, compare every tensor's SHA-1 with the first transport's
+        (the reference), then time ``--repeats`` more pushes. Results land in ``parts[part]`` as they come."""
+        import ray
+
+        w = pool.workers[0]
+        out, reference = {}, None
         gib = ray.get(w.nbytes.remote()) / 2**30
         self.results["engine_gib"] = gib
-        for t in self.args.transports:
+        for t in transports:
             ray.get(w.zero_weights.remote())
             first = syncs[t].push(pool)
             got = ray.get(w.digest.remote())
@@ -180,21 +244,14 @@ class Bench:
                 reference = got
             bad = [k for k in reference if reference[k] != got.get(k)]
             ok = not bad and got.keys() == reference.keys()
-            self.check(f"{t}_weights_equal_the_reference", ok)  # the first transport's (directory)
+            name = t if part == "sync" else f"{part}_{t}"
+            self.check(f"{name}_weights_equal_the_reference", ok)  # the first transport's (directory)
             times = [first.seconds] + [syncs[t].push(pool).seconds for _ in range(self.args.repeats)]
             out[t] = {"seconds": times, "best_s": min(times), "engine_gib_per_s": gib / min(times),
                       "buckets": first.buckets, "mismatched": bad[:10]}  # fmt: skip
-            if t == "nccl":
-                out[t]["backend"] = syncs[t].group.backend
-                if self.cuda:
-                    self.check("nccl_group_is_nccl_on_cuda", syncs[t].group.backend == "nccl")
-            log(f"{t}: {times} s, {first.buckets} buckets")
-            self.results["parts"]["sync"] = out
+            log(f"{part} {t}: {times} s, {first.buckets} buckets")
+            self.results["parts"][part] = out
             self.save()
-        for sync in syncs.values():
-            sync.close()
-        ray.get(w.shutdown.remote())
-        ray.kill(w)
         return out
 
     def part_shared_gpu(self, group) -> dict:
@@ -248,8 +305,9 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: gpu_1b on CUDA, else tiny")
     p.add_argument("--bucket-mb", type=float, default=256)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--parts", default="sync,shared_gpu")
-    p.add_argument("--transports", default="directory,object_store,nccl")
+    p.add_argument("--parts", default="sync,colocated,shared_gpu")
+    p.add_argument("--transports", default="directory,object_store,nccl", help="of the sync part")
+    p.add_argument("--colocated-transports", default="directory,object_store,ipc", help="the colocated part's")
     p.add_argument("--lora", action="store_true", help="LoRA adapter-only sync")
     p.add_argument("--learner-ranks", type=int, default=1)
     p.add_argument("--timeout-s", type=float, default=120)
@@ -260,6 +318,7 @@ def main(argv=None) -> int:
     args.preset = args.preset or ("gpu_1b" if torch.cuda.is_available() else "tiny")
     args.parts = args.parts.split(",")
     args.transports = args.transports.split(",")
+    args.colocated_transports = args.colocated_transports.split(",")
     return Bench(args).run()
 
 

@@ -156,7 +156,7 @@ class RolloutConfig:
     """Ray GPUs reserved per rollout worker (rl/placement.py). Unset: 1 on a cluster with GPUs, else 0.
     A fraction shares a GPU (with the learner or other workers); bound the engine's memory with
     engine.gpu_memory_utilization or engine.kv_cache_memory_bytes then. learner.weight_sync=nccl needs a
-    GPU of its own per engine (NCCL cannot put two ranks on one GPU)."""
+    GPU of its own per engine (NCCL cannot put two ranks on one GPU); ipc needs the learner's GPU."""
     group_size: int = 8
     """Episodes per task (G): the unit of group baselines."""
     tasks_per_step: int = 8
@@ -341,13 +341,16 @@ class LearnerConfig:
     """How new weights reach the rollout workers (rl/weight_sync.py): directory (a checkpoint directory
     under run.dir that every worker reads), object_store (buckets through Ray's object store, no files),
     nccl (buckets broadcast over a process group of the learner and the workers: NCCL when every end is
-    on CUDA, each on a GPU of its own (rollout.worker_num_gpus=1), gloo otherwise; a learner sharing its
-    GPU with an engine uses object_store)."""
+    on CUDA, each on a GPU of its own (rollout.worker_num_gpus=1), gloo otherwise), ipc (a learner
+    sharing its GPU with the engines, or CPU learner and engines on one host: each bucket stays in the
+    learner's device buffers, the workers map them by CUDA IPC or shared-memory handle and copy in place;
+    an engine on another GPU is refused)."""
     sync_bucket_mb: float = 256
     """Largest bucket of gathered parameters (MiB) an export or sync holds in one host buffer."""
     sync_timeout_s: float = 300
     """weight_sync=nccl: the broadcast group's timeout; a worker that never joins a collective makes the
-    sync fail after it, naming the worker, instead of hanging."""
+    sync fail after it, naming the worker, instead of hanging. weight_sync=ipc: the longest a worker may
+    take to load one bucket."""
 
 
 # --------------------------------------------------------------------------- sft

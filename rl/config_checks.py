@@ -135,7 +135,7 @@ def _validate_learner(c: LearnerConfig, errors: list[str]) -> None:
     _check(c.num_gpus is None or c.num_gpus >= 0, "learner.num_gpus", "must be >= 0", errors)
     _check(not (c.sharding == "none" and c.num_workers > 1), "learner.sharding",
            "none needs learner.num_workers=1 (several learner ranks shard with fsdp)", errors)  # fmt: skip
-    _choice(c.weight_sync, ("directory", "object_store", "nccl"), "learner.weight_sync", errors)
+    _choice(c.weight_sync, ("directory", "object_store", "nccl", "ipc"), "learner.weight_sync", errors)
     _check(c.sync_bucket_mb > 0, "learner.sync_bucket_mb", "must be > 0", errors)
     _check(c.sync_timeout_s > 0, "learner.sync_timeout_s", "must be > 0", errors)
     _choice(c.lora.sync, ("merged", "adapter"), "learner.lora.sync", errors)

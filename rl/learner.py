@@ -418,11 +418,14 @@ class Learner:
             self._save_merged(path, merge=False)
         return WeightUpdate(self.version, str(path), adapter_only=False)
 
-    def weight_buckets(self, kind: str = "full", bucket_bytes: int | None = None):
+    def weight_buckets(self, kind: str = "full", bucket_bytes: int | None = None, device=None):
         """The weights the rollout engines load, as buckets of whole CPU tensors under the engines'
         names (``rl.parallel.full_tensors``): ``full`` (adapters merged in with LoRA), ``base`` (LoRA's
         frozen base) or ``adapter`` (LoRA tensors only, peft's save names). A generator every rank of a
-        group must drain (the gathers are collective); only rank 0 gets buckets."""
+        group must drain (the gathers are collective); only rank 0 gets buckets. ``device``: where a
+        model without LoRA puts its copies (the ipc transport: the learner's GPU, no round trip through
+        the host; the values are the same); LoRA's tensors stay on the host, where the merge is computed
+        for every transport alike."""
         from rl.parallel import DEFAULT_BUCKET_BYTES, full_tensors
 
         size = bucket_bytes or DEFAULT_BUCKET_BYTES
@@ -430,7 +433,8 @@ class Learner:
         if not self.cfg.lora.enabled:
             if kind != "full":
                 raise ValueError(f"weight_buckets({kind!r}) is for LoRA training (learner.lora.enabled)")
-            yield from full_tensors(self.base_model, self.dist, size, lambda n: not (tied and n == "lm_head.weight"))
+            keep = lambda n: not (tied and n == "lm_head.weight")
+            yield from full_tensors(self.base_model, self.dist, size, keep, device or "cpu")
             return
         if kind == "adapter":
             for bucket in full_tensors(self.policy, self.dist, size, lambda n: "lora_" in n):
@@ -477,6 +481,24 @@ class Learner:
         from rl.weight_sync import close_sender
 
         close_sender(name)
+
+    # ------------------------------------------------------------------ the ipc weight sync's sending end
+    # (rank 0 only; rl/weight_sync.py steps the stream bucket by bucket and keeps it in this process)
+    def open_weight_ipc(self, name: str, kind: str = "full", bucket_bytes: int | None = None) -> None:
+        from rl.weight_sync import open_ipc_stream
+
+        open_ipc_stream(name, self.weight_buckets(kind, bucket_bytes, self.device), kind, self.device)
+
+    def next_weight_ipc(self, name: str, acked: int):
+        """Free the buckets up to ``acked`` (loaded by every worker), share the next one (None: done)."""
+        from rl.weight_sync import next_ipc_bucket
+
+        return next_ipc_bucket(name, acked)
+
+    def close_weight_ipc(self, name: str) -> int:
+        from rl.weight_sync import close_ipc_stream
+
+        return close_ipc_stream(name)
 
     def _write_gathered(self, path: Path, kind: str) -> None:
         """``weight_buckets(kind)`` written by rank 0: an HF sharded checkpoint (config.json + shards) or,

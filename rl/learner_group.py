@@ -175,6 +175,13 @@ class LearnerGroup:
         others = [a.drain_weight_buckets.remote(kind, bucket_bytes) for a in self.ranks[1:]]
         return head, others
 
+    def weight_ipc(self, name: str, kind: str, bucket_bytes: int | None = None):
+        """Rank 0 opening ipc stream ``name`` of its buckets (the ipc transport, rl/weight_sync.py, steps it
+        with ``next_weight_ipc``); the other ranks join the gathers as for ``weight_stream``."""
+        opened = self.ranks[0].open_weight_ipc.remote(name, kind, bucket_bytes)
+        others = [a.drain_weight_buckets.remote(kind, bucket_bytes) for a in self.ranks[1:]]
+        return opened, others
+
     def sender_call(self, method: str, *args):
         """Rank 0's ``method`` (a weight-broadcast group's sending end) as an object ref, not waited on:
         the group's setup needs rank 0 and the workers in it at once."""

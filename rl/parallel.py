@@ -213,10 +213,12 @@ def routing_stats_untouched(gates):
 
 # --------------------------------------------------------------------------- gathered weights
 def full_tensors(module: nn.Module, d: Distributed | None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 keep: Callable[[str], bool] = lambda name: True) -> Iterator[dict[str, torch.Tensor]]:  # fmt: skip
-    """``module``'s state dict as whole CPU tensors in buckets of at most ``bucket_bytes`` (a tensor
-    larger than that alone), in state-dict order. Every rank must iterate (each sharded tensor is an
-    all-gather); only the main rank gets buckets, the others iterate over nothing but the gathers."""
+                 keep: Callable[[str], bool] = lambda name: True,
+                 device: str | torch.device = "cpu") -> Iterator[dict[str, torch.Tensor]]:  # fmt: skip
+    """``module``'s state dict as whole tensors (copies on ``device``, the host unless asked) in buckets of
+    at most ``bucket_bytes`` (a tensor larger than that alone), in state-dict order. Every rank must
+    iterate (each sharded tensor is an all-gather); only the main rank gets buckets, the others iterate
+    over nothing but the gathers."""
     from torch.distributed.tensor import DTensor
 
     bucket: dict[str, torch.Tensor] = {}
@@ -227,7 +229,7 @@ def full_tensors(module: nn.Module, d: Distributed | None, bucket_bytes: int = D
         full = t.full_tensor() if isinstance(t, DTensor) else t
         if d is not None and not d.is_main:
             continue
-        full = full.detach().to("cpu", copy=True).contiguous()
+        full = full.detach().to(device, copy=True).contiguous()
         nbytes = full.numel() * full.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket

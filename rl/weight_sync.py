@@ -30,10 +30,26 @@ started from, rollout/adapters.py). How it travels is the transport (``learner.w
   collective carries ``learner.sync_timeout_s``: a worker that dies or never joins makes the sync raise,
   naming the worker, instead of hanging; the broken group is dropped and rebuilt at the next sync.
   NCCL cannot put two ranks on one GPU: every engine needs a GPU of its own (``rollout.worker_num_gpus=1``;
-  the learner reserves its GPU), and a learner colocated with its engine on one GPU must use the
-  in-process paths (``object_store`` / ``directory``); the setup refuses a shared GPU by name. A push that
+  the learner reserves its GPU), and a learner colocated with its engine on one GPU uses ``ipc`` (or
+  ``object_store`` / ``directory``); the setup refuses a shared GPU by name. A push that
   (re)builds the group counts the setup in its ``perf/sync_s``. On GPUs, bench/weight_sync_gpu.py checks
   and times it against the other two transports (NCCL is not exercised by the CPU tests).
+- ``ipc``: the learner and its engines on one GPU (colocated: ``learner.num_gpus=0.5
+  rollout.worker_num_gpus=0.5``), or CPU learner and engines on one host (the CPU tests). Rank 0 gathers
+  the same buckets as for ``object_store`` (LoRA merge included, on the host; without LoRA the gathered
+  copies stay on the learner's GPU), packs each into one flat buffer per
+  dtype on its device (``flatten_bucket``, the nccl wire's layout) and sends the workers handles to
+  those buffers, not their bytes (rollout/weight_ipc.py): a CUDA IPC handle (``reduce_tensor``) on a
+  GPU, the name of a shared-memory file on the CPU. Each worker maps the learner's memory, loads the
+  bucket in place from it (``RolloutWorker.load_ipc_bucket``, the object store's load path) and drops the
+  mapping before it answers; rank 0 frees a buffer only once every worker has answered for it. The
+  driver steps rank 0 bucket by bucket (``open_weight_ipc`` / ``next_weight_ipc`` / ``close_weight_ipc``):
+  rank 0 packs bucket k + 1 while the workers load bucket k, so at most two buckets are alive on the
+  learner's device. Every answer is bounded by ``learner.sync_timeout_s``: a worker that dies or hangs
+  mid-sync makes the push raise naming it (the version is not adopted, as for ``object_store``), and
+  rank 0's stream is closed (its remaining gathers drained, so a sharded group stays in step; its
+  buffers freed). The setup refuses, by name and GPU UUIDs, a worker on another GPU (CUDA IPC maps the
+  same device only: use ``nccl`` there) or another host.
 
 Every push returns a ``SyncReport``; its metrics (``perf/sync_s``: seconds of the whole version's sync,
 export included; ``sync/version``; ``sync/buckets``) go into the step's row of metrics.jsonl.
@@ -49,7 +65,7 @@ from pathlib import Path
 
 from rl.config import LearnerConfig
 
-TRANSPORTS = ("directory", "object_store", "nccl")
+TRANSPORTS = ("directory", "object_store", "nccl", "ipc")
 
 
 @dataclass
@@ -96,6 +112,8 @@ class WeightSync:
         self.weights_dir = Path(weights_dir)
         self.latest: SyncReport | None = None
         self.group: _Group | None = None  # the nccl transport's broadcast group, over the last synced workers
+        self.ipc_checked: set = set()  # the ipc transport: workers (by _member_key) able to map its buffers
+        self.learner_device: dict | None = None
 
     def start_weights(self, renderer=None) -> tuple[str, str | None, int]:
         """(model directory the engines start from, adapter directory or None, version): the current
@@ -136,6 +154,8 @@ class WeightSync:
             return SyncReport(update.version, 0.0, update.adapter_only, buckets=1, path=update.path)
         if self.transport == "nccl":
             return self._broadcast(workers)
+        if self.transport == "ipc":
+            return self._share(workers)
         return self._stream(workers)
 
     def _stream(self, workers: list) -> SyncReport:
@@ -161,6 +181,60 @@ class WeightSync:
         ray.get(others)
         _on_all(workers, "finish_weight_update", version, count)
         return SyncReport(version, 0.0, False, buckets)
+
+    # ------------------------------------------------------------------ the ipc transport
+    def _share(self, workers: list) -> SyncReport:
+        """The learner's buckets shared by handle with ``workers`` (on its GPU or host), one at a time."""
+        self._check_ipc(workers)
+        version = self.learner.version
+        kind = "adapter" if self.adapter_only else "full"
+        name = f"weight-ipc-{uuid.uuid4().hex[:12]}"
+        opened, others = self.learner.weight_ipc(name, kind, self.bucket_bytes)
+        buckets, count, lead, t = 0, 0, "the learner (rank 0)", self.timeout_s
+        try:
+            _get(opened, lead, self.timeout_s, "ipc")
+            pending = self.learner.sender_call("next_weight_ipc", name, -1)
+            while (bucket := _get(pending, lead, self.timeout_s * 2, "ipc")) is not None:
+                # rank 0 frees bucket k - 1 (every worker answered for it) and packs k + 1 while they load k
+                pending = self.learner.sender_call("next_weight_ipc", name, bucket.meta.index - 1)
+                counts = _on_each(workers, "load_ipc_bucket", [(bucket,)] * len(workers), t, "ipc")
+                count += int(counts[0])
+                buckets += 1
+                del bucket
+            _get(self.learner.sender_call("close_weight_ipc", name), lead, self.timeout_s * 2, "ipc")
+            _get(others, "the learner's other ranks", self.timeout_s * 2, "ipc")
+        except BaseException:
+            self._abandon_ipc(name, others)
+            raise
+        if kind == "adapter":
+            fields = self.learner.adapter_scale_fields()
+            _on_each(workers, "finish_ipc_adapter", [(version, fields)] * len(workers), t, "ipc")
+        else:
+            _on_each(workers, "finish_weight_update", [(version, count)] * len(workers), t, "ipc")
+        return SyncReport(version, 0.0, kind == "adapter", buckets)
+
+    def _abandon_ipc(self, name: str, others: list) -> None:
+        """After a failed ipc sync: rank 0 closes the stream (drains its remaining gathers, frees its buffers)
+        and the other ranks finish theirs, waited on a bounded time; best effort, the failure is raised."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.get([self.learner.sender_call("close_weight_ipc", name), *others], timeout=self.timeout_s * 2)
+
+    def _check_ipc(self, workers: list) -> None:
+        """Refuse workers that cannot map the learner's buffers (another GPU or host), before any bucket;
+        each worker is asked once."""
+        from rollout.weight_ipc import check_same_device
+
+        new = [(i, w) for i, w in enumerate(workers) if _member_key(w) not in self.ipc_checked]
+        if not new:
+            return
+        if self.learner_device is None:
+            self.learner_device = _get(self.learner.sender_call("weight_device"), "the learner", None, "ipc")
+        # no timeout: a replacement worker may still be starting its engine
+        devices = _on_each([w for _, w in new], "weight_device", [()] * len(new), None, "ipc")
+        check_same_device(self.learner_device, devices, [f"rollout worker {i}" for i, _ in new])
+        self.ipc_checked.update(_member_key(w) for _, w in new)
 
     # ------------------------------------------------------------------ the nccl transport
     def _broadcast(self, workers: list) -> SyncReport:
@@ -264,7 +338,7 @@ def _member_key(w) -> object:
     return actor_id.hex() if actor_id is not None else id(w)
 
 
-def _get(ref, who: str, timeout_s: float | None):
+def _get(ref, who: str, timeout_s: float | None, transport: str = "nccl"):
     """``ray.get(ref)``; a failure or a wait past ``timeout_s`` (None: no limit) raised as a
     ``WeightSyncError`` naming ``who``."""
     import ray
@@ -272,12 +346,14 @@ def _get(ref, who: str, timeout_s: float | None):
     try:
         return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError as e:
-        raise WeightSyncError(f"weight sync (nccl): {who} did not answer within {timeout_s:.0f} s") from e
+        raise WeightSyncError(f"weight sync ({transport}): {who} did not answer within {timeout_s:.0f} s") \
+            from e  # fmt: skip
     except Exception as e:
-        raise WeightSyncError(f"weight sync (nccl) failed on {who}: {e}") from e
+        raise WeightSyncError(f"weight sync ({transport}) failed on {who}: {e}") from e
 
 
-def _on_each(workers: list, method: str, args: list[tuple], timeout_s: float | None) -> list:
+def _on_each(workers: list, method: str, args: list[tuple], timeout_s: float | None,
+             transport: str = "nccl") -> list:  # fmt: skip
     """``method(*args[i])`` on every worker at once (the ends of a collective must all be in it): actors
     through Ray, in-process workers on threads. The first failure is raised naming its worker."""
     from concurrent.futures import ThreadPoolExecutor
@@ -299,7 +375,7 @@ def _on_each(workers: list, method: str, args: list[tuple], timeout_s: float | N
                     errors[i] = e
     for i, ref in refs.items():
         try:
-            results[i] = _get(ref, f"rollout worker {i}", timeout_s)
+            results[i] = _get(ref, f"rollout worker {i}", timeout_s, transport)
         except WeightSyncError as e:
             errors[i] = e
     if errors:
@@ -307,7 +383,8 @@ def _on_each(workers: list, method: str, args: list[tuple], timeout_s: float | N
         e = errors[i]
         if isinstance(e, WeightSyncError):
             raise e
-        raise WeightSyncError(f"weight sync (nccl) failed on rollout worker {i} ({method}): {e}") from e
+        raise WeightSyncError(f"weight sync ({transport}) failed on rollout worker {i} ({method}): {e}") \
+            from e  # fmt: skip
     return [results[i] for i in range(len(workers))]
 
 
@@ -362,6 +439,77 @@ def _sender(name: str) -> dict:
     if name not in _SENDERS:
         raise KeyError(f"no weight-broadcast group {name!r} on this learner (open_weight_group first)")
     return _SENDERS[name]
+
+
+# One rank-0 learner process holds the stream of each ipc sync in progress, by name: its bucket iterator
+# and the flat buffers still shared with workers (rl/learner.py's ``*_weight_ipc`` methods call these).
+_IPC_STREAMS: dict[str, dict] = {}
+
+
+def open_ipc_stream(name: str, buckets, kind: str, device) -> None:
+    """Start ipc stream ``name`` over ``buckets`` (the learner's ``weight_buckets``, not iterated yet)."""
+    import torch
+
+    from rollout.weight_broadcast import device_record
+
+    close_ipc_stream(name)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    uuid_ = device_record(device)["uuid"]
+    _IPC_STREAMS[name] = {"buckets": iter(buckets), "kind": kind, "device": device, "uuid": uuid_, "live": {},
+                          "next": 0}  # fmt: skip
+
+
+def next_ipc_bucket(name: str, acked: int):
+    """Free the flat buffers of buckets ``<= acked`` (every worker has loaded them and dropped its mapping),
+    then pack the next bucket on the stream's device and return its ``IpcBucket`` (None when done)."""
+    import torch
+
+    from rollout.weight_broadcast import flatten_bucket
+    from rollout.weight_ipc import IpcBucket, share_flat
+
+    s = _ipc_stream(name)
+    for k in [k for k in s["live"] if k <= acked]:
+        del s["live"][k]
+    bucket = next(s["buckets"], None)
+    if bucket is None:
+        return None
+    k, device = s["next"], s["device"]
+    meta, flats = flatten_bucket(bucket, s["kind"], k, device)
+    del bucket
+    if device.type == "cuda":  # the copies are done before another process reads the buffers
+        torch.cuda.current_stream(device).synchronize()
+    handles = tuple(share_flat(f, s["uuid"]) for f in flats)
+    s["live"][k], s["next"] = flats, k + 1
+    return IpcBucket(meta, handles)
+
+
+def close_ipc_stream(name: str) -> int:
+    """End stream ``name``: free its buffers and drain the buckets not sent (their gathers are collective:
+    the other ranks of a sharded learner are in them). Returns the buckets drained."""
+    import torch
+
+    s = _IPC_STREAMS.pop(name, None)
+    if s is None:
+        return 0
+    s["live"].clear()
+    drained = sum(1 for _ in s["buckets"])
+    if s["device"].type == "cuda":
+        torch.cuda.ipc_collect()  # blocks a worker still held (e.g. one that died mapped): freed once released
+    return drained
+
+
+def ipc_stream_state(name: str) -> dict:
+    """(for tests) the buckets sent so far and the indices of the buffers still alive."""
+    s = _ipc_stream(name)
+    return {"sent": s["next"], "live": sorted(s["live"])}
+
+
+def _ipc_stream(name: str) -> dict:
+    if name not in _IPC_STREAMS:
+        raise KeyError(f"no ipc weight stream {name!r} on this learner (open_weight_ipc first)")
+    return _IPC_STREAMS[name]
 
 
 def _node_ip() -> str:

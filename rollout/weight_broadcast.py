@@ -16,8 +16,9 @@ Failure handling: the store and the group carry ``timeout_s``; a collective a pe
 after it on every rank instead of hanging (NCCL: blocking wait and communicator abort without killing
 the process, ``_nccl_error_env``).
 
-NCCL cannot put two ranks of one group on one GPU: a learner and an engine sharing a device need the
-in-process paths (``learner.weight_sync=object_store`` or ``directory``); ``distinct_gpus`` says so.
+NCCL cannot put two ranks of one group on one GPU: a learner and an engine sharing a device use the
+``ipc`` transport (rollout/weight_ipc.py: the same flat buffers, mapped by handle) or ``object_store``;
+``distinct_gpus`` says so.
 """
 
 from __future__ import annotations
@@ -228,9 +229,12 @@ class WeightReceiver:
 
 def device_record(device: torch.device) -> dict:
     """What the group's setup needs to know of one rank's device: type, and the GPU's UUID on CUDA (device
-    indices are per process under Ray's CUDA_VISIBLE_DEVICES; the UUID names the physical GPU)."""
+    indices are per process under Ray's CUDA_VISIBLE_DEVICES; the UUID names the physical GPU), and the
+    host (the ipc transport, rollout/weight_ipc.py, shares memory within one host only)."""
+    from rollout.weight_ipc import host_id
+
     uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
-    return {"type": device.type, "device": str(device), "uuid": uuid}
+    return {"type": device.type, "device": str(device), "uuid": uuid, "host": host_id()}
 
 
 def engine_device(worker) -> dict:
@@ -251,6 +255,7 @@ def distinct_gpus(devices: list[dict], names: list[str]) -> None:
             raise ValueError(f"learner.weight_sync=nccl: {seen[d['uuid']]} and {who} are on the same GPU "
                              f"({d['uuid']}); NCCL cannot put two ranks of one group on one device. Give every "
                              "engine a GPU of its own (rollout.worker_num_gpus=1, besides the learner's); a "
-                             "learner colocated with its engine on one GPU should use the in-process path "
-                             "(learner.weight_sync=object_store or directory)")  # fmt: skip
+                             "learner colocated with its engine on one GPU should use the same-GPU or the "
+                             "in-process paths (learner.weight_sync=ipc: CUDA IPC, no copy through the host; "
+                             "object_store or directory)")  # fmt: skip
         seen[d["uuid"]] = who

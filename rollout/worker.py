@@ -30,7 +30,8 @@ session and reset the prefix cache; requests also carry ``cache_salt = "v<versio
 computed by an older version can be matched, unless ``allow_stale_cache`` is set. Full weights also
 arrive in buckets, through Ray's object store (``load_weight_bucket``) or broadcast over a process group
 of the learner and the workers (``join_weight_group`` / ``receive_weight_bucket``, the ``nccl`` transport,
-rollout/weight_broadcast.py), and are loaded the same way.
+rollout/weight_broadcast.py), or mapped from the learner's own buffers on this GPU or host
+(``load_ipc_bucket``, the ``ipc`` transport, rollout/weight_ipc.py), and are loaded the same way.
 """
 
 from __future__ import annotations
@@ -338,6 +339,44 @@ class RolloutWorker:
 
         tensors = self._weight_receiver().pop_adapter()
         return self.update_weights(AdapterWeights(tensors, **scale_fields), version, True)
+
+    # --- the ipc weight sync's receiving end (rl/weight_sync.py, rollout/weight_ipc.py) ----------------
+    def load_ipc_bucket(self, bucket) -> int:
+        """One bucket the learner shares on this host (``bucket``: an ``IpcBucket``, handles to the learner's
+        flat buffers, not their bytes), mapped without a copy: full weights are copied in place from it like
+        ``load_weight_bucket``'s (``finish_weight_update`` ends the update), adapter tensors copied out and
+        kept until ``finish_ipc_adapter``. The mapping is dropped before this returns: the learner frees or
+        reuses its buffers once every worker has answered. Returns the tensors received."""
+        import torch
+
+        from rollout.weight_ipc import load_mapped
+
+        device = torch.device(self._engine_device()["device"])
+        if bucket.meta.kind != "adapter":
+            return load_mapped(bucket, device, self._load_full)
+        if bucket.meta.index == 0:
+            self._ipc_adapter = {}  # a new update: what a failed one left is dropped
+        return load_mapped(bucket, device, self._keep_ipc_adapter)
+
+    def finish_ipc_adapter(self, version: int, scale_fields: dict) -> dict[str, Any]:
+        """Fold the adapter received by ``load_ipc_bucket`` into the base weights (``update_weights``'s path)."""
+        from rollout.adapters import AdapterWeights
+
+        tensors, self._ipc_adapter = getattr(self, "_ipc_adapter", {}), {}
+        if not tensors:
+            raise ValueError("no adapter tensors were received before finishing an ipc adapter update")
+        return self.update_weights(AdapterWeights(tensors, **scale_fields), version, True)
+
+    def _keep_ipc_adapter(self, tensors: dict[str, Any]) -> int:
+        self._ipc_adapter.update({k: v.clone() for k, v in tensors.items()})  # out of the learner's buffer
+        return len(tensors)
+
+    def _engine_device(self) -> dict:
+        """``weight_device()``, asked of the engine once."""
+        record = getattr(self, "_device_record", None)
+        if record is None:
+            record = self._device_record = self.weight_device()
+        return record
 
     def leave_weight_group(self) -> None:
         receiver, self._receiver = getattr(self, "_receiver", None), None

@@ -2,11 +2,13 @@
 
 A 2-rank sharded learner group (gloo, Ray on loopback) trains a step, ``WeightSync.push`` sends the new
 version to a running in-process vLLM worker (directory, then object store, then nccl, which on CPU is
-the same code over gloo; full weights and LoRA adapter-only), and every weight of that engine's model
-must equal, bit for bit, the weights of an engine started fresh from the learner's export of the same
-version. A replacement worker started from the start directory and ``pull``-ed lands on the same
-weights. The nccl transport's group then survives a dead worker: the sync names it, and the next push
-rebuilds the group.
+the same code over gloo, then ipc, which on CPU maps the learner's buffers from shared memory; full
+weights and LoRA adapter-only), and every weight of that engine's model must equal, bit for bit, the
+weights of an engine started fresh from the learner's export of the same version. A replacement worker
+started from the start directory and ``pull``-ed lands on the same weights. The nccl transport's group
+then survives a dead worker: the sync names it, and the next push rebuilds the group. An ipc sync to a
+worker that dies in the middle of it names the worker, tags nothing, and leaves the sharded learner able
+to push again.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow]
 
 ENGINE = dict(max_model_len=256, max_num_seqs=4, kv_cache_memory_bytes=16 << 20)
 VOCAB = "model.arch.vocab_size=1024"  # the project tokenizer's: the engines load it beside the weights
-TRANSPORTS = ("directory", "object_store", "nccl")
+TRANSPORTS = ("directory", "object_store", "nccl", "ipc")
 
 
 def _engine_weights(worker) -> dict[str, torch.Tensor]:
@@ -92,7 +94,8 @@ def test_every_transport_gives_a_fresh_engines_weights(ray_local, tmp_path, lora
                 pulled = _engine_weights(new)
                 assert all(torch.equal(want[k], pulled[k]) for k in want) and new.get_version() == step + 1
         _dead_worker_is_named_then_the_group_is_rebuilt(syncs["nccl"], pool, tmp_path, want)
-        assert [a[0] for a in pool.adopted] == [1, 2, 3, 3]
+        _ipc_worker_dying_mid_sync_is_named(syncs["ipc"], pool, start, want)
+        assert [a[0] for a in pool.adopted] == [1, 2, 3, 4, 4, 4]
     finally:
         for e in engines:
             e.shutdown()
@@ -114,6 +117,39 @@ def _dead_worker_is_named_then_the_group_is_rebuilt(sync, pool, tmp_path, want):
     assert sync.group is not None and sync.group.backend == "gloo" and report.version == pool.version
     got = _engine_weights(pool.workers[0])
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def _ipc_worker_dying_mid_sync_is_named(sync, pool, start, want):
+    """A pool of the live worker and an actor worker that exits at its first bucket: the ipc push fails
+    naming it and is not adopted; the learner's stream was closed (the 2-rank group's gathers drained), so
+    the next push to the live pool lands."""
+    import os
+
+    import ray
+
+    from rollout.worker import RolloutWorker
+
+    class DiesAtItsFirstBucket(RolloutWorker):  # local: Ray ships it by value
+        def load_ipc_bucket(self, bucket) -> int:
+            os._exit(1)
+
+    doomed = ray.remote(num_cpus=0, max_restarts=0)(DiesAtItsFirstBucket).remote(dict(model_path=start, **ENGINE))
+    adopted = len(pool.adopted)
+    try:
+        with pytest.raises(WeightSyncError, match=r"weight sync \(ipc\) failed on rollout worker 1"):
+            sync.push(_Workers([pool.workers[0], doomed], pool.version))
+    finally:
+        ray.kill(doomed)
+    assert pool.workers[0].get_version() == pool.version and len(pool.adopted) == adopted
+    report = sync.push(pool)
+    assert report.version == pool.version and report.buckets >= 1
+    got = _engine_weights(pool.workers[0])
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_ipc_transport_is_accepted():
+    c = make_cfg("learner.weight_sync=ipc")
+    assert c.learner.weight_sync == "ipc" and WeightSync(None, c.learner, "unused").transport == "ipc"
 
 
 def test_nccl_transport_is_accepted_and_its_settings_checked():
