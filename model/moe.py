@@ -326,6 +326,16 @@ def stack_expert_weights(named: Iterable[tuple[str, torch.Tensor]], num_experts:
         raise ValueError(f"{prefix}*: {len(missing)} per-expert tensors missing, e.g. {missing[:3]}")
 
 
+def stacked_names(names: Iterable[str]) -> list[str]:
+    """``names`` with per-expert checkpoint names replaced by the stacked weights they load into (in order,
+    each once): what a full update from a checkpoint directory changed in the model."""
+    out: dict[str, None] = {}
+    for name in names:
+        m = _PER_EXPERT.match(name)
+        out[name if m is None else m["prefix"] + ("down_proj" if m["proj"] == "down_proj" else "gate_up_proj")] = None
+    return list(out)
+
+
 def is_expert_tensor_name(name: str) -> bool:
     """A per-expert checkpoint name, ``...experts.N.{gate,up,down}_proj.weight``."""
     return _PER_EXPERT.match(name) is not None

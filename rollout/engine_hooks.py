@@ -96,10 +96,15 @@ def load_weights_inplace(worker, path: str) -> int:
     from safetensors.torch import load_file
 
     tensors = load_file(path)
-    loaded = worker.model_runner.get_model().load_weights(tensors.items())
-    return len(loaded & set(tensors))
+    return _copied(worker.model_runner.get_model().load_weights(tensors.items()))
 
 
 def load_state_dict_inplace(worker, state_dict: dict[str, torch.Tensor]) -> int:
-    loaded = worker.model_runner.get_model().load_weights(state_dict.items())
-    return len(loaded & set(state_dict))
+    return _copied(worker.model_runner.get_model().load_weights(state_dict.items()))
+
+
+def _copied(loaded: set[str]) -> int:
+    """Model tensors a ``load_weights`` call copied (its answer also names the paged-attention bookkeeping
+    tensors, which no checkpoint carries; per-expert checkpoint tensors count as the stacked weights they
+    fill)."""
+    return sum(1 for n in loaded if not n.startswith("paged_mixers."))

@@ -275,6 +275,7 @@ class RolloutWorker:
         return {"version": self.version, "tensors": count, "adapter_only": is_adapter, "seconds": seconds}
 
     def _load_full(self, weights: str | os.PathLike | dict[str, Any]) -> int:
+        from model.moe import stacked_names
         from rollout.adapters import rebase_inplace
         from rollout.engine_hooks import load_state_dict_inplace, load_weights_inplace
 
@@ -292,7 +293,8 @@ class RolloutWorker:
                 with safe_open(path, "pt") as f:
                     names += list(f.keys())
                 counts[0] += int(self.llm.collective_rpc(load_weights_inplace, args=(path,))[0])
-        self.llm.collective_rpc(rebase_inplace, args=(names,))  # these are the new base of adapted layers
+        # these are the new base of adapted layers (per-expert file tensors: the stacked weights they fill)
+        self.llm.collective_rpc(rebase_inplace, args=(stacked_names(names),))
         return int(counts[0])
 
     def load_weight_bucket(self, tensors: dict[str, Any]) -> int:

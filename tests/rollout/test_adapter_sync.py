@@ -131,6 +131,10 @@ def test_adapter_update_equals_merged_update_and_never_accumulates(engines, adap
     a.update_weights(str(path0), version=5)  # back to the base checkpoint (a full update)
     assert torch.equal(_weight(a, Q), base.state_dict()[Q])
     _assert_same(_greedy(a, "base-again"), before)
+    # the directory's per-expert tensors rebased the stacked expert weights too: adapter 1 applies to the base
+    a.update_weights(dir1, version=6)
+    for k in experts:
+        torch.testing.assert_close(_weight(a, k), merged1[k], rtol=0, atol=1e-6)
 
 
 def test_adapter_update_closes_stale_sessions(engines, adapters):
