@@ -326,6 +326,26 @@ def stack_expert_weights(named: Iterable[tuple[str, torch.Tensor]], num_experts:
         raise ValueError(f"{prefix}*: {len(missing)} per-expert tensors missing, e.g. {missing[:3]}")
 
 
+def split_expert_weights(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of ``stack_expert_weights``: every stacked expert weight (``...experts.gate_up_proj``
+    [E, 2I, Z], ``...experts.down_proj`` [E, Z, I]) as its per-expert checkpoint tensors (contiguous
+    copies), the rest as given: the on-disk layout ``save_pretrained`` writes."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in named.items():
+        if name.endswith(".experts.gate_up_proj") and t.ndim == 3:
+            prefix = name.removesuffix("gate_up_proj")
+            for e, w in enumerate(t):
+                gate, up = w.chunk(2, dim=0)
+                out[f"{prefix}{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"{prefix}{e}.up_proj.weight"] = up.contiguous()
+        elif name.endswith(".experts.down_proj") and t.ndim == 3:
+            prefix = name.removesuffix("down_proj")
+            out.update({f"{prefix}{e}.down_proj.weight": w.contiguous() for e, w in enumerate(t)})
+        else:
+            out[name] = t
+    return out
+
+
 def stacked_names(names: Iterable[str]) -> list[str]:
     """``names`` with per-expert checkpoint names replaced by the stacked weights they load into (in order,
     each once): what a full update from a checkpoint directory changed in the model."""

@@ -529,6 +529,8 @@ class Learner:
         from peft.tuners.lora import LoraLayer
         from safetensors.torch import save_file
 
+        from model.moe import split_expert_weights
+
         model = self.policy.get_base_model()
         state = {
             k.replace(".base_layer", ""): v.detach().clone().contiguous()
@@ -537,14 +539,13 @@ class Learner:
         }
         for name, module in model.named_modules() if merge else ():
             if isinstance(module, LoraLayer):
+                key = lora_weight_name(name, module)
                 for adapter in module.active_adapters:  # the order and arithmetic of peft's merge
-                    state[f"{name}.weight"] += module.get_delta_weight(adapter).to(
-                        state[f"{name}.weight"].dtype
-                    )
+                    state[key] += module.get_delta_weight(adapter).to(state[key].dtype)
         if self.base_model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         self.base_model.config.save_pretrained(str(path))
-        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        save_file(split_expert_weights(state), str(path / "model.safetensors"), metadata={"format": "pt"})
 
     def save_pretrained(self, out_dir: str) -> str:
         """A standalone HF checkpoint of the (merged, if LoRA) policy: what ``model.init_from`` loads.
@@ -638,36 +639,54 @@ class _MismatchMeter:
                 "mismatch/kl": self.kl_sum / n, "mismatch/tokens": self.n}  # fmt: skip
 
 
+def lora_weight_name(path: str, module) -> str:
+    """The plain name of the weight a peft LoRA layer at ``path`` adapts: ``<path>.weight`` of an nn.Linear,
+    ``<owner>.<parameter>`` of a ``ParamWrapper`` (``target_parameters``: the routed experts' stacked
+    weights; peft nests one wrapper per parameter, ``experts``, ``experts.base_layer``, ...)."""
+    parameter = getattr(module, "parameter_name", None)
+    if parameter is None:
+        return f"{path}.weight"
+    return f"{path.replace('.base_layer', '')}.{parameter}"
+
+
 def _merged_buckets(policy, dist, bucket_bytes: int, merge: bool, tied: bool):
-    """A LoRA policy's engine weights in buckets: ``W + (B @ A) * scale`` per adapted Linear (``W`` alone
-    without ``merge``), under the plain names, in peft's arithmetic (``_save_merged``'s, out of place).
-    A base weight waits for its two adapter tensors, which follow it in state-dict order."""
+    """A LoRA policy's engine weights in buckets: ``W + delta * scale`` per adapted weight (``W`` alone
+    without ``merge``), under the plain names, in the arithmetic of the engine's adapter fold
+    (``rollout.adapters.AdapterTarget``: ``B @ A`` for an nn.Linear, one product per expert for the stacked
+    experts), out of place as ``_save_merged``. A base weight waits for its two adapter tensors, which
+    follow it in state-dict order."""
     from peft.tuners.lora import LoraLayer
 
     from rl.parallel import full_tensors
+    from rollout.adapters import AdapterTarget
 
     model = policy.get_base_model()
-    scales = {name: m.scaling[a] for name, m in model.named_modules() if isinstance(m, LoraLayer)
-              for a in m.active_adapters}  # fmt: skip
+    adapted: dict[str, tuple[float, int]] = {}  # plain weight name -> (scale, experts; 0 for a Linear)
+    weight_of: dict[str, str] = {}  # wrapper module path -> the plain weight name its lora_A/B adapt
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLayer):
+            weight_of[name] = key = lora_weight_name(name, m)
+            for a in m.active_adapters:
+                adapted[key] = (m.scaling[a], m.num_experts if hasattr(m, "parameter_name") else 0)
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for bucket in full_tensors(model, dist, bucket_bytes):
         out = {}
         for key, t in bucket.items():
-            owner = key.split(".base_layer.")[0] if ".base_layer." in key else key.split(".lora_")[0]
-            if owner not in scales:
-                if not (tied and key == "lm_head.weight"):
-                    out[key] = t
+            is_adapter = ".lora_A." in key or ".lora_B." in key
+            plain = weight_of[key.split(".lora_")[0]] if is_adapter else key.replace(".base_layer", "")
+            if plain not in adapted:
+                if not (tied and plain == "lm_head.weight"):
+                    out[plain] = t  # not adapted (a bias of an adapted Linear included)
                 continue
-            if ".base_layer." in key and not key.endswith(".base_layer.weight"):
-                out[key.replace(".base_layer", "")] = t  # a bias of the adapted Linear
-                continue
-            parts = pending.setdefault(owner, {})
-            parts["W" if ".base_layer." in key else ("A" if ".lora_A." in key else "B")] = t
+            parts = pending.setdefault(plain, {})
+            parts["W" if not is_adapter else ("A" if ".lora_A." in key else "B")] = t
             if {"W", "A", "B"} <= set(parts):
-                done = pending.pop(owner)
+                done = pending.pop(plain)
                 W = done["W"]
                 if merge:
-                    W = W + ((done["B"] @ done["A"]) * scales[owner]).to(W.dtype)
-                out[f"{owner}.weight"] = W
+                    scale, experts = adapted[plain]
+                    delta = AdapterTarget(plain, done["A"], done["B"], experts).delta(scale, W.device)
+                    W = W + delta.to(W.dtype)
+                out[plain] = W
         if out:
             yield out

@@ -242,12 +242,16 @@ def full_tensors(module: nn.Module, d: Distributed | None, bucket_bytes: int = D
 
 def write_sharded_safetensors(buckets: Iterator[dict[str, torch.Tensor]], path: Path) -> list[str]:
     """An HF sharded checkpoint from buckets (``model-0000k.safetensors`` + index): what vLLM, the rollout
-    workers and ``from_pretrained`` read. Returns the files written (none on a non-main rank)."""
+    workers and ``from_pretrained`` read, in ``save_pretrained``'s layout (stacked expert weights written
+    per expert, ``model.moe.split_expert_weights``). Returns the files written (none on a non-main rank)."""
     from safetensors.torch import save_file
+
+    from model.moe import split_expert_weights
 
     path.mkdir(parents=True, exist_ok=True)
     weight_map, files, total = {}, [], 0
-    for k, bucket in enumerate(buckets):
+    for k, stacked in enumerate(buckets):
+        bucket = split_expert_weights(stacked)
         name = f"model-{k + 1:05d}.safetensors"
         save_file(bucket, str(path / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(bucket, name))

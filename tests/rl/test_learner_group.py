@@ -27,6 +27,15 @@ CASES = {"full": (),
                                            "learner.activation_checkpointing=true", "learner.balancer=frozen")}  # fmt: skip
 
 
+# Two ranks sum their gradients in another order than one process, and AdamW carries that rounding into
+# the weights (worst 1e-6 after two steps). The losses are means of advantage-weighted terms that nearly
+# cancel (about 0.02 from terms of order 1), so their relative differences are inflated: measured over
+# model seeds 0-2, before and after the experts were stacked, up to 4.7e-5 (loss, pg_loss) and 6.4e-6
+# (grad_norm). The weights themselves are held to 1e-5 absolute at the end.
+STEP_TOLERANCES = {"loss": 1e-4, "pg_loss": 1e-4, "entropy": 1e-4, "kl_ref": 1e-4, "value_loss": 1e-4,
+                   "grad_norm": 3e-5}  # fmt: skip
+
+
 def test_spread_balances_tokens_and_pads_every_rank_to_the_same_count():
     c = make_cfg()
     learner = Learner(c.model, c.learner, c.algorithm)
@@ -57,11 +66,15 @@ def test_a_padding_micro_batch_adds_exactly_nothing():
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora_merged"])
 def test_weight_buckets_are_the_exported_checkpoint(tmp_path, lora):
-    """The buckets a sync streams hold exactly the tensors of the directory export, in small pieces."""
+    """The buckets a sync streams hold exactly the tensors of the directory export, in small pieces (the
+    export's per-expert tensors as the model's stacked expert weights)."""
+    from model.moe import stack_expert_weights
+
     c = make_cfg(*(("learner.lora.enabled=true", "learner.lora.sync=merged") if lora else ()))
     learner = Learner(c.model, c.learner, c.algorithm)
     learner.train_step(batches_for(learner, c, make_group()))
-    want = _weights(Path(learner.export_weights(str(tmp_path)).path))
+    exported = _weights(Path(learner.export_weights(str(tmp_path)).path))
+    want = dict(stack_expert_weights(exported.items(), learner.base_model.config.num_experts))
     buckets = list(learner.weight_buckets("full", bucket_bytes=20_000))
     got = {k: v for b in buckets for k, v in b.items()}
     assert len(buckets) > 2 and got.keys() == want.keys()
@@ -93,10 +106,10 @@ def test_two_ranks_train_like_one(ray_local, tmp_path, case):
                 assert flat(got_v) == pytest.approx(flat(want_v), rel=1e-4, abs=1e-6)
             want, got = ref.train_step(batches), group.train_step(batches)
             assert set(got) == set(want)
-            for key in ("loss", "grad_norm", "entropy", "pg_loss", "kl_ref", "value_loss"):
+            for key, rel in STEP_TOLERANCES.items():
                 if key not in want:
                     continue
-                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+                assert got[key] == pytest.approx(want[key], rel=rel, abs=1e-7), key
             for key in [k for k in want if k.startswith(("moe/", "mismatch/tokens", "learner/"))]:
                 assert got[key] == pytest.approx(want[key], rel=1e-6), key
         if case == "full":  # the warm start's step too (exact-QB margins merged over the ranks)
