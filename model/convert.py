@@ -188,10 +188,13 @@ _RENAMES = [  # (source suffix regex, our suffix); applied to the part after mod
 
 def kimi_linear_state_dict(src_sd: dict[str, torch.Tensor], config: HybridConfig) -> dict[str, torch.Tensor]:
     """Our state dict (names and shapes checked against the model built on the meta device)."""
+    from model.export import model_expert_form, per_expert_state_dict
     from model.modeling import HybridForCausalLM
 
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in HybridForCausalLM(config).state_dict().items()}
+        model_sd = HybridForCausalLM(config).state_dict()
+    # checked by per-expert names; handed back in the model's own expert form (modules or stacked [E, ...])
+    expected = {k: tuple(v.shape) for k, v in per_expert_state_dict(model_sd, config).items()}
     out: dict[str, torch.Tensor] = {}
 
     def put(name: str, t: torch.Tensor, source: str) -> None:
@@ -208,7 +211,7 @@ def kimi_linear_state_dict(src_sd: dict[str, torch.Tensor], config: HybridConfig
     missing = sorted(set(expected) - set(out))
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
-    return out
+    return model_expert_form(out, config, like=model_sd)
 
 
 def _map_tensor(key: str, t: torch.Tensor, config: HybridConfig, put: Callable) -> None:

@@ -271,6 +271,23 @@ def per_expert_state_dict(sd: dict[str, torch.Tensor], config: HybridConfig) -> 
     return out
 
 
+def model_expert_form(
+    sd: dict[str, torch.Tensor], config: HybridConfig, like: dict
+) -> dict[str, torch.Tensor]:
+    """``sd`` (per-expert names) with its routed experts in the form ``like`` (our model's state dict, or
+    its names) uses: unchanged for per-expert modules, stacked ``gate_up_proj`` [E, 2I, Z] (gate rows then
+    up rows) / ``down_proj`` [E, Z, I] for stacked parameters."""
+    out = dict(sd)
+    for i in config.moe_layer_indices:
+        prefix = f"model.layers.{i}.block_sparse_moe.experts"
+        if f"{prefix}.gate_up_proj" not in like:
+            continue
+        triples = [[out.pop(f"{prefix}.{e}.{p}_proj.weight") for p in ("gate", "up", "down")] for e in range(config.num_experts)]  # fmt: skip
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u, _ in triples])
+        out[f"{prefix}.down_proj"] = torch.stack([d for _, _, d in triples])
+    return out
+
+
 def _expected_shapes(config: HybridConfig) -> dict[str, tuple[int, ...]]:
     """Our tensors' names (per-expert form) and shapes for ``config``, from the model on the meta device."""
     from model.modeling import HybridForCausalLM

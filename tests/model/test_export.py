@@ -26,12 +26,12 @@ from model.export import (
     check_kimi_linear_expressible,
     export_kimi_linear,
     kimi_linear_matched,
+    model_expert_form,
     moonshot_state_dict,
+    per_expert_state_dict,
     transformers_config,
 )
-from model.export import (
-    main as export_main,
-)
+from model.export import main as export_main
 from model.modeling import HybridForCausalLM
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,6 +126,16 @@ def test_stacked_experts_export_the_same(exported):
     ][:-1]
     with pytest.raises(ValueError, match=r"model\.layers\.2\.block_sparse_moe\.experts"):
         moonshot_state_dict(wrong, config)
+
+
+def test_model_expert_form_stacks_like_the_model(exported):
+    config, model, _ = exported
+    sd = model.state_dict()
+    stacked = _stacked(sd, config)
+    restacked = model_expert_form(per_expert_state_dict(stacked, config), config, like=stacked)
+    assert set(restacked) == set(stacked) and all(torch.equal(restacked[k], stacked[k]) for k in stacked)
+    same = model_expert_form(sd, config, like=sd)  # per-expert modules: nothing changes
+    assert set(same) == set(sd)
 
 
 def test_dtype_cast_keeps_fp32_state_tensors(exported):
