@@ -14,7 +14,8 @@ Weights: both layouts are accepted, the one ``save_pretrained`` and the publishe
 (``q_conv1d``/``k_conv1d``/``v_conv1d``, ``experts.N.w1/w2/w3``, ``block_sparse_moe``; dense layers
 under ``mlp`` or ``block_sparse_moe``) and transformers' in-memory one (``conv1d`` stacked,
 ``forget_gate.*``, ``mlp.experts.gate_up_proj`` / ``down_proj`` as [E, ...] tensors). Every target
-tensor must be produced exactly once with its shape; anything left over is an error. Dtypes are
+tensor must be produced exactly once with its shape; anything left over is an error. The routed
+experts come out in the form our model has (per-expert modules, or stacked [E, ...] parameters). Dtypes are
 kept (the router bias stays fp32 in our model anyway). The whole state dict is held in memory and
 written as one file. The source's other top-level files (tokenizer, chat template, generation
 config) are copied beside it.

