@@ -342,12 +342,19 @@ class Parent:
             start_new_session=True,  # its own process group: a timeout ends it and its compile workers
         )
         status = _wait(proc, timeout=budget + 15)
-        res = json.loads(Path(job["result"]).read_text()) if Path(job["result"]).is_file() else {}
+        res = _read_json(Path(job["result"]))
         res["process"] = {"status": status, "seconds": round(time.perf_counter() - t0, 1)}
         if status != "exit 0" and "error" not in res:
             res["error"] = f"child process: {status}"
         log(f"engine {key} done ({status}) in {res['process']['seconds']} s")
         return res
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # no file: the child died before its first save
+        return {"result_file": f"{type(e).__name__}: {e}"}
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> str:
@@ -387,7 +394,11 @@ class Child:
         return self.job["deadline"] - time.time()
 
     def save(self) -> None:
-        Path(self.job["result"]).write_text(json.dumps(self.res, indent=1, default=str))
+        """Atomically (a child ended at its budget never leaves half a file)."""
+        path = Path(self.job["result"])
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.res, indent=1, default=str))
+        os.replace(tmp, path)
 
     def engine(self):
         from vllm import LLM

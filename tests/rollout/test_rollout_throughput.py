@@ -89,6 +89,21 @@ def test_budget_shares_and_the_peer_fallback(bench, tmp_path, monkeypatch):
 
 
 @pytest.mark.vllm
+def test_a_failing_engine_is_a_result(bench, tmp_path, monkeypatch):
+    """A child whose engine cannot start reports its error; the parent goes on to the next engine."""
+    missing = str(tmp_path / "no_such_checkpoint")
+    monkeypatch.setattr(
+        bench, "build_checkpoints", lambda tmp, args, sz: {"ours": missing, "peer": missing, "vocab_size": 64}
+    )
+    assert bench.main(["--small", "--out", str(tmp_path), "--plan", "ours_eager:check,ours_fast:time"]) == 0
+    engines = json.loads((tmp_path / "rollout_throughput.json").read_text())["engines"]
+    assert list(engines) == ["ours_eager", "ours_fast"]
+    for e in engines.values():
+        assert e["process"]["status"] == "exit 1" and e["error"] and "first_call_s" not in e
+    assert "| ours_eager | True | - |" in (tmp_path / "rollout_throughput.md").read_text()
+
+
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_small_run_end_to_end(bench, tmp_path):
     assert bench.main(["--small", "--keep", "--out", str(tmp_path)]) == 0
