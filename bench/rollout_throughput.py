@@ -318,7 +318,7 @@ class Parent:
         spec = ENGINES[name]
         deadline = time.time() + budget
         job = {
-            "key": key, "engine": name, "tasks": tasks, "model": self.ckpts[spec.model],
+            "key": key, "engine": name, "tasks": tasks, "model": self.ckpts[spec.model], "model_kind": spec.model,
             "enforce_eager": spec.enforce_eager or not self.cuda, "sizes": asdict(self.sz),
             "vocab_size": self.ckpts["vocab_size"], "seed": self.args.seed, "deadline": deadline,
             "reference": self.reference() if name.startswith("ours") and name != "ours_eager" else None,
@@ -421,6 +421,11 @@ class Child:
     def run(self) -> None:
         t0 = time.perf_counter()
         import vllm  # noqa: F401  (its import is not the engine's start-up)
+
+        if self.job["model_kind"] == "ours":  # as the entry point does (in-process engine: this process)
+            from rollout.vllm_plugin import register
+
+            register()
 
         self.res["import_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
