@@ -29,8 +29,8 @@ Tasks of an engine (``name:task+task``):
   [``--gen-min``, ``--gen-max``] with ``ignore_eos`` (temperature 1, as in RL; fixed seeds, the same
   requests for every engine). The engine is stepped by hand and every step's new tokens are timed:
   prefill tok/s = all prompt tokens / time from submission to the last request's first token;
-  generated tok/s = tokens generated after that moment / the time from it to the end (the decode phase,
-  every sequence resident); ``overall`` = all generated tokens / wall time. An untimed warm-up batch
+  generated tok/s = tokens generated after that moment / the time from it to the end (the decode phase;
+  sequences end at their own lengths, so the batch thins towards the end); ``overall`` = all generated tokens / wall time. An untimed warm-up batch
   (4 requests of ``--prompt-min`` tokens) runs first.
 
 Per engine also: engine construction time, first-call time (construction to the first finished request,
