@@ -877,26 +877,12 @@ def run_ours(report: Report, learner, tokens: int, args, clock: Clock, peak: flo
 
 
 def peer_config(arch: dict):
-    from transformers.models.kimi_linear import KimiLinearConfig
-
+    """transformers' KimiLinearConfig at Kimi Linear's matched size (``model.export.kimi_linear_matched``,
+    the peer of bench/rollout_throughput.py too)."""
     from model import HybridConfig
+    from model.export import kimi_linear_matched, transformers_config
 
-    lac = HybridConfig(**arch).linear_attn_config  # with the layer pattern filled in
-    return KimiLinearConfig(
-        vocab_size=arch["vocab_size"], hidden_size=arch["hidden_size"], num_hidden_layers=arch["num_hidden_layers"],
-        intermediate_size=arch["intermediate_size"], moe_intermediate_size=arch["moe_intermediate_size"],
-        num_attention_heads=arch["num_attention_heads"], num_key_value_heads=arch["num_attention_heads"],
-        kv_lora_rank=arch["kv_lora_rank"], q_lora_rank=arch.get("q_lora_rank"),
-        qk_nope_head_dim=arch["qk_nope_head_dim"], qk_rope_head_dim=arch["qk_rope_head_dim"],
-        v_head_dim=arch["v_head_dim"], num_experts=arch["num_experts"],
-        num_experts_per_token=arch["num_experts_per_token"], num_shared_experts=arch.get("num_shared_experts", 1),
-        moe_renormalize=True, routed_scaling_factor=arch.get("routed_scaling_factor", 1.0), hidden_act="silu",
-        tie_word_embeddings=False, first_k_dense_replace=arch.get("first_k_dense_replace", 1),
-        pad_token_id=None, bos_token_id=None, eos_token_id=None,
-        linear_attn_config={"head_dim": lac["head_dim"], "num_heads": lac["num_heads"],
-                            "short_conv_kernel_size": lac.get("short_conv_kernel_size", 4),
-                            **{k: lac[k] for k in ("kda_layers", "full_attn_layers") if k in lac}},
-    )  # fmt: skip
+    return transformers_config(kimi_linear_matched(HybridConfig(**arch)))
 
 
 def run_peer(report: Report, arch: dict, tokens: int, args, clock: Clock, peak: float, cuda: bool) -> None:

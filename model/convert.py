@@ -14,7 +14,8 @@ Weights: both layouts are accepted, the one ``save_pretrained`` and the publishe
 (``q_conv1d``/``k_conv1d``/``v_conv1d``, ``experts.N.w1/w2/w3``, ``block_sparse_moe``; dense layers
 under ``mlp`` or ``block_sparse_moe``) and transformers' in-memory one (``conv1d`` stacked,
 ``forget_gate.*``, ``mlp.experts.gate_up_proj`` / ``down_proj`` as [E, ...] tensors). Every target
-tensor must be produced exactly once with its shape; anything left over is an error. Dtypes are
+tensor must be produced exactly once with its shape; anything left over is an error. The routed
+experts come out in the form our model has (per-expert modules, or stacked [E, ...] parameters). Dtypes are
 kept (the router bias stays fp32 in our model anyway). The whole state dict is held in memory and
 written as one file. The source's other top-level files (tokenizer, chat template, generation
 config) are copied beside it.
@@ -189,10 +190,13 @@ _RENAMES = [  # (source suffix regex, our suffix); applied to the part after mod
 
 def kimi_linear_state_dict(src_sd: dict[str, torch.Tensor], config: HybridConfig) -> dict[str, torch.Tensor]:
     """Our state dict (names and shapes checked against the model built on the meta device)."""
+    from model.export import model_expert_form, per_expert_state_dict
     from model.modeling import HybridForCausalLM
 
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in HybridForCausalLM(config).state_dict().items()}
+        model_sd = HybridForCausalLM(config).state_dict()
+    # checked by per-expert names; handed back in the model's own expert form (modules or stacked [E, ...])
+    expected = {k: tuple(v.shape) for k, v in per_expert_state_dict(model_sd, config).items()}
     out: dict[str, torch.Tensor] = {}
     per_expert: dict[str, torch.Tensor] = {}  # one tensor per expert, stacked below as the model holds them
 
@@ -220,7 +224,7 @@ def kimi_linear_state_dict(src_sd: dict[str, torch.Tensor], config: HybridConfig
     missing = sorted(set(expected) - set(out))
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
-    return out
+    return model_expert_form(out, config, like=model_sd)
 
 
 def _map_tensor(key: str, t: torch.Tensor, config: HybridConfig, put: Callable) -> None:

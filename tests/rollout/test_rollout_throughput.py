@@ -1,0 +1,140 @@
+"""bench/rollout_throughput.py --small on the CPU: the whole plumbing (checkpoints, one child process per
+engine, the fast-vs-eager greedy check, timed batches, the report rewritten per engine); the peer is
+skipped without a GPU. Plus the pure parts: the plan parser, the first-mismatch report, and a child
+process ended at its budget."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "rollout_throughput.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("rollout_throughput", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["rollout_throughput"] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop("rollout_throughput", None)
+
+
+def test_plan_parser(bench):
+    assert bench.parse_plan("ours_eager:check,ours_fast,peer:time") == [
+        ("ours_eager", ["check"]),
+        ("ours_fast", ["check", "time"]),
+        ("peer", ["time"]),
+    ]
+    with pytest.raises(ValueError, match="unknown engine 'ours'"):
+        bench.parse_plan("ours:time")
+    with pytest.raises(ValueError, match=r"unknown tasks \['timing'\]"):
+        bench.parse_plan("peer:timing")
+
+
+def test_first_mismatch(bench):
+    assert bench.first_mismatch([[1, 2, 3], [4]], [[1, 2, 3], [4]]) is None
+    assert bench.first_mismatch([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]) == {
+        "prompt": 1, "position": 1, "got": 5, "reference": 6,
+    }  # fmt: skip
+    assert bench.first_mismatch([[1, 2]], [[1, 2, 3]])["position"] == 2
+
+
+def test_a_child_past_its_budget_is_ended(bench):
+    import subprocess
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    t0 = time.monotonic()
+    assert bench._wait(proc, timeout=1.0) == "killed at the budget"
+    assert proc.poll() is not None and time.monotonic() - t0 < 20
+
+
+def test_budget_shares_and_the_peer_fallback(bench, tmp_path, monkeypatch):
+    """The parent's plan on a (pretend) GPU: each engine leaves RESERVE_S for later timing runs of ours_fast
+    and the peer, and a peer that does not start is retried once with TRITON_MLA. The children stand in
+    for engines that need a GPU; the checkpoints are tested in the end-to-end run below."""
+    real_init = bench.Parent.__init__
+
+    def gpu_parent(self, args):
+        real_init(self, args)
+        self.cuda = True
+
+    calls = []
+
+    def child(self, key, name, tasks, budget, backend=None):
+        calls.append((key, tasks, budget, backend))
+        if name == "peer" and backend is None:  # vLLM's own pick fails to start
+            return {"error": "RuntimeError: no MLA backend for this latent", "process": {"status": "exit 1"}}
+        return {"first_call_s": 1.0, "process": {"status": "exit 0"}}
+
+    monkeypatch.setattr(bench.Parent, "__init__", gpu_parent)
+    monkeypatch.setattr(bench.Parent, "child", child)
+    monkeypatch.setattr(
+        bench, "build_checkpoints", lambda tmp, args, sz: {"ours": "o", "peer": "p", "vocab_size": 64}
+    )
+    assert bench.main(["--small", "--out", str(tmp_path), "--budget-s", "500"]) == 0
+    assert [c[0] for c in calls] == ["ours_eager", "ours_fast", "peer", "peer#triton_mla", "ours_eager#2"]
+    assert [c[3] for c in calls] == [None, None, None, "TRITON_MLA", None]
+    budgets = [c[2] for c in calls]
+    assert budgets[0] == pytest.approx(500 - 300, abs=5) and budgets[1] == pytest.approx(500 - 150, abs=5)
+    assert budgets[2] == pytest.approx(500, abs=5) and budgets[4] == pytest.approx(500, abs=5)
+    res = json.loads((tmp_path / "rollout_throughput.json").read_text())
+    assert "no MLA backend" in res["engines"]["peer"]["error"] and "peer#triton_mla" in res["engines"]
+
+
+@pytest.mark.vllm
+def test_a_failing_engine_is_a_result(bench, tmp_path, monkeypatch):
+    """A child whose engine cannot start reports its error; the parent goes on to the next engine."""
+    missing = str(tmp_path / "no_such_checkpoint")
+    monkeypatch.setattr(
+        bench, "build_checkpoints", lambda tmp, args, sz: {"ours": missing, "peer": missing, "vocab_size": 64}
+    )
+    assert bench.main(["--small", "--out", str(tmp_path), "--plan", "ours_eager:check,ours_fast:time"]) == 0
+    engines = json.loads((tmp_path / "rollout_throughput.json").read_text())["engines"]
+    assert list(engines) == ["ours_eager", "ours_fast"]
+    for e in engines.values():
+        assert e["process"]["status"] == "exit 1" and e["error"] and "first_call_s" not in e
+    assert "| ours_eager | True | - |" in (tmp_path / "rollout_throughput.md").read_text()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_small_run_end_to_end(bench, tmp_path):
+    assert bench.main(["--small", "--keep", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "rollout_throughput.json").read_text())
+    engines = res["engines"]
+    assert list(engines) == ["ours_eager", "ours_fast", "peer", "ours_eager#2"]
+    assert "no GPU" in engines["peer"]["skipped"]
+    for key in ("ours_eager", "ours_fast", "ours_eager#2"):
+        e = engines[key]
+        assert "error" not in e, e.get("error")
+        assert e["process"]["status"] == "exit 0" and e["enforce_eager"] is True  # the CPU: all eager
+        assert 0 < e["engine_init_s"] <= e["first_call_s"] and e["kv_cache"]["capacity_tokens"] > 0
+    fast = engines["ours_fast"]
+    assert fast["check"] == {"equal": True, "first_mismatch": None, "prompts": 2}
+    assert fast["greedy"] == engines["ours_eager"]["greedy"] and len(fast["greedy"][0]) == 8
+    sizes = res["sizes"]
+    for key in ("ours_fast", "ours_eager#2"):
+        rows = engines[key]["timings"]
+        assert set(rows) == {str(n) for n in sizes["concurrency"]}
+        for n, row in rows.items():
+            assert row["sequences"] == int(n) and row["prefill_tok_s"] > 0 and row["generated_tok_s"] > 0
+            assert sizes["gen_min"] * int(n) <= row["generated_tokens"] <= sizes["gen_max"] * int(n)
+            assert row["decode_tokens"] < row["generated_tokens"]
+    # the same requests for every engine: identical prompt and generated token counts
+    assert {n: r["prompt_tokens"] for n, r in engines["ours_fast"]["timings"].items()} == {
+        n: r["prompt_tokens"] for n, r in engines["ours_eager#2"]["timings"].items()
+    }
+    assert res["summary"]["check"]["equal"] is True and res["summary"]["ours_fast_over_peer"] == {}
+    assert res["summary"]["bar"]["first_call_lt_60s"] is True
+    md = (tmp_path / "rollout_throughput.md").read_text()
+    assert "| ours_fast | 2 |" in md and "skipped: no GPU" in md
+    assert (
+        json.loads(Path(res["checkpoints"]["peer"], "config.json").read_text())["model_type"] == "kimi_linear"
+    )
