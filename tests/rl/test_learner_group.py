@@ -9,6 +9,7 @@ counts or maxima (tokens, MoE loads) agree exactly. Resume from a sharded checkp
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,10 @@ OVERRIDES = ("learner.eps=1e-3", "learner.balancer=update", "algorithm.num_minib
 CASES = {"full": (),
          "value_kl": ("algorithm.vf_coef=0.5", "algorithm.kl_coef=0.05"),
          "lora_checkpointed": ("learner.lora.enabled=true", "learner.lora.sync=merged",
-                                           "learner.activation_checkpointing=true", "learner.balancer=frozen")}  # fmt: skip
+                                           "learner.activation_checkpointing=true", "learner.balancer=frozen"),
+         "expert_parallel": ("algorithm.kl_coef=0.05", "learner.activation_checkpointing=true")}  # fmt: skip
+# the group's learner settings beside num_workers=2 (the single learner they are compared with has none)
+GROUP = {"expert_parallel": {"expert_parallel": 2}}  # experts split over the 2 ranks: dp 1 x ep 2
 
 
 def test_spread_balances_tokens_and_pads_every_rank_to_the_same_count():
@@ -72,9 +76,15 @@ def test_weight_buckets_are_the_exported_checkpoint(tmp_path, lora):
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint directory's tensors, the routed experts as the model's stacked [E, ...] weights
+    (``save_pretrained`` writes one tensor per expert, the gathered export the stacked ones)."""
     from safetensors.torch import load_file
 
-    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    from model.moe import stack_expert_weights
+
+    num_experts = json.loads((path / "config.json").read_text())["num_experts"]
+    named = ((k, v) for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items())
+    return dict(stack_expert_weights(named, num_experts))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -83,7 +93,8 @@ def test_two_ranks_train_like_one(ray_local, tmp_path, case):
     ref = Learner(c.model, c.learner, c.algorithm)
     ref.save_pretrained(str(tmp_path / "init"))
     steps = [batches_for(ref, c, make_group(seed=s, n=6)) for s in (0, 1)]
-    group = LearnerGroup(c.model, dataclasses.replace(c.learner, num_workers=2), c.algorithm)
+    group_cfg = dataclasses.replace(c.learner, num_workers=2, **GROUP.get(case, {}))
+    group = LearnerGroup(c.model, group_cfg, c.algorithm)
     try:
         assert group.sharded and group.world_size == 2
         for batches in steps:
