@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 from test_learner import batches_for, make_cfg, make_group
 
@@ -128,15 +129,29 @@ def test_two_ranks_train_like_one(ray_local, tmp_path, case):
         group.shutdown()
 
 
-def test_sharded_checkpoint_resume_is_exact(ray_local, tmp_path):
+@pytest.mark.parametrize("ep", [1, 2], ids=["fsdp", "expert_parallel"])
+def test_sharded_checkpoint_resume_is_exact(ray_local, tmp_path, ep):
     c = make_cfg(*OVERRIDES)
     ref = Learner(c.model, c.learner, c.algorithm)
     steps = [batches_for(ref, c, make_group(seed=s, n=6)) for s in (0, 1)]
-    group = LearnerGroup(c.model, dataclasses.replace(c.learner, num_workers=2), c.algorithm)
+    def local_expert_rows(learner) -> list[int]:  # run in a rank (a local function: pickled by value)
+        from torch.distributed.tensor import DTensor
+
+        rows = []
+        for name, p in learner.policy.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                assert isinstance(p, DTensor) and p.shape[0] == 4, name  # global: all E experts
+                rows.append(p.to_local().shape[0])
+        return rows
+
+    group = LearnerGroup(c.model, dataclasses.replace(c.learner, num_workers=2, expert_parallel=ep), c.algorithm)
     try:
+        if ep > 1:  # each rank holds its half of every layer's experts, nothing more
+            assert ray.get([a.__ray_call__.remote(local_expert_rows) for a in group.ranks]) == [[2] * 6] * 2
         group.train_step(steps[0])
         ckpt = tmp_path / "learner.dcp"
         group.save(str(ckpt))
+        group.save_pretrained(str(tmp_path / "saved"))
         assert {"rank_0.pt", "rank_1.pt", ".metadata"} <= {p.name for p in ckpt.iterdir()}
         first = group.train_step(steps[1])
         group.save_pretrained(str(tmp_path / "a"))
@@ -149,3 +164,17 @@ def test_sharded_checkpoint_resume_is_exact(ray_local, tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a)
     finally:
         group.shutdown()
+    if ep == 1:
+        return
+    # DCP reshards: the expert-parallel checkpoint loads into a plain FSDP group (ep = 1), whole
+    plain = LearnerGroup(c.model, dataclasses.replace(c.learner, num_workers=2), c.algorithm)
+    try:
+        plain.load(str(ckpt))
+        plain.save_pretrained(str(tmp_path / "loaded"))
+        saved, loaded = _weights(tmp_path / "saved"), _weights(tmp_path / "loaded")
+        assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+        got = plain.train_step(steps[1])  # and trains on like the group that saved it (moments included)
+        for key in ("loss", "grad_norm", "entropy", "pg_loss"):
+            assert got[key] == pytest.approx(first[key], rel=1e-5, abs=1e-7), key
+    finally:
+        plain.shutdown()
