@@ -27,9 +27,11 @@ CASES = {"full": (),
          "value_kl": ("algorithm.vf_coef=0.5", "algorithm.kl_coef=0.05"),
          "lora_checkpointed": ("learner.lora.enabled=true", "learner.lora.sync=merged",
                                            "learner.activation_checkpointing=true", "learner.balancer=frozen"),
-         "expert_parallel": ("algorithm.kl_coef=0.05", "learner.activation_checkpointing=true")}  # fmt: skip
-# the group's learner settings beside num_workers=2 (the single learner they are compared with has none)
-GROUP = {"expert_parallel": {"expert_parallel": 2}}  # experts split over the 2 ranks: dp 1 x ep 2
+         "expert_parallel": ("algorithm.kl_coef=0.05", "learner.activation_checkpointing=true"),
+         "expert_parallel_dp2": ("algorithm.kl_coef=0.05",)}  # fmt: skip
+# the group's learner settings (the single learner they are compared with has none): 2 ranks unless set
+GROUP = {"expert_parallel": {"expert_parallel": 2},  # experts split over the 2 ranks: dp 1 x ep 2
+         "expert_parallel_dp2": {"num_workers": 4, "expert_parallel": 2}}  # dp 2 x ep 2: FSDP over dp too  # fmt: skip
 
 
 def test_spread_balances_tokens_and_pads_every_rank_to_the_same_count():
@@ -94,10 +96,10 @@ def test_two_ranks_train_like_one(ray_local, tmp_path, case):
     ref = Learner(c.model, c.learner, c.algorithm)
     ref.save_pretrained(str(tmp_path / "init"))
     steps = [batches_for(ref, c, make_group(seed=s, n=6)) for s in (0, 1)]
-    group_cfg = dataclasses.replace(c.learner, num_workers=2, **GROUP.get(case, {}))
+    group_cfg = dataclasses.replace(c.learner, **{"num_workers": 2, **GROUP.get(case, {})})
     group = LearnerGroup(c.model, group_cfg, c.algorithm)
     try:
-        assert group.sharded and group.world_size == 2
+        assert group.sharded and group.world_size == group_cfg.num_workers > 1
         for batches in steps:
             if ref.value_head is not None:
                 got_v, want_v = group.turn_values(batches[0][0]), ref.turn_values(batches[0][0])
