@@ -23,11 +23,20 @@ Gradient reduction: the loss weights of a mini-batch are normalised over the who
 (rl/losses.py), so the mini-batch gradient is the *sum* of the ranks' gradients: the reduce-scatter's
 divide factor is set to 1 (FSDP's default would average).
 
-Expert parallelism (not done here) slots in without changing the model's layout: ``SparseMoE.experts``
-holds the experts as two stacked weights [E, ...] (``model.moe.GroupedExperts``), so an EP mesh dimension
-gives each rank rows E / ep of them (a shard on dim 0), the FFN unit is ``fully_shard``-ed over the
-remaining data-parallel sub-mesh only (``mesh["dp_shard"]``), and ``GroupedExperts.forward`` dispatches
-tokens to the owning rank by all-to-all.
+Expert parallelism (``learner.expert_parallel`` = ep > 1): the ranks form a 2-D mesh ``dp`` x ``ep``
+(``expert_mesh``; rank = dp index * ep + ep index). Each layer's ``GroupedExperts`` keeps its two stacked
+weights [E, ...] as DTensors sharded on dim 0 over ``mesh["ep"]``: a rank materialises only the rows of
+its experts [r E/ep, (r+1) E/ep) (r its ep index), and the module gets the all-to-all dispatch of
+``kernels.moe.ep.ExpertParallel`` (each rank routes its own tokens on the full E: router, replay and
+balancing bias unchanged). The experts are an FSDP unit of their own over ``mesh["dp"]`` (a shard of
+the local rows when dp > 1), so their gradients are reduce-scattered (summed, as above) over the ranks
+holding the same experts only; over ``ep`` none is needed, every slot of an expert reaches its owner.
+Everything else is sharded over the whole group as without EP. The router's load counts stay per rank
+and ``merge_routing_stats`` sums them over the whole group, so the bias update is that of all tokens.
+Gathers and checkpoints need nothing new: ``full_tensor()`` of a (dp, ep) DTensor is the full [E, ...]
+weight (``full_tensors``, the weight export), and DCP saves and reshards DTensors (a checkpoint saved
+with ep = 2 loads with ep = 1, tested). The gradient norm is taken per mesh (``clip_grad_norm_``).
+LoRA on the routed experts is refused with EP (peft's parameter wrappers are not sharded here).
 """
 
 from __future__ import annotations
