@@ -168,15 +168,21 @@ def test_sharded_checkpoint_resume_is_exact(ray_local, tmp_path, ep):
         group.shutdown()
     if ep == 1:
         return
-    # DCP reshards: the expert-parallel checkpoint loads into a plain FSDP group (ep = 1), whole
-    plain = LearnerGroup(c.model, dataclasses.replace(c.learner, num_workers=2), c.algorithm)
-    try:
-        plain.load(str(ckpt))
-        plain.save_pretrained(str(tmp_path / "loaded"))
-        saved, loaded = _weights(tmp_path / "saved"), _weights(tmp_path / "loaded")
-        assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
-        got = plain.train_step(steps[1])  # and trains on like the group that saved it (moments included)
-        for key in ("loss", "grad_norm", "entropy", "pg_loss"):
-            assert got[key] == pytest.approx(first[key], rel=1e-5, abs=1e-7), key
-    finally:
-        plain.shutdown()
+    # DCP reshards: the expert-parallel checkpoint loads into a plain FSDP group (ep = 1), whole, and
+    # that group's checkpoint back into an expert-parallel one
+    saved = _weights(tmp_path / "saved")
+    for ep_load, src, dst in ((1, ckpt, tmp_path / "ep1.dcp"), (2, tmp_path / "ep1.dcp", None)):
+        other = LearnerGroup(c.model, dataclasses.replace(c.learner, num_workers=2, expert_parallel=ep_load),
+                             c.algorithm)  # fmt: skip
+        try:
+            other.load(str(src))
+            if dst is not None:
+                other.save(str(dst))
+            other.save_pretrained(str(tmp_path / f"loaded_ep{ep_load}"))
+            loaded = _weights(tmp_path / f"loaded_ep{ep_load}")
+            assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+            got = other.train_step(steps[1])  # and trains on like the group that saved it (moments too)
+            for key in ("loss", "grad_norm", "entropy", "pg_loss"):
+                assert got[key] == pytest.approx(first[key], rel=1e-5, abs=1e-7), (ep_load, key)
+        finally:
+            other.shutdown()
