@@ -146,7 +146,8 @@ def test_sharded_checkpoint_resume_is_exact(ray_local, tmp_path, ep):
                 rows.append(p.to_local().shape[0])
         return rows
 
-    group = LearnerGroup(c.model, dataclasses.replace(c.learner, num_workers=2, expert_parallel=ep), c.algorithm)
+    group_cfg = dataclasses.replace(c.learner, num_workers=2, expert_parallel=ep)
+    group = LearnerGroup(c.model, group_cfg, c.algorithm)
     try:
         if ep > 1:  # each rank holds its half of every layer's experts, nothing more
             assert ray.get([a.__ray_call__.remote(local_expert_rows) for a in group.ranks]) == [[2] * 6] * 2
