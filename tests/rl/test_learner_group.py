@@ -136,6 +136,7 @@ def test_sharded_checkpoint_resume_is_exact(ray_local, tmp_path, ep):
     c = make_cfg(*OVERRIDES)
     ref = Learner(c.model, c.learner, c.algorithm)
     steps = [batches_for(ref, c, make_group(seed=s, n=6)) for s in (0, 1)]
+
     def local_expert_rows(learner) -> list[int]:  # run in a rank (a local function: pickled by value)
         from torch.distributed.tensor import DTensor
 
