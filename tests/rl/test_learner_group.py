@@ -28,9 +28,12 @@ CASES = {"full": (),
          "lora_checkpointed": ("learner.lora.enabled=true", "learner.lora.sync=merged",
                                            "learner.activation_checkpointing=true", "learner.balancer=frozen"),
          "expert_parallel": ("algorithm.kl_coef=0.05", "learner.activation_checkpointing=true"),
-         "expert_parallel_dp2": ("algorithm.kl_coef=0.05",)}  # fmt: skip
+         "expert_parallel_dp2": ("algorithm.kl_coef=0.05",),
+         "expert_parallel_lora": ("learner.lora.enabled=true", "learner.lora.target_parameters=[]",
+                                  "learner.lora.sync=merged", "learner.balancer=frozen")}  # fmt: skip
 # the group's learner settings (the single learner they are compared with has none): 2 ranks unless set
 GROUP = {"expert_parallel": {"expert_parallel": 2},  # experts split over the 2 ranks: dp 1 x ep 2
+         "expert_parallel_lora": {"expert_parallel": 2},  # frozen experts, adapters elsewhere
          "expert_parallel_dp2": {"num_workers": 4, "expert_parallel": 2}}  # dp 2 x ep 2: FSDP over dp too  # fmt: skip
 
 
