@@ -180,6 +180,9 @@ def shard_learner(learner, d: Distributed) -> None:
     """Shard a Learner's policy (base + LoRA), reference copy and value head, in place."""
     mp = mixed_precision(learner.cfg.dtype, learner.device)
     ep = learner.cfg.expert_parallel
+    if ep > 1 and learner.cfg.lora.enabled and learner.cfg.lora.target_parameters:
+        raise ValueError("learner.expert_parallel > 1 does not shard LoRA adapters of the routed experts; "
+                         "set learner.lora.target_parameters=[]")  # fmt: skip
     ep_mesh = expert_mesh(d, ep, learner.device) if ep > 1 else None
     shard_model(learner.policy, learner.base_model.model.layers, mp, ep_mesh=ep_mesh)
     if learner.reference is not None:
@@ -351,7 +354,8 @@ def save_sharded(learner, path: str | Path) -> None:
 
 
 def load_sharded(learner, path: str | Path) -> None:
-    """Exact resume from ``save_sharded``'s directory (the same world size)."""
+    """Exact resume from ``save_sharded``'s directory (the same world size; any ``learner.expert_parallel``:
+    DCP reshards the expert DTensors and their AdamW moments to this group's layout)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
