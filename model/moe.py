@@ -233,6 +233,9 @@ class GroupedExperts(GatedActivation, nn.Module):
         self._init_activation(act, situ_betas)
         # None: kernels.moe.route_tensors; ``model.compile`` swaps in a compiled one
         self.route_fn: Callable | None = None
+        # None: this module computes every expert; expert parallelism (kernels.moe.ep.ExpertParallel,
+        # attached by rl/parallel.py) sends the slots to the ranks holding their experts instead
+        self.dispatch: Callable | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -246,6 +249,8 @@ class GroupedExperts(GatedActivation, nn.Module):
 
     def forward(self, z_TZ: torch.Tensor, route: RouterOutput) -> torch.Tensor:
         w_gu, w_down = self.gate_up_proj, self.down_proj
+        if self.dispatch is not None:
+            return self.dispatch(self, z_TZ, route, w_gu, w_down)
         if fast.pick("moe", z_TZ.device) == "grouped":
             return self._grouped(z_TZ, route, w_gu, w_down)
         return self._loop(z_TZ, route, w_gu, w_down)

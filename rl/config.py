@@ -337,6 +337,11 @@ class LearnerConfig:
     sharding: str = "auto"
     """auto: FSDP2 (rl/parallel.py) when num_workers > 1, the plain learner at 1; fsdp: FSDP2 also at 1
     worker (a multi-GPU run's code path at world size 1); none: never (only with num_workers=1)."""
+    expert_parallel: int = 1
+    """Expert parallelism of the sharded learner (rl/parallel.py): the learner ranks form a dp x ep mesh
+    and each rank holds E / ep routed experts of every MoE layer, tokens sent to them by all-to-all
+    (kernels/moe/ep.py); the rest is sharded by FSDP2 as without it. Must divide learner.num_workers and
+    the model's num_experts; 1: every rank holds (its FSDP shard of) all experts."""
     weight_sync: str = "directory"
     """How new weights reach the rollout workers (rl/weight_sync.py): directory (a checkpoint directory
     under run.dir that every worker reads), object_store (buckets through Ray's object store, no files),

@@ -135,6 +135,12 @@ def _validate_learner(c: LearnerConfig, errors: list[str]) -> None:
     _check(c.num_gpus is None or c.num_gpus >= 0, "learner.num_gpus", "must be >= 0", errors)
     _check(not (c.sharding == "none" and c.num_workers > 1), "learner.sharding",
            "none needs learner.num_workers=1 (several learner ranks shard with fsdp)", errors)  # fmt: skip
+    _check(c.expert_parallel >= 1 and c.num_workers % c.expert_parallel == 0, "learner.expert_parallel",
+           f"must be >= 1 and divide learner.num_workers ({c.num_workers}), got {c.expert_parallel}", errors)  # fmt: skip
+    _check(c.expert_parallel == 1 or c.sharding != "none", "learner.expert_parallel",
+           "> 1 needs the sharded learner (learner.sharding auto or fsdp)", errors)  # fmt: skip
+    _check(c.expert_parallel == 1 or not (c.lora.enabled and c.lora.target_parameters), "learner.expert_parallel",
+           "> 1 does not shard LoRA adapters of the routed experts; set learner.lora.target_parameters=[]", errors)  # fmt: skip
     _choice(c.weight_sync, ("directory", "object_store", "nccl", "ipc"), "learner.weight_sync", errors)
     _check(c.sync_bucket_mb > 0, "learner.sync_bucket_mb", "must be > 0", errors)
     _check(c.sync_timeout_s > 0, "learner.sync_timeout_s", "must be > 0", errors)

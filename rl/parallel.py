@@ -23,11 +23,20 @@ Gradient reduction: the loss weights of a mini-batch are normalised over the who
 (rl/losses.py), so the mini-batch gradient is the *sum* of the ranks' gradients: the reduce-scatter's
 divide factor is set to 1 (FSDP's default would average).
 
-Expert parallelism (not done here) slots in without changing the model's layout: ``SparseMoE.experts``
-holds the experts as two stacked weights [E, ...] (``model.moe.GroupedExperts``), so an EP mesh dimension
-gives each rank rows E / ep of them (a shard on dim 0), the FFN unit is ``fully_shard``-ed over the
-remaining data-parallel sub-mesh only (``mesh["dp_shard"]``), and ``GroupedExperts.forward`` dispatches
-tokens to the owning rank by all-to-all.
+Expert parallelism (``learner.expert_parallel`` = ep > 1): the ranks form a 2-D mesh ``dp`` x ``ep``
+(``expert_mesh``; rank = dp index * ep + ep index). Each layer's ``GroupedExperts`` keeps its two stacked
+weights [E, ...] as DTensors sharded on dim 0 over ``mesh["ep"]``: a rank materialises only the rows of
+its experts [r E/ep, (r+1) E/ep) (r its ep index), and the module gets the all-to-all dispatch of
+``kernels.moe.ep.ExpertParallel`` (each rank routes its own tokens on the full E: router, replay and
+balancing bias unchanged). The experts are an FSDP unit of their own over ``mesh["dp"]`` (a shard of
+the local rows when dp > 1), so their gradients are reduce-scattered (summed, as above) over the ranks
+holding the same experts only; over ``ep`` none is needed, every slot of an expert reaches its owner.
+Everything else is sharded over the whole group as without EP. The router's load counts stay per rank
+and ``merge_routing_stats`` sums them over the whole group, so the bias update is that of all tokens.
+Gathers and checkpoints need nothing new: ``full_tensor()`` of a (dp, ep) DTensor is the full [E, ...]
+weight (``full_tensors``, the weight export), and DCP saves and reshards DTensors (a checkpoint saved
+with ep = 2 loads with ep = 1, tested). The gradient norm is taken per mesh (``clip_grad_norm_``).
+LoRA on the routed experts is refused with EP (peft's parameter wrappers are not sharded here).
 """
 
 from __future__ import annotations
@@ -105,26 +114,79 @@ def layer_units(layer: nn.Module) -> list[nn.Module]:
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
-def shard_model(root: nn.Module, layers, mp_policy, mesh=None) -> nn.Module:
-    """``fully_shard`` every unit of every decoder layer, then ``root``; gradients summed over ranks."""
+def shard_model(root: nn.Module, layers, mp_policy, mesh=None, ep_mesh=None) -> nn.Module:
+    """``fully_shard`` every unit of every decoder layer, then ``root``; gradients summed over ranks.
+    With ``ep_mesh`` (``expert_mesh``) every layer's routed experts are split over its "ep" dimension
+    first (``shard_experts``), the other units are sharded over the whole group as without it."""
     from torch.distributed.fsdp import fully_shard
 
+    with_ep = routed_experts(layers) if ep_mesh is not None else []
+    experts = [shard_experts(ex, ep_mesh, mp_policy) for ex in with_ep]
     units = [u for layer in layers for u in layer_units(layer)]
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp_policy)
     fully_shard(root, mesh=mesh, mp_policy=mp_policy)
-    for module in (*units, root):
+    for module in (*experts, *units, root):
         module.set_gradient_divide_factor(1.0)  # the loss weights already normalise the mini-batch
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
     return root
 
 
+def routed_experts(layers) -> list[nn.Module]:
+    """The ``model.moe.GroupedExperts`` of the decoder layers, in layer order."""
+    from model.moe import GroupedExperts
+
+    return [m for layer in layers for m in layer.modules() if isinstance(m, GroupedExperts)]
+
+
+def expert_mesh(d: Distributed, ep: int, device: torch.device):
+    """The 2-D ``dp`` x ``ep`` device mesh of expert parallelism: rank = dp index * ep + ep index, so an
+    expert-parallel group is ``ep`` consecutive ranks and the ranks holding the same experts (one per
+    group) form the ``dp`` sub-mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if ep < 1 or d.world_size % ep:
+        raise ValueError(f"learner.expert_parallel={ep} must divide the learner world size ({d.world_size})")
+    return init_device_mesh(device.type, (d.world_size // ep, ep), mesh_dim_names=("dp", "ep"))
+
+
+def shard_experts(experts: nn.Module, mesh, mp_policy) -> nn.Module:
+    """One layer's routed experts split over ``mesh["ep"]`` (the module docstring): each stacked weight
+    becomes a DTensor sharded on dim 0 whose local part is this rank's E / ep rows (the other rows are
+    dropped here), the module dispatches its slots by all-to-all (``kernels.moe.ep.ExpertParallel``), and
+    it is an FSDP unit of its own over ``mesh["dp"]``: its gradients are reduced over the ranks holding
+    the same experts only."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    from kernels.moe.ep import ExpertParallel
+
+    ep_mesh = mesh["ep"]
+    if experts.num_experts % ep_mesh.size():
+        raise ValueError(f"learner.expert_parallel={ep_mesh.size()} must divide the model's num_experts "
+                         f"({experts.num_experts})")  # fmt: skip
+    plan = ExpertParallel(experts.num_experts, ep_mesh.get_group())
+    for name in ("gate_up_proj", "down_proj"):
+        full = getattr(experts, name)
+        local = plan.local_rows(full.detach()).clone()
+        shard = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+        setattr(experts, name, nn.Parameter(shard, requires_grad=full.requires_grad))
+    experts.dispatch = plan
+    fully_shard(experts, mesh=mesh["dp"], mp_policy=mp_policy)
+    return experts
+
+
 def shard_learner(learner, d: Distributed) -> None:
     """Shard a Learner's policy (base + LoRA), reference copy and value head, in place."""
     mp = mixed_precision(learner.cfg.dtype, learner.device)
-    shard_model(learner.policy, learner.base_model.model.layers, mp)
+    ep = learner.cfg.expert_parallel
+    if ep > 1 and learner.cfg.lora.enabled and learner.cfg.lora.target_parameters:
+        raise ValueError("learner.expert_parallel > 1 does not shard LoRA adapters of the routed experts; "
+                         "set learner.lora.target_parameters=[]")  # fmt: skip
+    ep_mesh = expert_mesh(d, ep, learner.device) if ep > 1 else None
+    shard_model(learner.policy, learner.base_model.model.layers, mp, ep_mesh=ep_mesh)
     if learner.reference is not None:
-        shard_model(learner.reference, learner.reference.model.layers, mp)
+        shard_model(learner.reference, learner.reference.model.layers, mp, ep_mesh=ep_mesh)
     if learner.value_head is not None:
         shard_model(learner.value_head, [], mp)
 
@@ -132,14 +194,24 @@ def shard_learner(learner, d: Distributed) -> None:
 # --------------------------------------------------------------------------- optimizer step helpers
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Global L2 norm over sharded (DTensor) and plain gradients, then clip: torch's norm of DTensor
-    gradients is a partial DTensor, made whole here before the clip coefficient is taken from it."""
+    gradients is a partial DTensor, made whole here before the clip coefficient is taken from it. With
+    expert parallelism the expert gradients live on another mesh (dp x ep) than the rest (the whole
+    group): DTensor ops do not mix meshes, so each mesh's norm is taken (and clipped) on its own."""
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, 2.0)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    by_mesh: dict = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 
@@ -286,7 +358,8 @@ def save_sharded(learner, path: str | Path) -> None:
 
 
 def load_sharded(learner, path: str | Path) -> None:
-    """Exact resume from ``save_sharded``'s directory (the same world size)."""
+    """Exact resume from ``save_sharded``'s directory (the same world size; any ``learner.expert_parallel``:
+    DCP reshards the expert DTensors and their AdamW moments to this group's layout)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 

@@ -9,9 +9,11 @@ counts or maxima (tokens, MoE loads) agree exactly. Resume from a sharded checkp
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 from test_learner import batches_for, make_cfg, make_group
 
@@ -24,7 +26,15 @@ OVERRIDES = ("learner.eps=1e-3", "learner.balancer=update", "algorithm.num_minib
 CASES = {"full": (),
          "value_kl": ("algorithm.vf_coef=0.5", "algorithm.kl_coef=0.05"),
          "lora_checkpointed": ("learner.lora.enabled=true", "learner.lora.sync=merged",
-                                           "learner.activation_checkpointing=true", "learner.balancer=frozen")}  # fmt: skip
+                                           "learner.activation_checkpointing=true", "learner.balancer=frozen"),
+         "expert_parallel": ("algorithm.kl_coef=0.05", "learner.activation_checkpointing=true"),
+         "expert_parallel_dp2": ("algorithm.kl_coef=0.05",),
+         "expert_parallel_lora": ("learner.lora.enabled=true", "learner.lora.target_parameters=[]",
+                                  "learner.lora.sync=merged", "learner.balancer=frozen")}  # fmt: skip
+# the group's learner settings (the single learner they are compared with has none): 2 ranks unless set
+GROUP = {"expert_parallel": {"expert_parallel": 2},  # experts split over the 2 ranks: dp 1 x ep 2
+         "expert_parallel_lora": {"expert_parallel": 2},  # frozen experts, adapters elsewhere
+         "expert_parallel_dp2": {"num_workers": 4, "expert_parallel": 2}}  # dp 2 x ep 2: FSDP over dp too  # fmt: skip
 
 
 # Two ranks sum their gradients in another order than one process, and AdamW carries that rounding into
@@ -85,9 +95,15 @@ def test_weight_buckets_are_the_exported_checkpoint(tmp_path, lora):
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint directory's tensors, the routed experts as the model's stacked [E, ...] weights
+    (``save_pretrained`` writes one tensor per expert, the gathered export the stacked ones)."""
     from safetensors.torch import load_file
 
-    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    from model.moe import stack_expert_weights
+
+    num_experts = json.loads((path / "config.json").read_text())["num_experts"]
+    named = ((k, v) for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items())
+    return dict(stack_expert_weights(named, num_experts))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -96,9 +112,10 @@ def test_two_ranks_train_like_one(ray_local, tmp_path, case):
     ref = Learner(c.model, c.learner, c.algorithm)
     ref.save_pretrained(str(tmp_path / "init"))
     steps = [batches_for(ref, c, make_group(seed=s, n=6)) for s in (0, 1)]
-    group = LearnerGroup(c.model, dataclasses.replace(c.learner, num_workers=2), c.algorithm)
+    group_cfg = dataclasses.replace(c.learner, **{"num_workers": 2, **GROUP.get(case, {})})
+    group = LearnerGroup(c.model, group_cfg, c.algorithm)
     try:
-        assert group.sharded and group.world_size == 2
+        assert group.sharded and group.world_size == group_cfg.num_workers > 1
         for batches in steps:
             if ref.value_head is not None:
                 got_v, want_v = group.turn_values(batches[0][0]), ref.turn_values(batches[0][0])
@@ -130,15 +147,31 @@ def test_two_ranks_train_like_one(ray_local, tmp_path, case):
         group.shutdown()
 
 
-def test_sharded_checkpoint_resume_is_exact(ray_local, tmp_path):
+@pytest.mark.parametrize("ep", [1, 2], ids=["fsdp", "expert_parallel"])
+def test_sharded_checkpoint_resume_is_exact(ray_local, tmp_path, ep):
     c = make_cfg(*OVERRIDES)
     ref = Learner(c.model, c.learner, c.algorithm)
     steps = [batches_for(ref, c, make_group(seed=s, n=6)) for s in (0, 1)]
-    group = LearnerGroup(c.model, dataclasses.replace(c.learner, num_workers=2), c.algorithm)
+
+    def local_expert_rows(learner) -> list[int]:  # run in a rank (a local function: pickled by value)
+        from torch.distributed.tensor import DTensor
+
+        rows = []
+        for name, p in learner.policy.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                assert isinstance(p, DTensor) and p.shape[0] == 4, name  # global: all E experts
+                rows.append(p.to_local().shape[0])
+        return rows
+
+    group_cfg = dataclasses.replace(c.learner, num_workers=2, expert_parallel=ep)
+    group = LearnerGroup(c.model, group_cfg, c.algorithm)
     try:
+        if ep > 1:  # each rank holds its half of every layer's experts, nothing more
+            assert ray.get([a.__ray_call__.remote(local_expert_rows) for a in group.ranks]) == [[2] * 6] * 2
         group.train_step(steps[0])
         ckpt = tmp_path / "learner.dcp"
         group.save(str(ckpt))
+        group.save_pretrained(str(tmp_path / "saved"))
         assert {"rank_0.pt", "rank_1.pt", ".metadata"} <= {p.name for p in ckpt.iterdir()}
         first = group.train_step(steps[1])
         group.save_pretrained(str(tmp_path / "a"))
@@ -151,3 +184,23 @@ def test_sharded_checkpoint_resume_is_exact(ray_local, tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a)
     finally:
         group.shutdown()
+    if ep == 1:
+        return
+    # DCP reshards: the expert-parallel checkpoint loads into a plain FSDP group (ep = 1), whole, and
+    # that group's checkpoint back into an expert-parallel one
+    saved = _weights(tmp_path / "saved")
+    for ep_load, src, dst in ((1, ckpt, tmp_path / "ep1.dcp"), (2, tmp_path / "ep1.dcp", None)):
+        other = LearnerGroup(c.model, dataclasses.replace(c.learner, num_workers=2, expert_parallel=ep_load),
+                             c.algorithm)  # fmt: skip
+        try:
+            other.load(str(src))
+            if dst is not None:
+                other.save(str(dst))
+            other.save_pretrained(str(tmp_path / f"loaded_ep{ep_load}"))
+            loaded = _weights(tmp_path / f"loaded_ep{ep_load}")
+            assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+            got = other.train_step(steps[1])  # and trains on like the group that saved it (moments too)
+            for key in ("loss", "grad_norm", "entropy", "pg_loss"):
+                assert got[key] == pytest.approx(first[key], rel=1e-5, abs=1e-7), (ep_load, key)
+        finally:
+            other.shutdown()

@@ -69,6 +69,14 @@ def test_group_default_lands_under_model_arch(tmp_path, monkeypatch):
             "dynamic_sampling",
         ),
         (["no_equals_sign"], "key=value"),
+        (
+            ["learner.num_workers=4", "learner.expert_parallel=3"],
+            "learner.expert_parallel: must be >= 1 and divide",
+        ),
+        (
+            ["learner.num_workers=2", "learner.expert_parallel=2", "learner.lora.enabled=true"],
+            "learner.expert_parallel: > 1 does not shard LoRA",
+        ),
     ],
 )
 def test_bad_configs_are_rejected_with_the_key_named(overrides, message):
