@@ -190,13 +190,10 @@ _RENAMES = [  # (source suffix regex, our suffix); applied to the part after mod
 
 def kimi_linear_state_dict(src_sd: dict[str, torch.Tensor], config: HybridConfig) -> dict[str, torch.Tensor]:
     """Our state dict (names and shapes checked against the model built on the meta device)."""
-    from model.export import model_expert_form, per_expert_state_dict
     from model.modeling import HybridForCausalLM
 
     with torch.device("meta"):
-        model_sd = HybridForCausalLM(config).state_dict()
-    # checked by per-expert names; handed back in the model's own expert form (modules or stacked [E, ...])
-    expected = {k: tuple(v.shape) for k, v in per_expert_state_dict(model_sd, config).items()}
+        expected = {k: tuple(v.shape) for k, v in HybridForCausalLM(config).state_dict().items()}
     out: dict[str, torch.Tensor] = {}
     per_expert: dict[str, torch.Tensor] = {}  # one tensor per expert, stacked below as the model holds them
 
@@ -224,7 +221,7 @@ def kimi_linear_state_dict(src_sd: dict[str, torch.Tensor], config: HybridConfig
     missing = sorted(set(expected) - set(out))
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
-    return model_expert_form(out, config, like=model_sd)
+    return out
 
 
 def _map_tensor(key: str, t: torch.Tensor, config: HybridConfig, put: Callable) -> None:
@@ -286,19 +283,26 @@ _NOT_COPIED = {"config.json", "model.safetensors.index.json"}
 CONVERTERS = {"kimi_linear": convert_kimi_linear}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m model.convert", description=__doc__.split("\n")[0])
-    parser.add_argument("layout", choices=sorted(CONVERTERS), help="the source checkpoint's layout")
-    parser.add_argument("src", help="source checkpoint directory")
-    parser.add_argument("dst", help="directory to write our checkpoint to")
+def layout_cli(argv: list[str] | None, prog: str, doc: str, writers: dict, helps: tuple[str, str, str]) -> int:
+    """``prog LAYOUT SRC DST``: ``writers[LAYOUT](SRC, DST)``, a bad input printed as one error line (exit 2).
+    Shared by ``model.convert`` and ``model.export``; ``helps``: the layout's, SRC's and DST's help."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    parser.add_argument("layout", choices=sorted(writers), help=helps[0])
+    parser.add_argument("src", help=helps[1])
+    parser.add_argument("dst", help=helps[2])
     args = parser.parse_args(argv)
     try:
-        config = CONVERTERS[args.layout](args.src, args.dst)
+        config = writers[args.layout](args.src, args.dst)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {args.dst} ({config.num_hidden_layers} layers, {config.num_experts} experts)")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    helps = ("the source checkpoint's layout", "source checkpoint directory", "directory to write our checkpoint to")
+    return layout_cli(argv, "python -m model.convert", __doc__, CONVERTERS, helps)
 
 
 if __name__ == "__main__":

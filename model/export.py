@@ -17,9 +17,9 @@ loads (transformers' ``save_pretrained`` layout does not load there: vLLM 0.26 r
   ``kv_b_proj``/``o_proj``), ``self_attn.A_log`` as [1, 1, H, 1], and the routed experts as
   ``block_sparse_moe.experts.E.w1`` (gate) / ``w3`` (up) / ``w2`` (down).
 
-Our routed experts are read in either form (``routed_expert_weights``): per-expert modules
-(``experts.{e}.gate_proj.weight`` ...) or stacked parameters (``experts.gate_up_proj`` [E, 2I, Z], expert
-e's gate rows then its up rows, and ``experts.down_proj`` [E, Z, I]).
+Our routed experts are read in either form: the model's stacked parameters (``experts.gate_up_proj``
+[E, 2I, Z], expert e's gate rows then its up rows, and ``experts.down_proj`` [E, Z, I]) or a checkpoint's
+per-expert tensors (``experts.{e}.gate_proj.weight`` ...): ``model.moe.split_expert_weights``.
 
 Only configs Kimi Linear can express are exported; anything else is refused with an error naming the
 field (``check_kimi_linear_expressible``): SiLU GLUs, the unbounded KDA gate, the low-rank KDA output gate,
@@ -53,10 +53,8 @@ top-k, shared experts, vocabulary; experts on the hidden size since Kimi Linear 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +62,7 @@ import torch
 from safetensors.torch import save_file
 
 from model.config import HybridConfig
+from model.moe import split_expert_weights
 
 KIMI_LINEAR_MLA_NORM_EPS = 1e-6  # transformers' KimiLinearRMSNorm default: its q_a / kv_a norms
 MAX_POSITION_EMBEDDINGS = 1048576  # Kimi Linear's published value (NoPE MLA: no position table)
@@ -232,76 +231,14 @@ def transformers_config(config: HybridConfig):
 # ---------------------------------------------------------------------------- weights
 
 
-def routed_expert_weights(
-    sd: dict[str, torch.Tensor], prefix: str, num_experts: int
-) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, tuple[str, ...]]]:
-    """(e, gate [I, Z], up [I, Z], down [Z, I], source names) of each routed expert under ``prefix``
-    (``model.layers.N.block_sparse_moe.experts``), from per-expert modules (``{prefix}.{e}.gate_proj.weight``
-    ...) or stacked parameters (``{prefix}.gate_up_proj`` [E, 2I, Z]: expert e's gate rows then its up
-    rows; ``{prefix}.down_proj`` [E, Z, I])."""
-    stacked = (f"{prefix}.gate_up_proj", f"{prefix}.down_proj")
-    if stacked[0] in sd or stacked[1] in sd:
-        missing = [n for n in stacked if n not in sd]
-        if missing:
-            raise ValueError(f"stacked experts under {prefix!r} lack {missing}")
-        gate_up_E2IZ, down_EZI = sd[stacked[0]], sd[stacked[1]]
-        E, two_i, Z = gate_up_E2IZ.shape
-        if num_experts != E or two_i % 2 or tuple(down_EZI.shape) != (E, Z, two_i // 2):
-            raise ValueError(
-                f"{prefix}: gate_up_proj {tuple(gate_up_E2IZ.shape)} / down_proj {tuple(down_EZI.shape)} "
-                f"are not [E={num_experts}, 2I, Z] / [E, Z, I]"
-            )
-        for e in range(E):
-            gate_IZ, up_IZ = gate_up_E2IZ[e].chunk(2, dim=0)
-            yield e, gate_IZ, up_IZ, down_EZI[e], stacked
-        return
-    for e in range(num_experts):
-        names = tuple(f"{prefix}.{e}.{p}_proj.weight" for p in ("gate", "up", "down"))
-        missing = [n for n in names if n not in sd]
-        if missing:
-            raise ValueError(f"routed expert {e} under {prefix!r} lacks {missing}")
-        yield e, sd[names[0]], sd[names[1]], sd[names[2]], names
-
-
-def per_expert_state_dict(sd: dict[str, torch.Tensor], config: HybridConfig) -> dict[str, torch.Tensor]:
-    """``sd`` with routed experts under per-expert names (``experts.{e}.gate_proj.weight`` ...), whichever
-    form they came in; every other tensor as it is."""
-    out: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
-    for i in config.moe_layer_indices:
-        prefix = f"model.layers.{i}.block_sparse_moe.experts"
-        for e, gate, up, down, names in routed_expert_weights(sd, prefix, config.num_experts):
-            used.update(names)
-            for proj, t in (("gate", gate), ("up", up), ("down", down)):
-                out[f"{prefix}.{e}.{proj}_proj.weight"] = t
-    out.update({k: t for k, t in sd.items() if k not in used})
-    return out
-
-
-def model_expert_form(
-    sd: dict[str, torch.Tensor], config: HybridConfig, like: dict
-) -> dict[str, torch.Tensor]:
-    """``sd`` (per-expert names) with its routed experts in the form ``like`` (our model's state dict, or
-    its names) uses: unchanged for per-expert modules, stacked ``gate_up_proj`` [E, 2I, Z] (gate rows then
-    up rows) / ``down_proj`` [E, Z, I] for stacked parameters."""
-    out = dict(sd)
-    for i in config.moe_layer_indices:
-        prefix = f"model.layers.{i}.block_sparse_moe.experts"
-        if f"{prefix}.gate_up_proj" not in like:
-            continue
-        triples = [[out.pop(f"{prefix}.{e}.{p}_proj.weight") for p in ("gate", "up", "down")] for e in range(config.num_experts)]  # fmt: skip
-        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u, _ in triples])
-        out[f"{prefix}.down_proj"] = torch.stack([d for _, _, d in triples])
-    return out
-
-
 def _expected_shapes(config: HybridConfig) -> dict[str, tuple[int, ...]]:
-    """Our tensors' names (per-expert form) and shapes for ``config``, from the model on the meta device."""
+    """Our tensors' names (the per-expert checkpoint form) and shapes for ``config``, from the model on the
+    meta device."""
     from model.modeling import HybridForCausalLM
 
     with torch.device("meta"):
         sd = HybridForCausalLM(config).state_dict()
-    return {k: tuple(v.shape) for k, v in per_expert_state_dict(sd, config).items()}
+    return {k: tuple(v.shape) for k, v in split_expert_weights(sd).items()}
 
 
 def _moonshot_name(name: str) -> str:
@@ -318,7 +255,7 @@ def moonshot_state_dict(
     model for ``config`` must be there with its shape, and nothing else; ``dtype`` casts floating tensors
     except ``FP32_TENSORS`` (vLLM keeps those in fp32)."""
     check_kimi_linear_expressible(config)
-    flat = per_expert_state_dict(sd, config)
+    flat = split_expert_weights(sd)
     expected = _expected_shapes(config)
     extra, missing = sorted(set(flat) - set(expected)), sorted(set(expected) - set(flat))
     if extra or missing:
@@ -375,18 +312,10 @@ EXPORTERS = {"kimi_linear": export_checkpoint}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m model.export", description=__doc__.split("\n")[0])
-    parser.add_argument("layout", choices=sorted(EXPORTERS), help="the layout to write")
-    parser.add_argument("src", help="our checkpoint directory")
-    parser.add_argument("dst", help="directory to write the exported checkpoint to")
-    args = parser.parse_args(argv)
-    try:
-        config = EXPORTERS[args.layout](args.src, args.dst)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.dst} ({config.num_hidden_layers} layers, {config.num_experts} experts)")
-    return 0
+    from model.convert import layout_cli
+
+    helps = ("the layout to write", "our checkpoint directory", "directory to write the exported checkpoint to")
+    return layout_cli(argv, "python -m model.export", __doc__, EXPORTERS, helps)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,6 @@ error at most the reference's plus a bf16 ulp of slack."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +27,7 @@ from model.layers import RMSNorm, l2_normalize_fused, l2_normalize_reference, rm
 from model.moe import MoEGate, routing_weights
 
 TOKENS = [1, 15, 64, 65, 300]
-OP_COUNTS = Path(__file__).resolve().parents[2] / "bench" / "op_counts.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "op_counts.py"
 
 
 def _routing(T, k, E, seed=0):
@@ -157,23 +155,14 @@ def test_rms_norm_equals_the_op_by_op_reference(dtype):
         torch.testing.assert_close(a.float(), b.float(), **tol)
 
 
-@pytest.fixture(scope="module")
-def op_counts():
-    spec = importlib.util.spec_from_file_location("op_counts", OP_COUNTS)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["op_counts"] = mod
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop("op_counts", None)
 
-
-def test_moe_layer_ops_fwd_bwd(op_counts):
+def test_moe_layer_ops_fwd_bwd(bench):
     """The gpu_1b structure at tiny widths, under CPU bf16 autocast, RMSNorm counted as CUDA runs it: the
     MoE has no scatter-add (the permute and combine backwards gather), no stack of expert weights (they are
     stacked parameters, ``GroupedExperts``), and fewer ops than before these rewrites (MoE 227, AttnRes mix
     53, RMSNorm 26; now 192, 25, 4)."""
-    arch = op_counts.tiny_preset(op_counts.ROOT / "configs/model/gpu_1b.yaml")
-    counts = op_counts.layer_op_counts(arch, TOKENS, bf16=True)
+    arch = bench.tiny_preset(bench.ROOT / "configs/model/gpu_1b.yaml")
+    counts = bench.layer_op_counts(arch, TOKENS, bf16=True)
     moe = counts["moe"]["ops"]
     assert "index_add" not in moe and "scatter_add" in moe  # scatter_add: the router's gather backward
     assert "stack" not in moe
@@ -182,15 +171,15 @@ def test_moe_layer_ops_fwd_bwd(op_counts):
     assert {"dense_mlp", "attn_res", "moe", "mla", "norm", "model"} <= set(counts)
 
 
-def test_op_counter_leaves_out_views_and_counts_rms_norm_as_fused(op_counts):
+def test_op_counter_leaves_out_views_and_counts_rms_norm_as_fused(bench):
     x = torch.randn(4, 6, requires_grad=True)
-    counter = op_counts.count_fwd_bwd(lambda: (x.view(24).t() * 2).sum(), [x], [])
+    counter = bench.count_fwd_bwd(lambda: (x.view(24).t() * 2).sum(), [x], [])
     assert counter.ops["mul"] == 2 and "view" not in counter.ops and "t" not in counter.ops
     w = torch.randn(6, requires_grad=True)
     ref = _grads(lambda: torch.nn.functional.rms_norm(x, (6,), w, 1e-5), x, w)
-    with op_counts.fused_rms_norm():
+    with bench.fused_rms_norm():
         got = _grads(lambda: torch.nn.functional.rms_norm(x, (6,), w, 1e-5), x, w)
-        counter = op_counts.count_fwd_bwd(lambda: torch.nn.functional.rms_norm(x, (6,), w, 1e-5), [x], [w])
+        counter = bench.count_fwd_bwd(lambda: torch.nn.functional.rms_norm(x, (6,), w, 1e-5), [x], [w])
     assert all(torch.equal(a, b) for a, b in zip(got, ref))  # the values are the real op's
     assert counter.ops == {"_fused_rms_norm": 1, "_fused_rms_norm_backward": 1, "ones_like": 1}
 

@@ -26,13 +26,12 @@ from model.export import (
     check_kimi_linear_expressible,
     export_kimi_linear,
     kimi_linear_matched,
-    model_expert_form,
     moonshot_state_dict,
-    per_expert_state_dict,
     transformers_config,
 )
 from model.export import main as export_main
 from model.modeling import HybridForCausalLM
+from model.moe import split_expert_weights, stack_expert_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE_LOAD = Path(__file__).with_name("vllm_native_load.py")
@@ -57,19 +56,6 @@ def _random_model(config: HybridConfig, seed: int = 0) -> HybridForCausalLM:
             if t.is_floating_point():
                 t.copy_(torch.randn(t.shape, generator=g))
     return model
-
-
-def _stacked(sd: dict[str, torch.Tensor], config: HybridConfig) -> dict[str, torch.Tensor]:
-    """The same weights with the routed experts as stacked [E, 2I, Z] / [E, Z, I] parameters."""
-    out = {k: v for k, v in sd.items() if ".block_sparse_moe.experts." not in k}
-    for i in config.moe_layer_indices:
-        p = f"model.layers.{i}.block_sparse_moe.experts"
-        E = range(config.num_experts)
-        out[f"{p}.gate_up_proj"] = torch.stack(
-            [torch.cat([sd[f"{p}.{e}.gate_proj.weight"], sd[f"{p}.{e}.up_proj.weight"]]) for e in E]
-        )
-        out[f"{p}.down_proj"] = torch.stack([sd[f"{p}.{e}.down_proj.weight"] for e in E])
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -114,28 +100,17 @@ def test_round_trip_through_convert_is_identical(exported, tmp_path):
     assert not unequal, unequal[:5]
 
 
-def test_stacked_experts_export_the_same(exported):
+def test_per_expert_and_stacked_experts_export_the_same(exported):
     config, model, _ = exported
-    sd = model.state_dict()
-    per_expert, stacked = moonshot_state_dict(sd, config), moonshot_state_dict(_stacked(sd, config), config)
-    assert set(per_expert) == set(stacked)
-    assert all(torch.equal(per_expert[k], stacked[k]) for k in per_expert)
-    wrong = _stacked(sd, config)
-    wrong["model.layers.2.block_sparse_moe.experts.down_proj"] = wrong[
-        "model.layers.2.block_sparse_moe.experts.down_proj"
-    ][:-1]
+    sd = model.state_dict()  # the stacked parameters
+    per_expert = split_expert_weights(sd)  # the checkpoint's per-expert layout
+    assert dict(stack_expert_weights(per_expert.items(), config.num_experts)).keys() == sd.keys()
+    a, b = moonshot_state_dict(sd, config), moonshot_state_dict(per_expert, config)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    wrong = dict(sd)
+    wrong["model.layers.2.block_sparse_moe.experts.down_proj"] = sd["model.layers.2.block_sparse_moe.experts.down_proj"][:-1]
     with pytest.raises(ValueError, match=r"model\.layers\.2\.block_sparse_moe\.experts"):
         moonshot_state_dict(wrong, config)
-
-
-def test_model_expert_form_stacks_like_the_model(exported):
-    config, model, _ = exported
-    sd = model.state_dict()
-    stacked = _stacked(sd, config)
-    restacked = model_expert_form(per_expert_state_dict(stacked, config), config, like=stacked)
-    assert set(restacked) == set(stacked) and all(torch.equal(restacked[k], stacked[k]) for k in stacked)
-    same = model_expert_form(sd, config, like=sd)  # per-expert modules: nothing changes
-    assert set(same) == set(sd)
 
 
 def test_dtype_cast_keeps_fp32_state_tensors(exported):
@@ -229,7 +204,7 @@ def test_vllm_native_kimi_linear_loads_every_parameter(exported, tmp_path):
     not_loaded = sorted(set(report["params"]) - set(report["loaded"]))
     assert not not_loaded, not_loaded
     got = load_file(f"{out}.values.safetensors")
-    sd = model.state_dict()
+    sd = split_expert_weights(model.state_dict())  # per expert, as vLLM's loader reads them
 
     def ours(name):
         return sd[f"model.layers.{name}"]

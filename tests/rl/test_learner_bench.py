@@ -3,24 +3,12 @@ a broken fast path stops the run before anything is timed, the report holds what
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
-import pytest
-
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "learner_mfu.py"
 
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("learner_mfu", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["learner_mfu"] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop("learner_mfu", None)
 
 
 def run(bench, monkeypatch, out: Path, *extra: str) -> int:

@@ -6,8 +6,6 @@ the learner, routed freely and with the engine's routes of every fed token repla
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,15 +19,6 @@ pytestmark = pytest.mark.vllm
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "rollout_gpu.py"
 CPU_RUN = SimpleNamespace(torch=torch, device=torch.device("cpu"), cuda=False)  # what learner_capture reads
 
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("rollout_gpu", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["rollout_gpu"] = mod
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop("rollout_gpu", None)
 
 
 def _prompt(seed: int, n: int) -> list[int]:

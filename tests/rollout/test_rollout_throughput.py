@@ -5,7 +5,6 @@ process ended at its budget."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -14,15 +13,6 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "rollout_throughput.py"
 
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("rollout_throughput", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["rollout_throughput"] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop("rollout_throughput", None)
 
 
 def test_plan_parser(bench):
