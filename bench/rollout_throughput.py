@@ -33,6 +33,10 @@ Tasks of an engine (``name:task+task``):
   sequences end at their own lengths, so the batch thins towards the end); ``overall`` = all generated tokens / wall time. An untimed warm-up batch
   (4 requests of ``--prompt-min`` tokens) runs first.
 
+* ``profile``: one batch of ``PROFILE_N`` requests (``--prompt-min`` tokens, ``PROFILE_GEN`` generated)
+  under ``torch.profiler`` (the engine runs in this process): device time per engine step in the decode
+  phase and the kernels that take it (top 25 by device time, with calls), to say where a decode step goes.
+
 Per engine also: engine construction time, first-call time (construction to the first finished request,
 compilation and CUDA-graph capture included), on a GPU ``torch.cuda.max_memory_allocated`` of the child
 (weights, KV cache, activations) and vLLM's KV cache (blocks x block size, the budget
@@ -100,7 +104,8 @@ ENGINES = {
     "peer": EngineSpec("peer", enforce_eager=False),
     "peer_eager": EngineSpec("peer", enforce_eager=True),
 }
-TASKS = ("check", "time")
+TASKS = ("check", "time", "profile")
+PROFILE_N, PROFILE_GEN = 8, 32  # the profiled batch: where a decode step's device time goes
 DEFAULT_PLAN = "ours_eager:check,ours_fast:check+time,peer:time,ours_eager:time"
 
 
@@ -443,6 +448,8 @@ class Child:
             self.check(llm)
         if "time" in self.job["tasks"]:
             self.time_all(llm)
+        if "profile" in self.job["tasks"]:
+            self.profile(llm)
         self.res["memory"] = self.memory()
         self.save()
 
@@ -487,6 +494,22 @@ class Child:
                 f"wall {row['wall_s']:.1f} s")  # fmt: skip
             self.save()
 
+    def profile(self, llm) -> None:
+        """Kernels of one batch's engine steps, the prefill step(s) apart from the decode ones."""
+        from torch.profiler import ProfilerActivity, profile
+
+        sz, vocab = self.sz, self.job["vocab_size"]
+        ps, _ = timed_requests(sz, PROFILE_N, vocab, seed=7)
+        ps, gens = [p[: sz.prompt_min] for p in ps], [PROFILE_GEN] * PROFILE_N
+        timed_batch(llm, ps, gens)  # warm: the same shapes once unprofiled
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        with profile(activities=acts) as prof:
+            row = timed_batch(llm, ps, gens)
+        self.res["profile"] = profile_summary(prof, row, self.cuda)
+        log(f"[{self.job['key']}] profile: {row['steps']} steps, decode {row['decode_s'] * 1e3 / max(row['steps'] - 1, 1):.2f} "
+            f"ms/step wall; top kernel {self.res['profile']['top'][:1]}")  # fmt: skip
+        self.save()
+
     def memory(self) -> dict:
         if not self.cuda:
             return {}
@@ -498,6 +521,19 @@ class Child:
             "allocated_gib": t.memory_allocated() / 2**30,
             "device_used_gib": (total - free) / 2**30,
         }
+
+
+def profile_summary(prof, row: dict, cuda: bool, top: int = 25) -> dict:
+    """The profiled batch: its timing row, device (or CPU) time per engine step, and the top kernels by
+    self device time as [name, ms, calls]."""
+    events = prof.key_averages()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    kernels = sorted(events, key=lambda e: getattr(e, attr, 0.0), reverse=True)
+    total_ms = sum(getattr(e, attr, 0.0) for e in events) / 1e3
+    return {
+        "batch": row, "device_time_ms": total_ms, "per_step_ms": total_ms / max(row["steps"], 1),
+        "top": [[e.key[:90], round(getattr(e, attr, 0.0) / 1e3, 3), e.count] for e in kernels[:top]],
+    }
 
 
 def _tokens(ids: list[int]):
@@ -655,6 +691,12 @@ def markdown(res: dict) -> str:
         lines += ["", "| N | ours_fast / peer: generated | prefill | overall |", "|---|---|---|---|"]
         for n, r in ratios.items():
             lines.append(f"| {n} | {r['generated']:.2f}x | {r['prefill']:.2f}x | {r['overall']:.2f}x |")
+    for key, v in res.get("engines", {}).items():
+        prof = v.get("profile")
+        if prof:
+            lines += ["", f"profile of {key}: {prof['batch']['steps']} engine steps, {prof['per_step_ms']:.2f} ms of "
+                      "kernel time per step", "", "| kernel | ms | calls |", "|---|---|---|"]  # fmt: skip
+            lines += [f"| `{name}` | {ms:.2f} | {calls} |" for name, ms, calls in prof["top"]]
     lines += ["", f"check (ours_fast vs ours_eager greedy): {s.get('check')}", f"bar: {s.get('bar')}"]
     return "\n".join(lines) + "\n"
 

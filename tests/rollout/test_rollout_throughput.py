@@ -128,3 +128,16 @@ def test_small_run_end_to_end(bench, tmp_path):
     assert (
         json.loads(Path(res["checkpoints"]["peer"], "config.json").read_text())["model_type"] == "kimi_linear"
     )
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_profile_task_names_the_kernels_of_a_batch(bench, tmp_path):
+    assert bench.main(["--small", "--plan", "ours_eager:profile", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "rollout_throughput.json").read_text())
+    prof = res["engines"]["ours_eager"]["profile"]
+    batch = prof["batch"]
+    assert batch["sequences"] == bench.PROFILE_N and batch["generated_tokens"] == bench.PROFILE_N * bench.PROFILE_GEN
+    assert prof["per_step_ms"] > 0 and len(prof["top"]) == 25
+    assert all(ms >= 0 and calls >= 1 for _, ms, calls in prof["top"])
+    assert "profile of ours_eager" in (tmp_path / "rollout_throughput.md").read_text()
