@@ -122,8 +122,9 @@ class HybridPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=std)
             init.zeros_(module.e_score_correction_bias)
         elif isinstance(module, GroupedExperts):  # each expert as the nn.Linear projections it stacks
-            init.normal_(module.gate_up_proj, mean=0.0, std=std)
-            init.normal_(module.down_proj, mean=0.0, std=std)
+            loaded = getattr(module.gate_up_proj, "_is_hf_initialized", False)  # views carry no flag of their own
+            for w in () if loaded else module.expert_weight_views():
+                nn.init.normal_(w, mean=0.0, std=std)
         elif isinstance(module, KimiDeltaAttention):
             A_log, dt_bias = module.initial_gate_values()
             init.copy_(module.A_log, A_log)  # init.* skip tensors already loaded from a checkpoint

@@ -239,10 +239,18 @@ class GroupedExperts(GatedActivation, nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Each expert's projections as nn.Linear initialises its weight: U(+-1/sqrt(fan_in))."""
-        for w in (self.gate_up_proj, self.down_proj):
+        """Each expert's projections as nn.Linear initialises its weight, U(+-1/sqrt(fan_in)), expert by expert
+        in the order gate, up, down: the random draws of 3E nn.Linear modules (``expert_weight_views``)."""
+        for w in self.expert_weight_views():
             bound = w.shape[-1] ** -0.5
             nn.init.uniform_(w, -bound, bound)
+
+    def expert_weight_views(self) -> list[torch.Tensor]:
+        """Views of expert e's gate [I, Z], up [I, Z] and down [Z, I] weights, e = 0 .. E-1: the order in
+        which initialisers draw, so that a seed gives the weights the per-expert modules it replaces had."""
+        I = self.intermediate
+        return [w for e in range(self.num_experts)
+                for w in (self.gate_up_proj[e, :I], self.gate_up_proj[e, I:], self.down_proj[e])]  # fmt: skip
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}, act={self.act}"

@@ -84,3 +84,21 @@ def test_situ_glu_formula_and_bound():
     swiglu = torch.nn.functional.silu(small_g) * small_u  # SiTU == SwiGLU to first order near 0
     torch.testing.assert_close(situ_glu(small_g, small_u), swiglu, rtol=1e-2, atol=1e-9)
     assert situ_glu(g.bfloat16(), u.bfloat16()).dtype == torch.bfloat16
+
+
+def test_grouped_experts_draw_like_the_per_expert_linears_they_replace():
+    """A seed gives the stacked experts the weights 3E nn.Linear modules (gate, up, down per expert) had:
+    runs and recipes measured before the experts were stacked keep their initial weights."""
+    from torch import nn
+
+    from model.moe import GroupedExperts
+
+    E, Z, I = 4, 12, 6
+    torch.manual_seed(3)
+    experts = GroupedExperts(E, Z, I)
+    torch.manual_seed(3)
+    linears = [nn.Linear(a, b, bias=False) for _ in range(E) for a, b in ((Z, I), (Z, I), (I, Z))]
+    for e in range(E):
+        gate, up, down = (m.weight for m in linears[3 * e : 3 * e + 3])
+        assert torch.equal(experts.gate_up_proj[e], torch.cat([gate, up]))
+        assert torch.equal(experts.down_proj[e], down)
