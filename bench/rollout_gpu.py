@@ -609,7 +609,8 @@ def part_reuse(run: Run) -> None:
     cfg = SimpleNamespace(
         episodes=a.episodes, turns=a.turns, prompt=a.prompt, obs=a.obs, obs_min=a.obs_min, gen=a.gen,
         max_model_len=a.max_model_len, kv_mib=a.kv_mib, block_size=None, repeats=1,
-        engine=dict(dtype="bfloat16", max_resident_sessions=a.episodes, **run.gpu_share()),
+        engine=dict(dtype="bfloat16", max_resident_sessions=a.episodes, enforce_eager=not a.cuda_graphs,
+                    **run.gpu_share()),
     )  # fmt: skip
     out = run.results.setdefault("reuse", {"config": {k: v for k, v in vars(cfg).items()}})
     path = run.checkpoint("gpu_1b")
@@ -1113,6 +1114,9 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--kv-mib", type=int, default=24576)
     p.add_argument("--modes", default="session,prefix_cache,none")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="reuse part: engines with enforce_eager=False (vLLM's CUDA graphs; checked equal to eager "
+                        "by bench/rollout_throughput.py)")  # fmt: skip
     p.add_argument("--layer-variants", default="single,batch,chunked", help="layers part: request layouts")
     p.add_argument(
         "--layer-chunk", type=int, default=None, help="layers part: max_num_batched_tokens of 'chunked' (256)"
