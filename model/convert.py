@@ -45,6 +45,20 @@ from model.moe import is_expert_tensor_name, stack_expert_weights
 
 # ---------------------------------------------------------------------------- config
 
+KIMI_LINEAR_SWITCHES = dict(
+    mla_use_nope=True,
+    mla_use_output_gate=False,
+    mla_norm_eps=1e-6,  # KimiLinearRMSNorm's default: its q_a/kv_a norms do not get rms_norm_eps
+    routed_expert_hidden_size=None,  # experts on the hidden size: no latent MoE
+    moe_router_activation_func="sigmoid",
+    attn_res_block_size=0,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    kda_gate="unbounded",
+)
+"""Our switches set to Kimi Linear's behaviour (with ``linear_attn_config.use_full_rank_gate: false``): what
+a converted checkpoint and the matched peer of ``model.export.kimi_linear_matched`` share."""
+
 
 def _read_json(path: Path) -> dict:
     if not path.is_file():
@@ -78,6 +92,7 @@ def kimi_linear_config(src: Path) -> HybridConfig:
     first_dense = _dense_prefix(mlp_types)
     num_experts = kl.num_local_experts if first_dense < kl.num_hidden_layers else 0
     return HybridConfig(
+        **KIMI_LINEAR_SWITCHES,
         vocab_size=kl.vocab_size,
         hidden_size=kl.hidden_size,
         num_hidden_layers=kl.num_hidden_layers,
@@ -95,27 +110,18 @@ def kimi_linear_config(src: Path) -> HybridConfig:
         qk_nope_head_dim=kl.qk_nope_head_dim,
         qk_rope_head_dim=kl.qk_rope_head_dim,
         v_head_dim=kl.v_head_dim,
-        mla_use_nope=True,
-        mla_use_output_gate=False,
-        mla_norm_eps=1e-6,  # KimiLinearRMSNorm's default: its q_a/kv_a norms do not get rms_norm_eps
         num_experts=num_experts,
         num_experts_per_token=kl.num_experts_per_tok,
         num_shared_experts=kl.n_shared_experts,
         moe_intermediate_size=kl.moe_intermediate_size,
-        routed_expert_hidden_size=None,
-        moe_router_activation_func="sigmoid",
         moe_renormalize=kl.norm_topk_prob,
         routed_scaling_factor=kl.routed_scaling_factor,
         num_expert_group=kl.n_group,
         topk_group=kl.topk_group,
         first_k_dense_replace=first_dense,
         intermediate_size=kl.intermediate_size,
-        attn_res_block_size=0,
-        hidden_act="silu",
         rms_norm_eps=kl.rms_norm_eps,
         initializer_range=kl.initializer_range,
-        tie_word_embeddings=False,
-        kda_gate="unbounded",
         bos_token_id=kl.bos_token_id,
         eos_token_id=kl.eos_token_id,
         pad_token_id=kl.pad_token_id,

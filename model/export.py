@@ -62,9 +62,10 @@ import torch
 from safetensors.torch import save_file
 
 from model.config import HybridConfig
+from model.convert import KIMI_LINEAR_SWITCHES
 from model.moe import split_expert_weights
 
-KIMI_LINEAR_MLA_NORM_EPS = 1e-6  # transformers' KimiLinearRMSNorm default: its q_a / kv_a norms
+KIMI_LINEAR_MLA_NORM_EPS = KIMI_LINEAR_SWITCHES["mla_norm_eps"]  # transformers' KimiLinearRMSNorm default: its q_a / kv_a norms
 MAX_POSITION_EMBEDDINGS = 1048576  # Kimi Linear's published value (NoPE MLA: no position table)
 FP32_TENSORS = ("A_log", "dt_bias", "e_score_correction_bias")  # kept fp32 when the rest is cast
 
@@ -175,6 +176,7 @@ def kimi_linear_matched(config: HybridConfig) -> HybridConfig:
     gate, experts on the hidden size). It is exactly what ``model.convert`` makes of its export."""
     lac = config.linear_attn_config
     return HybridConfig(
+        **KIMI_LINEAR_SWITCHES,
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
         num_hidden_layers=config.num_hidden_layers,
@@ -192,27 +194,18 @@ def kimi_linear_matched(config: HybridConfig) -> HybridConfig:
         qk_nope_head_dim=config.qk_nope_head_dim,
         qk_rope_head_dim=config.qk_rope_head_dim,
         v_head_dim=config.v_head_dim,
-        mla_use_nope=True,
-        mla_use_output_gate=False,
-        mla_norm_eps=KIMI_LINEAR_MLA_NORM_EPS,
         num_experts=config.num_experts,
         num_experts_per_token=config.num_experts_per_token,
         num_shared_experts=config.num_shared_experts,
         moe_intermediate_size=config.moe_intermediate_size,
-        routed_expert_hidden_size=None,
-        moe_router_activation_func="sigmoid",
         moe_renormalize=config.moe_renormalize,
         routed_scaling_factor=config.routed_scaling_factor,
         num_expert_group=config.num_expert_group,
         topk_group=config.topk_group,
         first_k_dense_replace=config.first_k_dense_replace,
         intermediate_size=config.intermediate_size,
-        attn_res_block_size=0,
-        hidden_act="silu",
         rms_norm_eps=config.rms_norm_eps,
         initializer_range=config.initializer_range,
-        tie_word_embeddings=False,
-        kda_gate="unbounded",
         bos_token_id=getattr(config, "bos_token_id", None),
         eos_token_id=getattr(config, "eos_token_id", None),
         pad_token_id=getattr(config, "pad_token_id", None),
