@@ -4,6 +4,7 @@ hook runs), and the result equals the learner's merged export bit for bit, step 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,11 @@ from rollout.adapters import AdapterWeights, apply_adapter, is_adapter_dir
 
 
 def _tensors(path: str, name: str) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(path) / name))
+    """A file's tensors, per-expert checkpoint tensors as the model's stacked expert weights."""
+    from model.moe import stack_expert_weights
+
+    num_experts = json.loads((Path(path) / "config.json").read_text())["num_experts"]
+    return dict(stack_expert_weights(load_file(str(Path(path) / name)).items(), num_experts))
 
 
 def test_adapter_export_applied_to_the_base_equals_the_merged_export(tmp_path):
