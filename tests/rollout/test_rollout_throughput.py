@@ -96,7 +96,8 @@ def test_a_failing_engine_is_a_result(bench, tmp_path, monkeypatch):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_small_run_end_to_end(bench, tmp_path):
-    assert bench.main(["--small", "--keep", "--out", str(tmp_path)]) == 0
+    plan = bench.DEFAULT_PLAN.replace("ours_fast:check+time", "ours_fast:check+time+profile")
+    assert bench.main(["--small", "--keep", "--plan", plan, "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "rollout_throughput.json").read_text())
     engines = res["engines"]
     assert list(engines) == ["ours_eager", "ours_fast", "peer", "ours_eager#2"]
@@ -123,21 +124,14 @@ def test_small_run_end_to_end(bench, tmp_path):
     }
     assert res["summary"]["check"]["equal"] is True and res["summary"]["ours_fast_over_peer"] == {}
     assert res["summary"]["bar"]["first_call_lt_60s"] is True
+    prof = fast["profile"]  # the profile task: one batch's kernels
+    assert prof["batch"]["sequences"] == bench.PROFILE_N
+    assert prof["batch"]["generated_tokens"] == bench.PROFILE_N * bench.PROFILE_GEN
+    assert prof["per_step_ms"] > 0 and len(prof["top"]) == 25
+    assert all(ms >= 0 and calls >= 1 for _, ms, calls in prof["top"])
     md = (tmp_path / "rollout_throughput.md").read_text()
-    assert "| ours_fast | 2 |" in md and "skipped: no GPU" in md
+    assert "| ours_fast | 2 |" in md and "skipped: no GPU" in md and "profile of ours_fast" in md
     assert (
         json.loads(Path(res["checkpoints"]["peer"], "config.json").read_text())["model_type"] == "kimi_linear"
     )
 
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_profile_task_names_the_kernels_of_a_batch(bench, tmp_path):
-    assert bench.main(["--small", "--plan", "ours_eager:profile", "--out", str(tmp_path)]) == 0
-    res = json.loads((tmp_path / "rollout_throughput.json").read_text())
-    prof = res["engines"]["ours_eager"]["profile"]
-    batch = prof["batch"]
-    assert batch["sequences"] == bench.PROFILE_N and batch["generated_tokens"] == bench.PROFILE_N * bench.PROFILE_GEN
-    assert prof["per_step_ms"] > 0 and len(prof["top"]) == 25
-    assert all(ms >= 0 and calls >= 1 for _, ms, calls in prof["top"])
-    assert "profile of ours_eager" in (tmp_path / "rollout_throughput.md").read_text()
