@@ -15,7 +15,7 @@ Weights: both layouts are accepted, the one ``save_pretrained`` and the publishe
 under ``mlp`` or ``block_sparse_moe``) and transformers' in-memory one (``conv1d`` stacked,
 ``forget_gate.*``, ``mlp.experts.gate_up_proj`` / ``down_proj`` as [E, ...] tensors). Every target
 tensor must be produced exactly once with its shape; anything left over is an error. The routed
-experts come out in the form our model has (per-expert modules, or stacked [E, ...] parameters). Dtypes are
+experts come out stacked, as our model holds them ([E, ...] parameters). Dtypes are
 kept (the router bias stays fp32 in our model anyway). The whole state dict is held in memory and
 written as one file. The source's other top-level files (tokenizer, chat template, generation
 config) are copied beside it.
@@ -41,7 +41,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from model.config import HybridConfig
-from model.moe import is_expert_tensor_name, stack_expert_weights
+from model.moe import stack_expert_weights
 
 # ---------------------------------------------------------------------------- config
 
@@ -201,9 +201,18 @@ def kimi_linear_state_dict(src_sd: dict[str, torch.Tensor], config: HybridConfig
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in HybridForCausalLM(config).state_dict().items()}
     out: dict[str, torch.Tensor] = {}
-    per_expert: dict[str, torch.Tensor] = {}  # one tensor per expert, stacked below as the model holds them
+    mapped: list[tuple[str, torch.Tensor]] = []
+    sources: dict[str, str] = {}
 
-    def check(name: str, t: torch.Tensor, source: str) -> None:
+    def put(name: str, t: torch.Tensor, source: str) -> None:
+        mapped.append((name, t))
+        sources.setdefault(name, source)
+
+    for key, t in src_sd.items():
+        _map_tensor(key, t, config, put)
+    # per-expert tensors stacked as the model holds them (a duplicate among them is an error there)
+    for name, t in stack_expert_weights(mapped, config.num_experts):
+        source = sources.get(name, name.rsplit(".", 1)[0] + ".*")
         if name not in expected:
             raise ValueError(f"source tensor {source!r} maps to {name!r}, which our model does not have")
         if name in out:
@@ -211,19 +220,6 @@ def kimi_linear_state_dict(src_sd: dict[str, torch.Tensor], config: HybridConfig
         if tuple(t.shape) != expected[name]:
             raise ValueError(f"{source!r} -> {name!r}: shape {tuple(t.shape)}, expected {expected[name]}")
         out[name] = t.contiguous()
-
-    def put(name: str, t: torch.Tensor, source: str) -> None:
-        if is_expert_tensor_name(name):
-            if name in per_expert:
-                raise ValueError(f"two source tensors map to {name!r} (the second: {source!r})")
-            per_expert[name] = t
-        else:
-            check(name, t, source)
-
-    for key, t in src_sd.items():
-        _map_tensor(key, t, config, put)
-    for name, t in stack_expert_weights(per_expert.items(), config.num_experts):
-        check(name, t, name.rsplit(".", 1)[0] + ".*")
     missing = sorted(set(expected) - set(out))
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")

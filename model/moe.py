@@ -22,7 +22,7 @@ weight kind, not per expert: 2 tensors per layer instead of 3E (384 at gpu_1b), 
 stack them, the backward does not accumulate 3E gradients, and the optimizer, FSDP and weight sync walk
 two tensors. Checkpoints on disk keep one tensor per expert (``experts.N.gate_proj.weight``, ...,
 Moonshot's and DeepSeek's layout): ``save_pretrained`` splits, ``from_pretrained`` stacks (a transformers
-conversion mapping, ``EXPERT_CONVERSIONS``), and ``stack_expert_weights`` does the same for streams of
+conversion mapping, ``expert_conversions``), and ``stack_expert_weights`` does the same for streams of
 named tensors (the vLLM model's loader). LoRA reaches the experts through PEFT's ``target_parameters``
 (one rank-r adapter per expert, ``model.lora``).
 
@@ -263,23 +263,28 @@ class GroupedExperts(GatedActivation, nn.Module):
             return self._grouped(z_TZ, route, w_gu, w_down)
         return self._loop(z_TZ, route, w_gu, w_down)
 
-    def expert(self, e: int, x: torch.Tensor, w_gu: torch.Tensor | None = None, w_down: torch.Tensor | None = None):
-        """Expert e alone on rows x: down(act(gate x, up x))."""
-        w_gu = self.gate_up_proj if w_gu is None else w_gu
-        w_down = self.down_proj if w_down is None else w_down
+    def expert(self, e: int, x: torch.Tensor, w_gu: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        """Expert e alone on rows x: down(act(gate x, up x)), with the weights read by ``forward``."""
         g, u = F.linear(x, w_gu[e]).chunk(2, dim=-1)
         return F.linear(self.glu(g, u), w_down[e])
+
+    def grouped_glu(self, x_PZ: torch.Tensor, offs_E: torch.Tensor, w_gu: torch.Tensor, w_down: torch.Tensor):
+        """Every expert on its rows of an expert-sorted row buffer (``kernels.moe.permute``, groups ending at
+        ``offs_E``): the gate/up and the down projections as two grouped GEMMs. Also the local experts of
+        expert parallelism (``kernels.moe.ep``)."""
+        from kernels.moe import grouped_mm
+
+        g_PI, u_PI = grouped_mm(x_PZ, w_gu, offs_E).chunk(2, dim=-1)
+        return grouped_mm(self.glu(g_PI, u_PI), w_down, offs_E)
 
     def _grouped(self, z_TZ, route: RouterOutput, w_gu, w_down) -> torch.Tensor:
         """The grouped form of ``_loop``: same products, same (token, slot) order of the weighted fp32 sum,
         so it equals the loop up to the GEMMs' own rounding."""
-        from kernels.moe import combine, grouped_mm, grouped_mm_alignment, permute, route_layout
+        from kernels.moe import combine, grouped_mm_alignment, permute, route_layout
 
         dt = _compute_dtype(z_TZ)
         layout = route_layout(route.experts_TK, self.num_experts, grouped_mm_alignment(z_TZ.device, dt), self.route_fn)
-        gu_PI2 = grouped_mm(permute(z_TZ.to(dt), layout), w_gu.to(dt), layout.offs_E)
-        g_PI, u_PI = gu_PI2.chunk(2, dim=-1)
-        y_PZ = grouped_mm(self.glu(g_PI, u_PI), w_down.to(dt), layout.offs_E)
+        y_PZ = self.grouped_glu(permute(z_TZ.to(dt), layout), layout.offs_E, w_gu.to(dt), w_down.to(dt))
         # one autograd node: keeps the gathered rows and the weights, not the fp32 [T, k, Z] product
         return combine(y_PZ, layout, route.weights_TK, z_TZ.dtype)
 
@@ -367,11 +372,6 @@ def stacked_names(names: Iterable[str]) -> list[str]:
         m = _PER_EXPERT.match(name)
         out[name if m is None else m["prefix"] + ("down_proj" if m["proj"] == "down_proj" else "gate_up_proj")] = None
     return list(out)
-
-
-def is_expert_tensor_name(name: str) -> bool:
-    """A per-expert checkpoint name, ``...experts.N.{gate,up,down}_proj.weight``."""
-    return _PER_EXPERT.match(name) is not None
 
 
 def _expert_key(name: str) -> tuple[int, str]:

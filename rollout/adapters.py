@@ -161,21 +161,21 @@ def adapter_deltas(model: nn.Module, adapter: AdapterWeights) -> dict[str, Adapt
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     out: dict[str, AdapterTarget] = {}
     for path, ab in sorted(pairs.items()):
-        owner = _adapted_module(modules, path)
+        owner_path, owner = _adapted_module(modules, path)
         if set(ab) != {"lora_A", "lora_B"}:
             raise ValueError(f"adapter for {path!r} has {sorted(ab)} only; it needs lora_A and lora_B")
         if tied and path == "lm_head":
             raise ValueError("adapter targets lm_head, which is tied to the embedding in this model")
-        target = _target(owner, path, ab["lora_A"], ab["lora_B"], adapter.r)
+        target = _target(owner, owner_path, path, ab["lora_A"], ab["lora_B"], adapter.r)
         if target.param in out:
             raise ValueError(f"two adapters in the file target {target.param!r}")
         out[target.param] = target
     return out
 
 
-def _adapted_module(modules: dict[str, nn.Module], path: str) -> nn.Module:
-    """The module an adapter at ``path`` adapts: an nn.Linear, or the routed experts (peft nests the wrappers
-    of several target parameters of one module: ``experts``, ``experts.base_layer``, ...)."""
+def _adapted_module(modules: dict[str, nn.Module], path: str) -> tuple[str, nn.Module]:
+    """(path, module) of what an adapter at ``path`` adapts: an nn.Linear, or the routed experts (peft nests
+    the wrappers of several target parameters of one module: ``experts``, ``experts.base_layer``, ...)."""
     from model.moe import GroupedExperts
 
     owner_path = path
@@ -183,14 +183,14 @@ def _adapted_module(modules: dict[str, nn.Module], path: str) -> nn.Module:
         owner_path = owner_path.removesuffix(".base_layer")
     mod = modules.get(owner_path)
     if isinstance(mod, GroupedExperts) or (isinstance(mod, nn.Linear) and owner_path == path):
-        return mod
+        return owner_path, mod
     found = "no module" if mod is None else f"a {type(mod).__name__}, not an nn.Linear or the routed experts"
     raise ValueError(f"adapter targets {path!r}: the vLLM model has {found} there")
 
 
-def _target(mod: nn.Module, path: str, A: torch.Tensor, B: torch.Tensor, r: int) -> AdapterTarget:
-    """The weight of ``mod`` (``_adapted_module``) the adapter at ``path`` adapts; for the routed experts
-    which of their two weights follows from the adapter's shapes."""
+def _target(mod: nn.Module, mod_path: str, path: str, A: torch.Tensor, B: torch.Tensor, r: int) -> AdapterTarget:
+    """The weight of ``mod`` (at ``mod_path``, ``_adapted_module``) the adapter at ``path`` adapts; for the
+    routed experts which of their two weights follows from the adapter's shapes."""
     if isinstance(mod, nn.Linear):
         want_A, want_B = (r, mod.in_features), (mod.out_features, r)
         if tuple(A.shape) != want_A or tuple(B.shape) != want_B:
@@ -198,12 +198,12 @@ def _target(mod: nn.Module, path: str, A: torch.Tensor, B: torch.Tensor, r: int)
                 f"adapter for {path!r}: lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)} do not fit "
                 f"r={r} and the Linear's weight {tuple(mod.weight.shape)} (want {want_A} / {want_B})"
             )
-        return AdapterTarget(f"{path}.weight", A, B)
-    E, owner_path = mod.num_experts, path.split(".base_layer", 1)[0]
+        return AdapterTarget(f"{mod_path}.weight", A, B)
+    E = mod.num_experts
     for name in ("gate_up_proj", "down_proj"):
         _, out_f, in_f = getattr(mod, name).shape
         if tuple(A.shape) == (r * E, in_f) and tuple(B.shape) == (out_f, r * E):
-            return AdapterTarget(f"{owner_path}.{name}", A, B, experts=E)
+            return AdapterTarget(f"{mod_path}.{name}", A, B, experts=E)
     raise ValueError(
         f"adapter for {path!r}: lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)} fit neither expert weight "
         f"(gate_up_proj {tuple(mod.gate_up_proj.shape)}, down_proj {tuple(mod.down_proj.shape)}) at r={r}"

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kernels.moe import combine, grouped_mm, grouped_mm_alignment, permute, route_layout
+from kernels.moe import combine, grouped_mm_alignment, permute, route_layout
 
 
 class _AllToAll(torch.autograd.Function):
@@ -113,7 +113,7 @@ class ExpertParallel:
 
     def _local_experts(self, experts, x_RZ, recv_RE, w_gu, w_down) -> torch.Tensor:
         """This rank's experts on the rows it received (source-major, expert-sorted within a source),
-        through the grouped path of ``GroupedExperts._grouped``; results in the received order.
+        through the grouped GEMMs of ``GroupedExperts.grouped_glu``; results in the received order.
 
         No rows (all slots went elsewhere): zeros that still depend on the rows and the weights, so that
         the backward runs the reverse all-to-all here too (the other ranks wait for it) and the weights
@@ -124,7 +124,5 @@ class ExpertParallel:
         local_R = torch.repeat_interleave(torch.arange(self.num_local).repeat(self.size), recv_RE.reshape(-1))
         align = grouped_mm_alignment(x_RZ.device, x_RZ.dtype)
         lay = route_layout(local_R.to(x_RZ.device)[:, None], self.num_local, align, experts.route_fn)
-        gu_PI2 = grouped_mm(permute(x_RZ, lay), w_gu, lay.offs_E)
-        g_PI, u_PI = gu_PI2.chunk(2, dim=-1)
-        y_PZ = grouped_mm(experts.glu(g_PI, u_PI), w_down, lay.offs_E)
+        y_PZ = experts.grouped_glu(permute(x_RZ, lay), lay.offs_E, w_gu, w_down)
         return y_PZ.index_select(0, lay.row_of_slot_S)  # ``unpermute`` at k = 1 (also for R = 0 rows)
