@@ -689,7 +689,7 @@ LAYER_TOL = {"fp32": 1e-3, "bf16": 5e-2}
 
 
 def layer_kind(name: str, config) -> str:
-    """The sub-module a recorded name belongs to: embed, conv, kda_kernel, kda, mla_attention, mla,
+    """The sub-module a recorded name belongs to: embed, conv, kda_output, kda, mla_attention, mla,
     moe_router, moe_shared, moe, dense_mlp, norm (the layer norms and AttnRes mixes between them)."""
     parts = name.split(".")
     if name == "model.embed_tokens":
@@ -698,10 +698,8 @@ def layer_kind(name: str, config) -> str:
         kda = config.is_kda_layer(int(parts[2]))
         if "conv1d" in name:
             return "conv"
-        if name.endswith("o_norm:in"):
-            return "kda_kernel"  # the chunked delta-rule output, before its per-head norm
-        if name.endswith("o_proj:in") and not kda:
-            return "mla_attention"  # softmax attention output times the sigmoid gate
+        if name.endswith("o_proj:in"):  # the attention output times the sigmoid gate: for KDA the chunked
+            return "kda_output" if kda else "mla_attention"  # delta rule's, after its per-head norm
         return "kda" if kda else "mla"
     if "block_sparse_moe" in name:
         if parts[-1] == "gate":
@@ -733,7 +731,7 @@ def _recorded_modules(model, engine: bool):
             if not engine:
                 yield f"model.layers.{parts[2]}.mixer", mod, False
             continue  # the engine calls KDA's module inside its paged mixer: recorded as the mixer
-        yield name, mod, parts[-1] in ("o_norm", "o_proj") and ".self_attn." in name
+        yield name, mod, parts[-1] == "o_proj" and ".self_attn." in name
 
 
 def _as_rows(t):

@@ -3,10 +3,11 @@
 Compiled: the functions the modules call with their weights as arguments,
 ``model.layers.rms_norm`` (every ``RMSNorm``), ``model.attnres.attn_res_mix`` (every ``AttnResMix``),
 ``model.layers.glu_activation`` (the reference GLU of every ``GLUMLP``: dense layers, shared and
-routed experts), ``model.moe.routing_weights`` (gather, renormalise, scale of every ``MoEGate``) and
-``kernels.moe.route_tensors`` (the ~25 small integer ops of each grouped MoE's route layout): an
-fp32 upcast, a reduction and a few element-wise ops each, one or two fused kernels instead of five
-to twenty-five. Each is one ``torch.compile`` shared by every module instance, so dynamo compiles
+routed experts), ``model.moe.routing_weights`` (gather, renormalise, scale of every ``MoEGate``),
+``kernels.moe.route_tensors`` (the ~25 small integer ops of each grouped MoE's route layout) and the
+KDA layer's element-wise work between its projections and kernels (``model.kda.kda_gates``,
+``model.layers.l2_normalize_qk``, ``model.kda.kda_output_gate``): an fp32 upcast, a reduction and a
+few element-wise ops each, one or two fused kernels instead of five to twenty-five. Each is one ``torch.compile`` shared by every module instance, so dynamo compiles
 one graph per distinct call signature - (dtype, rank, feature size, number of sources, grad mode) -
 and not one per module: a per-instance compile of a bound ``forward`` guards on ``self`` and hit
 dynamo's recompile limit (8) after the eighth RMSNorm, the rest then ran eagerly.
@@ -86,22 +87,34 @@ class CompiledOrEager:
         return f"CompiledOrEager({self.name}{', failed' if self.failed else ''})"
 
 
-def compile_regions(model: nn.Module, backend: str | Callable = "inductor") -> list[CompiledOrEager]:
-    """Point every norm, AttnRes mix, GLU, router and grouped MoE of ``model`` at the shared compiled
-    functions; returns the wrappers (one per function that ``model`` has modules for)."""
+def region_kinds() -> tuple[tuple[type, str, Callable], ...]:
+    """(module class, attribute, function) of every compiled region of the model: the module's attribute
+    holds the function it calls."""
     from kernels.moe import route_tensors
     from model.attnres import AttnResMix, attn_res_mix
-    from model.layers import GatedActivation, RMSNorm, glu_activation, rms_norm
+    from model.kda import KimiDeltaAttention, kda_gates, kda_output_gate
+    from model.layers import GatedActivation, RMSNorm, glu_activation, l2_normalize_qk, rms_norm
     from model.moe import GroupedExperts, MoEGate, routing_weights
 
+    return (
+        (RMSNorm, "norm_fn", rms_norm), (AttnResMix, "mix_fn", attn_res_mix), (GatedActivation, "glu_fn", glu_activation),
+        (MoEGate, "weights_fn", routing_weights), (GroupedExperts, "route_fn", route_tensors),
+        (KimiDeltaAttention, "gates_fn", kda_gates), (KimiDeltaAttention, "qk_norm_fn", l2_normalize_qk),
+        (KimiDeltaAttention, "out_gate_fn", kda_output_gate),
+    )  # fmt: skip
+
+
+def compile_regions(
+    model: nn.Module, backend: str | Callable = "inductor", extra_kinds: tuple[tuple[type, str, Callable], ...] = ()
+) -> list[CompiledOrEager]:
+    """Point every norm, AttnRes mix, GLU, router, grouped MoE and KDA layer of ``model`` (and the modules
+    of ``extra_kinds``: the vLLM model's decode step) at the shared compiled functions; returns the
+    wrappers (one per function that ``model`` has modules for)."""
     if torch._dynamo.config.recompile_limit < REGION_RECOMPILE_LIMIT:
         log.info("dynamo recompile_limit %d -> %d (compiled regions)", torch._dynamo.config.recompile_limit,
                  REGION_RECOMPILE_LIMIT)  # fmt: skip
         torch._dynamo.config.recompile_limit = REGION_RECOMPILE_LIMIT
-    kinds = (
-        (RMSNorm, "norm_fn", rms_norm), (AttnResMix, "mix_fn", attn_res_mix), (GatedActivation, "glu_fn", glu_activation),
-        (MoEGate, "weights_fn", routing_weights), (GroupedExperts, "route_fn", route_tensors),
-    )  # fmt: skip
+    kinds = (*region_kinds(), *extra_kinds)
     regions: dict[str, CompiledOrEager] = {}
     for module in model.modules():
         for cls, attr, fn in kinds:

@@ -11,6 +11,12 @@ with a caller-guaranteed bound, as NeMo's K3 port does). Output: o_proj(sigmoid(
 RMSNorm_head(o)) with a full-rank gate (K3), or with ``linear_attn_config["use_full_rank_gate"]``
 false Kimi Linear's low-rank one, sigmoid(g_b_proj(g_a_proj x)) of rank head_dim.
 Parameter names follow FLA/NeMo so checkpoints map onto vLLM's KimiDeltaAttention.
+
+The element-wise work around the kernels is three functions of tensors and constants, each one compiled
+region under ``model.compile`` (shared by every KDA layer, and by the vLLM decode step): ``kda_gates``
+(decay and beta from their projections), ``l2_normalize_qk`` and ``kda_output_gate`` (the head RMSNorm
+times the output gate). Eager, they are the same ops as before, recomputed in backward where
+``model.fast`` op "norm" says so.
 """
 
 from __future__ import annotations
@@ -22,9 +28,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import fast
 from model.cache import KDAState
 from model.config import HybridConfig
-from model.layers import RMSNorm, SeqLayout, ShortConvolution, f32, l2_normalize
+from model.layers import (
+    RMSNorm,
+    SeqLayout,
+    ShortConvolution,
+    f32,
+    l2_normalize_qk,
+    recompute_in_backward,
+    rms_norm,
+)
 
 
 def kda_gate(z: torch.Tensor, A_log_H: torch.Tensor, kind: str, lower_bound: float) -> torch.Tensor:
@@ -36,6 +51,29 @@ def kda_gate(z: torch.Tensor, A_log_H: torch.Tensor, kind: str, lower_bound: flo
     if kind == "unbounded":
         return -A_H1 * F.softplus(z32)
     raise ValueError(f"kda gate must be 'bounded' or 'unbounded', got {kind!r}")
+
+
+def kda_gates(
+    zf_BTX: torch.Tensor,
+    b_BTH: torch.Tensor,
+    dt_bias_X: torch.Tensor,
+    A_log_H: torch.Tensor,
+    kind: str,
+    lower_bound: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g [..., H, D], beta [..., H]) in fp32 from the decay projection f_b(f_a(x)) [..., H*D] and the beta
+    logits b_proj(x) [..., H]: one compiled region per dtype (``model.compile``)."""
+    z = f32(zf_BTX) + f32(dt_bias_X)
+    g = kda_gate(z.view(*z.shape[:-1], A_log_H.shape[0], -1), A_log_H, kind, lower_bound)
+    return g, torch.sigmoid(f32(b_BTH))
+
+
+def kda_output_gate(
+    o_BTHV: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_BTX: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """RMSNorm_head(o) * sigmoid(output gate logits), o cast to ``dtype`` (the residual stream's) first."""
+    o = rms_norm(o_BTHV.to(dtype), norm_weight, eps)
+    return o * torch.sigmoid(gate_BTX).view(o.shape)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -66,6 +104,8 @@ class KimiDeltaAttention(nn.Module):
             self.g_b_proj = nn.Linear(self.head_dim, HD, bias=False)
         self.o_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(HD, d, bias=False)
+        # ``model.compile.compile_regions`` swaps in the compiled ones
+        self.gates_fn, self.qk_norm_fn, self.out_gate_fn = kda_gates, l2_normalize_qk, kda_output_gate
         self.reset_gate_parameters()
 
     def initial_gate_values(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,13 +130,27 @@ class KimiDeltaAttention(nn.Module):
         """Pre-sigmoid output gate [..., H*D]: full rank (K3) or low rank (Kimi Linear)."""
         return self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
 
-    def log_decay(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """g [B, T, H, D] in fp32."""
-        B, T, _ = x_BTD.shape
-        z = f32(self.f_b_proj(self.f_a_proj(x_BTD))) + f32(self.dt_bias)
-        return kda_gate(
-            z.view(B, T, self.num_heads, self.head_dim), self.A_log, self.gate_kind, self.lower_bound
-        )
+    def gates(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g [..., H, D], beta [..., H]) in fp32 for x [..., d]."""
+        zf, b = self.f_b_proj(self.f_a_proj(x_BTD)), self.b_proj(x_BTD)
+        return self.gates_fn(zf, b, self.dt_bias, self.A_log, self.gate_kind, self.lower_bound)
+
+    def normalize_qk(self, q_BTHK: torch.Tensor, k_BTHK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """L2-normalised q and k (fp32 math, their dtype); only q and k are kept for backward when
+        ``model.fast`` op "norm" recomputes."""
+        if fast.pick("norm", q_BTHK.device) == "recompute":
+            return recompute_in_backward(self.qk_norm_fn, q_BTHK, k_BTHK)
+        return self.qk_norm_fn(q_BTHK, k_BTHK)
+
+    def gated_output(self, o_BTHV: torch.Tensor, x_BTD: torch.Tensor) -> torch.Tensor:
+        """o_proj(RMSNorm_head(o) * sigmoid(gate(x))) [..., d]."""
+        gate = self.output_gate_logits(x_BTD)
+        args = (o_BTHV, self.o_norm.weight, self.o_norm.eps, gate, x_BTD.dtype)
+        if fast.pick("norm", o_BTHV.device) == "recompute":
+            o_BTHV = recompute_in_backward(self.out_gate_fn, *args)
+        else:
+            o_BTHV = self.out_gate_fn(*args)
+        return self.o_proj(o_BTHV.flatten(-2))
 
     def forward(
         self,
@@ -117,11 +171,9 @@ class KimiDeltaAttention(nn.Module):
             )
         ]
         (q, conv_q), (k, conv_k), (v, conv_v) = convs
-        q_BTHK = l2_normalize(q.view(B, T, H, Dh))
-        k_BTHK = l2_normalize(k.view(B, T, H, Dh))
+        q_BTHK, k_BTHK = self.normalize_qk(q.view(B, T, H, Dh), k.view(B, T, H, Dh))
         v_BTHV = v.view(B, T, H, Dh)
-        beta_BTH = torch.sigmoid(f32(self.b_proj(x_BTD)))
-        g_BTHK = self.log_decay(x_BTD)
+        g_BTHK, beta_BTH = self.gates(x_BTD)
         if cu_seqlens is not None and x_BTD.is_cuda:
             layout.cached("kda_plan", lambda: _prime_kda_plan(B, T, cu_seqlens, layout))
         o_BTHV, final_NHKV = self._kernel(T, state)(
@@ -135,10 +187,7 @@ class KimiDeltaAttention(nn.Module):
             output_final_state=return_state,
             cu_seqlens=cu_seqlens,
         )
-        o_BTHV = self.o_norm(o_BTHV.to(x_BTD.dtype)) * torch.sigmoid(self.output_gate_logits(x_BTD)).view(
-            B, T, H, Dh
-        )
-        y_BTD = self.o_proj(o_BTHV.reshape(B, T, H * Dh))
+        y_BTD = self.gated_output(o_BTHV, x_BTD)
         new_state = KDAState(final_NHKV, conv_q, conv_k, conv_v) if return_state else None
         return y_BTD, new_state
 

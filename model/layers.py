@@ -95,6 +95,11 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return _l2_normalize(x, eps)
 
 
+def l2_normalize_qk(q: torch.Tensor, k: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """The L2 norms of a KDA layer's q and k together: one compiled region (``model.compile``)."""
+    return _l2_normalize(q, eps), _l2_normalize(k, eps)
+
+
 def situ_glu(
     gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0
 ) -> torch.Tensor:

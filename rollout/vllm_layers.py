@@ -51,7 +51,8 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from kernels.kda import kda_decode_step_
 from model.cache import KDAState
-from model.layers import l2_normalize, seq_layout
+from model.kda import kda_gates
+from model.layers import l2_normalize_qk, seq_layout
 
 
 def kda_state_shapes(config) -> tuple[tuple[int, ...], ...]:
@@ -76,6 +77,7 @@ class KDAStateLayer(nn.Module, MambaBase):
     def __init__(self, kda: nn.Module, config, prefix: str) -> None:
         super().__init__()
         self._kda = [kda]  # a plain reference: the parameters stay registered under the HF module tree
+        self.decode_inputs_fn = kda_decode_inputs  # ``rollout.vllm_model`` may swap in a compiled one
         self.config = config
         self.prefix = prefix
         vllm_config = get_current_vllm_config()
@@ -135,25 +137,42 @@ class KDAStateLayer(nn.Module, MambaBase):
         return y_BTD
 
     def _decode(self, x_ND: torch.Tensor, slots_N: torch.Tensor) -> torch.Tensor:
-        """One token per sequence, states updated in place: the learner's projections, gate and norms
-        with a lean single-step conv and our in-place pool step for the delta rule (the generic
-        paths cost ~5x more per step on tiny batches; tests hold this path to the learner's
+        """One token per sequence, states updated in place: the learner's projections, then the step's
+        element-wise work (conv window steps, q/k norms, gates) as one function, ``kda_decode_inputs``
+        (one compiled region when the engine compiles, ``rollout.vllm_model``), our in-place pool step
+        for the delta rule, and the learner's gated output (tests hold this path to the learner's
         full-sequence logprobs)."""
         kda = self._kda[0]
         conv_q, conv_k, conv_v, rec = self.kv_cache
-        N, H, D = x_ND.shape[0], kda.num_heads, kda.head_dim
-        q = _conv_step(kda.q_conv1d, kda.q_proj(x_ND), conv_q, slots_N)
-        k = _conv_step(kda.k_conv1d, kda.k_proj(x_ND), conv_k, slots_N)
-        v = _conv_step(kda.v_conv1d, kda.v_proj(x_ND), conv_v, slots_N)
-        # the kernels' conventions are the learner's: unscaled L2-normed q (scale passed), log-space
-        # gate g (decay first, then the delta-rule write), fp32 state pool [P, H, K, V] by slot index
-        q_NHK = l2_normalize(q.view(N, H, D)).float()
-        k_NHK = l2_normalize(k.view(N, H, D)).float()
-        beta_NH = torch.sigmoid(kda.b_proj(x_ND).float())
-        g_NHK = kda.log_decay(x_ND[:, None])[:, 0]
-        o_NHV = kda_pool_step_(q_NHK, k_NHK, v.view(N, H, D).float(), g_NHK, beta_NH, rec, slots_N, D**-0.5)
-        o_NHV = kda.o_norm(o_NHV.to(x_ND.dtype)) * torch.sigmoid(kda.output_gate_logits(x_ND)).view(N, H, D)
-        return kda.o_proj(o_NHV.reshape(N, H * D))
+        windows = [pool[slots_N] for pool in (conv_q, conv_k, conv_v)]
+        q, k, v, g, beta, *new_windows = self.decode_inputs_fn(
+            kda.q_proj(x_ND), kda.k_proj(x_ND), kda.v_proj(x_ND), *windows,
+            kda.q_conv1d.weight, kda.k_conv1d.weight, kda.v_conv1d.weight,
+            kda.f_b_proj(kda.f_a_proj(x_ND)), kda.b_proj(x_ND), kda.dt_bias, kda.A_log,
+            kda.gate_kind, kda.lower_bound, kda.q_conv1d.activation == "silu",
+        )  # fmt: skip
+        for pool, window in zip((conv_q, conv_k, conv_v), new_windows):
+            pool[slots_N] = window.to(pool.dtype)
+        o_NHV = kda_pool_step_(q, k, v, g, beta, rec, slots_N, kda.head_dim**-0.5)
+        return kda.gated_output(o_NHV, x_ND)
+
+
+def kda_decode_inputs(
+    xq_NC, xk_NC, xv_NC, win_q_NCW, win_k_NCW, win_v_NCW, w_q_C1K, w_k_C1K, w_v_C1K, zf_NX, b_NH, dt_bias_X,
+    A_log_H, gate_kind: str, lower_bound: float, silu: bool,
+):  # fmt: skip
+    """The element-wise work of one KDA decode step, a function of tensors and constants: the three conv
+    window steps (each returns its output and the next [C, K-1] window), the q/k L2 norms and the gates.
+    Returns (q, k, v [N, H, D] fp32, g [N, H, D] fp32, beta [N, H] fp32, the three new windows); the
+    kernels' conventions are the learner's: unscaled L2-normed q (scale passed), log-space gate g."""
+    H = A_log_H.shape[0]
+    N = xq_NC.shape[0]
+    q, new_q = _conv_step(xq_NC, win_q_NCW, w_q_C1K, silu)
+    k, new_k = _conv_step(xk_NC, win_k_NCW, w_k_C1K, silu)
+    v, new_v = _conv_step(xv_NC, win_v_NCW, w_v_C1K, silu)
+    q_NHK, k_NHK = l2_normalize_qk(q.view(N, H, -1), k.view(N, H, -1))
+    g_NHK, beta_NH = kda_gates(zf_NX, b_NH, dt_bias_X, A_log_H, gate_kind, lower_bound)
+    return q_NHK.float(), k_NHK.float(), v.view(N, H, -1).float(), g_NHK, beta_NH, new_q, new_k, new_v
 
 
 @torch.no_grad()
@@ -165,13 +184,12 @@ def kda_pool_step_(q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scal
 
 
 def _conv_step(
-    conv: nn.Module, x_NC: torch.Tensor, state_pool: torch.Tensor, slots_N: torch.Tensor
-) -> torch.Tensor:
-    """Depthwise causal conv for one new input per sequence; the [C, K-1] window state moves in place."""
-    window_NCK = torch.cat([state_pool[slots_N].to(x_NC.dtype), x_NC[..., None]], dim=-1)
-    state_pool[slots_N] = window_NCK[..., 1:].to(state_pool.dtype)
-    y_NC = (window_NCK * conv.weight[:, 0, :].to(x_NC.dtype)).sum(-1)
-    return F.silu(y_NC) if conv.activation == "silu" else y_NC
+    x_NC: torch.Tensor, window_NCW: torch.Tensor, weight_C1K: torch.Tensor, silu: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv for one new input per sequence: (output [N, C], the next window [N, C, K-1])."""
+    window_NCK = torch.cat([window_NCW.to(x_NC.dtype), x_NC[..., None]], dim=-1)
+    y_NC = (window_NCK * weight_C1K[:, 0, :].to(x_NC.dtype)).sum(-1)
+    return (F.silu(y_NC) if silu else y_NC), window_NCK[..., 1:]
 
 
 class _PagedMLA(nn.Module):

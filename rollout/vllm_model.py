@@ -15,10 +15,18 @@ Deviations from a stock vLLM model, on purpose:
 * MoE experts chosen per token are recorded after each forward (``last_routed_experts_TLK``), for
   every token computed (prefill and decode alike), for routing replay; ``rollout.engine_hooks`` maps
   them to requests and positions.
+* vLLM's own torch.compile does not trace this model (it is not a ``support_torch_compile`` model: the
+  learner's modules, the paged mixers' metadata reads). With ``enforce_eager=False`` the engine instead
+  compiles the learner's element-wise regions (``model.compile``: norms, AttnRes mixes, GLUs, routing,
+  the KDA layers' gates and gated output) and the KDA decode step's (``kda_decode_inputs``), and vLLM
+  captures CUDA graphs of the whole forward over them. Each region compiles on its first call of a new
+  signature, so every capture size runs once uncaptured before its graph is recorded
+  (``cudagraph_num_of_warmups`` >= 1). ``enforce_eager=True`` is the reference: no compile, no graphs.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -26,6 +34,7 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 
+from model.compile import compile_regions
 from model.config import HybridConfig
 from model.modeling import HybridModel
 from model.moe import stack_expert_weights
@@ -33,6 +42,7 @@ from rollout.vllm_layers import (
     KDAStateLayer,
     MLALatentPagedAttention,
     MLAPagedAttention,
+    kda_decode_inputs,
     kda_state_copy_funcs,
     kda_state_dtypes,
     kda_state_shapes,
@@ -79,6 +89,16 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         self.eval()
         self.requires_grad_(False)
         self.last_routed_experts_TLK: torch.Tensor | None = None
+        self.compiled_regions = [] if vllm_config.model_config.enforce_eager else self._compile(vllm_config)
+
+    def _compile(self, vllm_config: VllmConfig) -> list:
+        """The compiled element-wise regions, and a warm-up run before each CUDA graph capture (a region
+        compiled while a graph is being captured would break the capture)."""
+        backend = os.environ.get("LONGHORIZON_COMPILE_BACKEND", "inductor")  # tests: aot_eager (no C++ builds)
+        regions = compile_regions(self, backend, extra_kinds=((KDAStateLayer, "decode_inputs_fn", kda_decode_inputs),))
+        cc = vllm_config.compilation_config
+        cc.cudagraph_num_of_warmups = max(1, cc.cudagraph_num_of_warmups)
+        return regions
 
     # --- vLLM model interface -------------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,8 @@ def test_compiled_regions_give_the_eager_results():
     loss_ref, grads_ref = _step(model, ids)
     regions = compile_regions(model, backend="aot_eager")
     assert sorted(r.name for r in regions) == [
-        "attn_res_mix", "glu_activation", "rms_norm", "route_tensors", "routing_weights"
+        "attn_res_mix", "glu_activation", "kda_gates", "kda_output_gate", "l2_normalize_qk", "rms_norm",
+        "route_tensors", "routing_weights",
     ]  # fmt: skip
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert len(norms) > 5 and all(m.norm_fn is norms[0].norm_fn for m in norms)  # one wrapper for all
@@ -114,8 +115,9 @@ def test_graph_count_does_not_grow_with_layers_or_micro_batch_size():
     graphs_12, warned_12 = _graphs_of_steps(12, steps)
     assert warned_4 == warned_12 == []
     assert graphs_12 == graphs_4
-    # norms (hidden, latent, kv rank, KDA head), mixes of 2 and 3, the GLU, routing weights, route layout
-    assert 5 <= graphs_4 <= 16
+    # norms (hidden, latent, kv rank), mixes of 2 and 3, the GLU, routing weights, route layout, and the KDA
+    # layer's gates, q/k norms and gated output
+    assert 8 <= graphs_4 <= 20
 
 
 def test_a_failing_compiler_falls_back_to_eager(caplog):
@@ -130,7 +132,7 @@ def test_a_failing_compiler_falls_back_to_eager(caplog):
     with caplog.at_level(logging.WARNING, logger="model.compile"), torch.no_grad():
         out = model(ids).logits
     torch.testing.assert_close(out, ref)
-    assert len(regions) == 5 and all(r.failed and "no compiler here" in r.failed for r in regions)
+    assert len(regions) == 8 and all(r.failed and "no compiler here" in r.failed for r in regions)
     assert sum("running it eagerly" in r.message for r in caplog.records) == len(regions)  # one per function
 
 

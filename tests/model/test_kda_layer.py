@@ -36,11 +36,11 @@ def test_bounded_gate_stays_in_range_and_unbounded_does_not():
     assert float(g_free.min()) < -100.0  # the unbounded form has no floor
 
 
-def test_layer_log_decay_bounded_at_init_and_for_large_inputs():
+def test_layer_decay_bounded_at_init_and_for_large_inputs():
     layer = KimiDeltaAttention(tiny_config(), 0)
     assert torch.equal(layer.A_log.detach(), torch.zeros(2))  # K3: A initialised to 0
     x = torch.randn(2, 10, 64) * 100
-    g = layer.log_decay(x)
+    g, _beta = layer.gates(x)
     assert bool((g >= -5.0).all()) and bool((g <= 0.0).all())
 
 
@@ -119,7 +119,7 @@ def test_bf16_layer_stays_finite_with_gate_saturated_for_thousands_of_tokens():
     with torch.no_grad():
         layer.dt_bias.fill_(100.0)  # sigmoid(z) -> 1: every step decays by the floor e^-5
     x = torch.randn(1, 2048, 64, dtype=torch.bfloat16)
-    g = layer.log_decay(x).detach()
+    g = layer.gates(x)[0].detach()
     assert float(g.min()) == pytest.approx(-5.0, abs=1e-3)
     y, state = run(layer, x)
     assert torch.isfinite(y).all() and torch.isfinite(state.recurrent_NHKV).all()

@@ -45,7 +45,7 @@ def test_identical_sides_agree_and_every_kind_is_recorded(bench, tiny_ckpt):
     res = bench.compare_layers(rows, rows, None, model.config, 1e-3)
     assert res["verdict"] == "agree" and res["first_parted"] is None
     kinds = {r["kind"] for r in res["rows"]}
-    assert {"embed", "conv", "kda_kernel", "kda", "mla", "mla_attention", "moe_router", "moe", "moe_shared",
+    assert {"embed", "conv", "kda_output", "kda", "mla", "mla_attention", "moe_router", "moe", "moe_shared",
             "dense_mlp", "norm"} <= kinds  # fmt: skip
 
 

@@ -1,0 +1,54 @@
+"""The engine's fast path (``enforce_eager=False``): our model's element-wise regions compiled inside vLLM
+(``rollout.vllm_model``; on a GPU vLLM then captures CUDA graphs over them). It must give the eager
+engine's tokens: greedy decoding equal to ``model.generate``, sampled logprobs equal to the learner's, and
+every region, the KDA decode step's included, compiled without falling back. The aot_eager backend stands
+in for inductor here (the same dynamo capture and graphs, no C++ builds on the 2-core box; inductor itself
+is held to eager in tests/model/test_compile.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollout_cases import SMALL_ENGINE
+from test_vllm_engine import _prompt, assert_sampled_logprobs_equal_learner
+
+from rollout.worker import TurnRequest
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def compiled_worker(tiny_ckpt):
+    from rollout.worker import RolloutWorker
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LONGHORIZON_COMPILE_BACKEND", "aot_eager")  # read when the in-process engine builds the model
+    w = RolloutWorker(dict(model_path=str(tiny_ckpt[0]), reuse="session", enforce_eager=False, **SMALL_ENGINE))
+    yield w
+    w.shutdown()
+    mp.undo()
+
+
+def _engine_model(worker):
+    return worker.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+
+def test_compiled_engine_decodes_like_the_learner(compiled_worker, tiny_ckpt):
+    _, model = tiny_ckpt
+    prompts = {"c0": _prompt(0, 40), "c1": _prompt(1, 75)}
+    reqs = [TurnRequest(s, p, max_tokens=12, temperature=0.0) for s, p in prompts.items()]
+    for o in compiled_worker.generate(reqs):
+        ref = model.generate(torch.tensor([prompts[o.session_id]]), max_new_tokens=12)[0, -12:].tolist()
+        assert o.token_ids == ref
+    compiled_worker.end_sessions(list(prompts))
+    assert_sampled_logprobs_equal_learner(compiled_worker, model, "c2", _prompt(2, 60))
+
+    regions = {r.name: r for r in _engine_model(compiled_worker).compiled_regions}
+    assert {"rms_norm", "attn_res_mix", "glu_activation", "kda_gates", "kda_output_gate",
+            "kda_decode_inputs"} <= set(regions)  # fmt: skip
+    assert all(r.failed is None for r in regions.values()), {n: r.failed for n, r in regions.items() if r.failed}
+    assert regions["kda_decode_inputs"].graphs() >= 1  # decode steps went through the compiled region
+
+
+def test_eager_engine_compiles_nothing(session_worker):
+    assert _engine_model(session_worker).compiled_regions == []
