@@ -10,7 +10,8 @@
 #             budget holds it (the first thing dropped when time runs short).
 #   2. one GRPO step of configs/exp/gpu_colocated.yaml (learner and engine share the GPU, weight_sync=ipc)
 #      on a local Ray cluster, the held-out evals before and after included; its perf/* seconds printed.
-# Usage (the environment of bench/RESULTS.md, "Rollout on the H200", exported):  bash bench/gpu_rollout_checks.sh
+# Usage, with the environment of bench/RESULTS.md ("Rollout on the H200") exported:
+#   OUT=... bash bench/gpu_rollout_checks.sh     (about 9 minutes: BUDGET_S)
 # Files under $OUT (8): phases.txt, rollout_gpu.log, rg/rollout_gpu.{json,md}, rl_train.log,
 # rl/{metrics.jsonl,summary.json,errors.jsonl}.
 set -u
@@ -19,7 +20,7 @@ PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-540}   # the whole script
 ROLLOUT_S=${ROLLOUT_S:-350} # phase 1 starts no step after this; stopped 40 s later
 MLA_S=${MLA_S:-180}         # of which the mla part (the rest: reuse)
-RL_STEPS=${RL_STEPS:-1}     # 2: a second, warm step if the budget holds it (step 1 is logged after step 2's rollout)
+RL_STEPS=${RL_STEPS:-1}     # 2: a second, warm step (step 1 is logged after step 2's rollout)
 RL_DIR=${RL_DIR:-/tmp/rl_colocated}
 RL_CONFIG=${RL_CONFIG:-configs/exp/gpu_colocated.yaml}
 # appended to each command line (trying the script on a CPU: ROLLOUT_ARGS="--small --episodes 4 ...",
@@ -32,8 +33,9 @@ t0=$SECONDS
 phase() { echo "$(date +%T) +$((SECONDS - t0)) s: $*" | tee -a "$OUT/phases.txt"; }
 
 phase "rollout_gpu.py mla@$MLA_S,reuse, budget $ROLLOUT_S s"
-timeout -s INT -k 20 $((ROLLOUT_S + 40)) "$PY" bench/rollout_gpu.py --out "$OUT/rg" --parts "mla@$MLA_S,reuse" \
-    --dtypes fp32 --cuda-graphs --episodes 64 --budget-s "$ROLLOUT_S" $ROLLOUT_ARGS >"$OUT/rollout_gpu.log" 2>&1
+timeout -s INT -k 20 $((ROLLOUT_S + 40)) "$PY" bench/rollout_gpu.py --out "$OUT/rg" \
+    --parts "mla@$MLA_S,reuse" --dtypes fp32 --cuda-graphs --episodes 64 --budget-s "$ROLLOUT_S" \
+    $ROLLOUT_ARGS >"$OUT/rollout_gpu.log" 2>&1
 phase "rollout_gpu.py exit $?"
 
 rl_s=$((BUDGET_S - (SECONDS - t0) - 10))
@@ -53,7 +55,8 @@ try:
 except OSError as e:
     sys.exit(f"rl: no metrics ({e})")
 for r in rows:
-    keep = {k: round(v, 4) for k, v in r.items() if k.startswith(("perf/", "mismatch/", "sync/")) and isinstance(v, float)}
+    keep = {k: round(v, 4) for k, v in r.items()
+            if k.startswith(("perf/", "mismatch/", "sync/")) and isinstance(v, float)}
     print(f"rl step {r['step']}: {keep}")
 EOF
 tail -n 5 "$OUT/rl_train.log"

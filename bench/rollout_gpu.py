@@ -2,7 +2,7 @@
 
     python bench/rollout_gpu.py --out DIR [--parts logprobs,mla,weights,reuse] [--budget-s 540]
     python bench/rollout_gpu.py --out DIR --parts logprobs:gpu_1b,mla,weights,logprobs:tiny
-    python bench/rollout_gpu.py --out DIR --parts mla@180,reuse --dtypes fp32 --cuda-graphs   (a part's own budget)
+    python bench/rollout_gpu.py --out DIR --parts mla@180,reuse --dtypes fp32 --cuda-graphs  (@: a part's budget)
 
 Parts (each a function; ``--parts`` picks a subset, in the order given):
 
@@ -557,7 +557,7 @@ def part_mla(run: Run) -> None:
     """The latent form against the learner (``engine_check``) and against the expanded form's greedy turns
     (its probe from the logprobs part, or run here): routed freely (``greedy_equal_expanded``, the first
     mismatch, where the forms first chose other experts), then with the expanded engine's routes replayed
-    in the latent engine (``vs_expanded_replayed``: the check of the forms themselves; bench/route_replay.py)."""
+    in the latent engine (``vs_expanded_replayed``: the forms themselves; bench/route_replay.py)."""
     import route_replay
 
     out = run.results.setdefault("mla", {})
@@ -644,8 +644,8 @@ def part_reuse(run: Run) -> None:
     cfg = SimpleNamespace(
         episodes=a.episodes, turns=a.turns, prompt=a.prompt, obs=a.obs, obs_min=a.obs_min, gen=a.gen,
         max_model_len=a.max_model_len, kv_mib=a.kv_mib, block_size=None, repeats=1,
-        engine=dict(dtype="bfloat16", max_resident_sessions=a.episodes, enforce_eager=not (a.cuda_graphs and run.cuda),
-                    **run.gpu_share()),
+        engine=dict(dtype="bfloat16", max_resident_sessions=a.episodes,
+                    enforce_eager=not (a.cuda_graphs and run.cuda), **run.gpu_share()),
     )  # fmt: skip
     out = run.results.setdefault("reuse", {"config": {k: v for k, v in vars(cfg).items()}})
     chunks = reuse.episode_chunks(cfg, ChatRenderer())
@@ -1121,9 +1121,10 @@ def markdown(res: dict) -> str:
         lines += ["", "| mode | turns | wall s | computed/new | turns>=2 computed/new | speedup vs none |"]
         lines.append("|---|---|---|---|---|---|")
         for m, s in res["reuse"]["summary"].items():
+            later, speedup = s["later_computed_over_new"], s.get("speedup_vs_none")
             lines.append(
                 f"| {m} | {s['turns']} | {s['wall_s']:.2f} | {s['computed_over_new']:.3f} | "
-                f"{s['later_computed_over_new'] or float('nan'):.3f} | {s.get('speedup_vs_none') or float('nan'):.2f}x |"
+                f"{later or float('nan'):.3f} | {speedup or float('nan'):.2f}x |"
             )
         if "decode" in res["reuse"]:
             lines.append(f"\ndecode: {res['reuse']['decode']}")
@@ -1177,9 +1178,10 @@ def _forms_cell(v: dict) -> str:
         return cell
     if "error" in rep:
         return f"{cell}; replayed: error {rep['error'][:200]}"
-    return (f"{cell}; **routes replayed: equal {[r['tokens_equal'] for r in rep['rows']]}**, first mismatch "
-            f"{[r['first_token_mismatch'] for r in rep['rows']]}, logprob max abs "
-            f"{max(r['logprob_max_abs'] for r in rep['rows']):.1e}, replay applied {rep['routes_applied']}")  # fmt: skip
+    rows = rep["rows"]
+    return (f"{cell}; **routes replayed: equal {[r['tokens_equal'] for r in rows]}**, first mismatch "
+            f"{[r['first_token_mismatch'] for r in rows]}, logprob max abs "
+            f"{max(r['logprob_max_abs'] for r in rows):.1e}, applied {rep['routes_applied']}")  # fmt: skip
 
 
 def _replayed_cells(r: dict | None) -> str:
@@ -1225,8 +1227,8 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--kv-mib", type=int, default=24576)
     p.add_argument("--modes", default="session,none,prefix_cache",
-                   help="reuse part, in order of importance: the first two run together, each later one alone "
-                        "when the budget holds it")  # fmt: skip
+                   help="reuse part, in order of importance: the first two run together, each later one "
+                        "alone when the budget holds it")  # fmt: skip
     p.add_argument("--cuda-graphs", action="store_true",
                    help="reuse part: engines with enforce_eager=False (vLLM's CUDA graphs; checked equal to eager "
                         "by bench/rollout_throughput.py)")  # fmt: skip
