@@ -21,7 +21,7 @@ BUDGET_S=${BUDGET_S:-540}   # the whole script
 ROLLOUT_S=${ROLLOUT_S:-350} # phase 1 starts no step after this; stopped 40 s later
 MLA_S=${MLA_S:-180}         # of which the mla part (the rest: reuse)
 RL_STEPS=${RL_STEPS:-1}     # 2: a second, warm step (step 1 is logged after step 2's rollout)
-RL_DIR=${RL_DIR:-/tmp/rl_colocated}
+RL_DIR=${RL_DIR:-${TMPDIR:-/tmp}/rl_colocated}
 RL_CONFIG=${RL_CONFIG:-configs/exp/gpu_colocated.yaml}
 # appended to each command line (trying the script on a CPU: ROLLOUT_ARGS="--small --episodes 4 ...",
 # RL_CONFIG / RL_ARGS naming a CPU-sized run)

@@ -675,17 +675,25 @@ def part_reuse(run: Run) -> None:
         log(f"decode: {out['decode']}")
     for m in head:
         shutdown_mode(run, runs[m])
+    reuse_results(run, runs, out, cfg.turns)  # the bar's pair on disk before anything else starts
     for m in modes[2:]:
-        # another engine start (the last one's, past the process's first) and the slowest mode's turns
+        # another engine start (the last one's, past the process's first) and turns as long as the mean
+        # mode's so far (prefix caching computes between session's and none's prefill), with a margin
         walls = [sum(x["seconds"] for x in rows) for rows in out.get("turns", {}).values()]
-        if not (head and start(m, 1.2 * (list(starts.values())[-1] + max(walls, default=60.0)))):
+        need = 1.2 * (list(starts.values())[-1] + sum(walls) / len(walls)) if walls else 0.0
+        if not (walls and start(m, need)):
             break
         reuse_turns(run, [runs[m]], out)
         shutdown_mode(run, runs[m])
-    done = [r for r in runs.values() if len(r.turns) == cfg.turns]
+        reuse_results(run, runs, out, cfg.turns)
+
+
+def reuse_results(run: Run, runs: dict, out: dict, turns: int) -> None:
+    """Summary, the bar, and whether the modes that ran every turn sampled the same tokens; saved."""
+    done = [r for r in runs.values() if len(r.turns) == turns]
     out["tokens_identical_across_modes"] = len({json.dumps(r.tokens) for r in done}) == 1 if done else None
     out["summary"] = reuse_summary(out.get("turns", {}))
-    out["bar"] = reuse_bar(out["summary"], cfg.turns)
+    out["bar"] = reuse_bar(out["summary"], turns)
     log(f"reuse bar: {out['bar']}")
     run.save()
 
