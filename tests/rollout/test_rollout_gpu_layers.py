@@ -20,7 +20,6 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "rollout_gpu.py"
 CPU_RUN = SimpleNamespace(torch=torch, device=torch.device("cpu"), cuda=False)  # what learner_capture reads
 
 
-
 def _prompt(seed: int, n: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(10, 1000, (n,), generator=g).tolist()
@@ -137,3 +136,19 @@ def test_compare_to_learner_replays_the_engines_routes_of_prompt_and_sampled_tok
     assert len(header) == len(row) and row[header.index("replayed mean abs")] == f"{rep['mean_abs']:.2e}"
     assert row[header.index("replayed KL k3")] == f"{rep['kl_k3']:.2e}"
     assert row[header.index("mean abs")] == f"{res['mean_abs']:.2e}"  # the free-routing columns stay
+
+
+def test_reuse_summary_compares_the_turns_both_modes_ran_and_states_the_bar(bench):
+    def rows(computed, seconds):
+        return [dict(new=100, computed=c, seconds=s) for c, s in zip(computed, seconds)]
+
+    turns = {
+        "session": rows([100, 105, 104], [1.0, 0.5, 0.5]),
+        "none": rows([100, 300, 500], [1.0, 2.0, 3.0]),
+        "prefix_cache": rows([100, 180], [1.0, 1.0]),  # the budget ended it after two turns
+    }
+    s = bench.reuse_summary(turns)
+    assert s["session"]["speedup_vs_none"] == 6.0 / 2.0 and s["prefix_cache"]["speedup_vs_none"] == 3.0 / 2.0
+    assert s["session"]["later_computed_over_new"] == 209 / 200
+    assert bench.reuse_bar(s, 3) == dict(complete=True, computed_within_1_1x=True, at_least_3x_vs_none=True)
+    assert bench.reuse_bar(s, 8)["complete"] is False and bench.reuse_bar(s, 8)["at_least_3x_vs_none"] is None
