@@ -7,7 +7,9 @@ routed experts), ``model.moe.routing_weights`` (gather, renormalise, scale of ev
 ``kernels.moe.route_tensors`` (the ~25 small integer ops of each grouped MoE's route layout) and the
 KDA layer's element-wise work between its projections and kernels (``model.kda.kda_gates``,
 ``model.layers.l2_normalize_qk``, ``model.kda.kda_output_gate``): an fp32 upcast, a reduction and a
-few element-wise ops each, one or two fused kernels instead of five to twenty-five. Each is one ``torch.compile`` shared by every module instance, so dynamo compiles
+few element-wise ops each, one or two fused kernels instead of five to twenty-five. Also the chunked LM
+head's per-chunk math (``model.lm_head.chunk_stats``, ``chunk_logits_grad``): logsumexp, target logprob and
+entropy of a [chunk, V] logits block, and their gradient, without writing its fp32 copy. Each is one ``torch.compile`` shared by every module instance, so dynamo compiles
 one graph per distinct call signature - (dtype, rank, feature size, number of sources, grad mode) -
 and not one per module: a per-instance compile of a bound ``forward`` guards on ``self`` and hit
 dynamo's recompile limit (8) after the eighth RMSNorm, the rest then ran eagerly.
@@ -94,6 +96,8 @@ def region_kinds() -> tuple[tuple[type, str, Callable], ...]:
     from model.attnres import AttnResMix, attn_res_mix
     from model.kda import KimiDeltaAttention, kda_gates, kda_output_gate
     from model.layers import GatedActivation, RMSNorm, glu_activation, l2_normalize_qk, rms_norm
+    from model.lm_head import chunk_logits_grad, chunk_stats
+    from model.modeling import HybridForCausalLM
     from model.moe import GroupedExperts, MoEGate, routing_weights
 
     return (
@@ -101,6 +105,7 @@ def region_kinds() -> tuple[tuple[type, str, Callable], ...]:
         (MoEGate, "weights_fn", routing_weights), (GroupedExperts, "route_fn", route_tensors),
         (KimiDeltaAttention, "gates_fn", kda_gates), (KimiDeltaAttention, "qk_norm_fn", l2_normalize_qk),
         (KimiDeltaAttention, "out_gate_fn", kda_output_gate),
+        (HybridForCausalLM, "head_stats_fn", chunk_stats), (HybridForCausalLM, "head_grad_fn", chunk_logits_grad),
     )  # fmt: skip
 
 

@@ -25,23 +25,49 @@ from torch import nn
 DEFAULT_CHUNK = 2048
 
 
+def chunk_stats(z_CV: torch.Tensor, targets_C1: torch.Tensor, with_entropy: bool):
+    """(lse, logp, entropy or None) [C] in fp32 of one chunk's logits (any dtype) and targets [C, 1]: a
+    function of tensors and constants, one compiled region under ``model.compile`` (the fp32 [C, V] copy is
+    then never written). Per-token inputs are [C, 1] columns: the compiled regions keep every dim but the
+    last dynamic, so a new chunk length reuses the graph."""
+    z = z_CV.float()
+    lse_C = z.logsumexp(-1)
+    logp_C = z.gather(-1, targets_C1)[:, 0] - lse_C
+    if not with_entropy:
+        return lse_C, logp_C, None
+    return lse_C, logp_C, lse_C - ((z - lse_C[:, None]).exp() * z).sum(-1)
+
+
+def chunk_logits_grad(z_CV, targets_C1, lse_C1, ent_C1, g_logp_C1, g_ent_C1, dtype: torch.dtype) -> torch.Tensor:
+    """d(loss)/dz [C, V] in ``dtype`` from the upstream gradients of logp and entropy ([C, 1] columns, either
+    may be None): dlogp/dz = onehot(y) - p, dH/dz = -p (z - E_p[z]) with E_p[z] = lse - H; one compiled
+    region."""
+    z = z_CV.float()
+    p_CV = (z - lse_C1).exp()
+    dz_CV = torch.zeros_like(z)
+    if g_ent_C1 is not None:
+        dz_CV = dz_CV - g_ent_C1 * p_CV * (z - (lse_C1 - ent_C1))
+    if g_logp_C1 is not None:
+        dz_CV = (dz_CV - g_logp_C1 * p_CV).scatter_add(-1, targets_C1, g_logp_C1)
+    return dz_CV.to(dtype)
+
+
 class LogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_TD, w_VD, targets_T, chunk: int, with_entropy: bool):
+    def forward(ctx, h_TD, w_VD, targets_T, chunk: int, with_entropy: bool, fns: tuple):
+        stats_fn, _ = fns
         T = h_TD.shape[0]
         logp_T = torch.empty(T, device=h_TD.device, dtype=torch.float32)
         lse_T = torch.empty_like(logp_T)
         ent_T = torch.empty_like(logp_T) if with_entropy else None
         for s in range(0, T, chunk):
-            z_CV = F.linear(h_TD[s : s + chunk], w_VD).float()
-            lse_C = z_CV.logsumexp(-1)
-            lse_T[s : s + chunk] = lse_C
-            logp_T[s : s + chunk] = z_CV.gather(-1, targets_T[s : s + chunk, None])[:, 0] - lse_C
+            lse_C, logp_C, ent_C = stats_fn(F.linear(h_TD[s : s + chunk], w_VD), targets_T[s : s + chunk, None],
+                                            with_entropy)  # fmt: skip
+            lse_T[s : s + chunk], logp_T[s : s + chunk] = lse_C, logp_C
             if with_entropy:
-                p_CV = (z_CV - lse_C[:, None]).exp_()
-                ent_T[s : s + chunk] = lse_C - (p_CV * z_CV).sum(-1)
+                ent_T[s : s + chunk] = ent_C
         ctx.save_for_backward(h_TD, w_VD, targets_T, lse_T, ent_T)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.grad_fn = chunk, fns[1]
         ctx.set_materialize_grads(False)
         return logp_T, ent_T
 
@@ -52,23 +78,15 @@ class LogprobEntropy(torch.autograd.Function):
         dh_TD = torch.zeros_like(h_TD)
         dw_VD = torch.zeros(w_VD.shape, device=w_VD.device, dtype=torch.float32)
         if g_logp_T is None and g_ent_T is None:
-            return dh_TD, dw_VD.to(w_VD.dtype), None, None, None
+            return dh_TD, dw_VD.to(w_VD.dtype), None, None, None, None
         for s in range(0, h_TD.shape[0], chunk):
-            h_CD = h_TD[s : s + chunk]
-            z_CV = F.linear(h_CD, w_VD).float()
-            p_CV = (z_CV - lse_T[s : s + chunk, None]).exp_()
-            dz_CV = torch.zeros_like(z_CV)
-            if g_ent_T is not None:  # dH/dz = -p (z - E_p[z]), E_p[z] = lse - H
-                mean_z_C = lse_T[s : s + chunk] - ent_T[s : s + chunk]
-                dz_CV -= g_ent_T[s : s + chunk, None] * p_CV * (z_CV - mean_z_C[:, None])
-            if g_logp_T is not None:  # dlogp/dz = onehot(y) - p
-                g_C = g_logp_T[s : s + chunk]
-                dz_CV -= g_C[:, None] * p_CV
-                dz_CV.scatter_add_(-1, targets_T[s : s + chunk, None], g_C[:, None])
-            dz_CV = dz_CV.to(h_TD.dtype)
-            dh_TD[s : s + chunk] = dz_CV @ w_VD
+            c = slice(s, s + chunk)
+            h_CD = h_TD[c]
+            col = [None if t is None else t[c, None] for t in (targets_T, lse_T, ent_T, g_logp_T, g_ent_T)]
+            dz_CV = ctx.grad_fn(F.linear(h_CD, w_VD), *col, h_TD.dtype)
+            dh_TD[c] = dz_CV @ w_VD
             dw_VD += (dz_CV.transpose(0, 1) @ h_CD).float()
-        return dh_TD, dw_VD.to(w_VD.dtype), None, None, None
+        return dh_TD, dw_VD.to(w_VD.dtype), None, None, None, None
 
 
 def chunked_logprobs_entropy(
@@ -77,11 +95,13 @@ def chunked_logprobs_entropy(
     target_ids_BT: torch.Tensor,
     with_entropy: bool = False,
     chunk: int = DEFAULT_CHUNK,
+    fns: tuple = (chunk_stats, chunk_logits_grad),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(target_t | <= t) [B, T], entropy of the next-token distribution [B, T] or None), fp32.
 
     Takes the autocast dtype like nn.Linear would (cast outside the Function, so W's gradient
-    reaches the fp32 master weight through the cast)."""
+    reaches the fp32 master weight through the cast). ``fns``: the per-chunk forward and backward math
+    (``chunk_stats``, ``chunk_logits_grad``, or compiled versions of them: ``model.compile``)."""
     if h_BTD.shape[:2] != target_ids_BT.shape:
         raise ValueError(
             f"target_ids {tuple(target_ids_BT.shape)} must match hidden states {tuple(h_BTD.shape[:2])}"
@@ -94,7 +114,7 @@ def chunked_logprobs_entropy(
     with torch.autocast(dev, enabled=False):
         logp_T, ent_T = LogprobEntropy.apply(
             h_BTD.reshape(B * T, D).to(dt), lm_head.weight.to(dt), target_ids_BT.reshape(-1).long(),
-            chunk, with_entropy,
+            chunk, with_entropy, fns,
         )  # fmt: skip
     return logp_T.view(B, T), None if ent_T is None else ent_T.view(B, T)
 

@@ -34,7 +34,7 @@ from model.cache import HybridCache
 from model.config import HybridConfig
 from model.kda import KimiDeltaAttention
 from model.layers import RMSNorm, SeqLayout, ShortConvolution, f32, seq_layout, to_device
-from model.lm_head import chunked_logprobs_entropy, logits_entropy
+from model.lm_head import chunk_logits_grad, chunk_stats, chunked_logprobs_entropy, logits_entropy
 from model.mla import GatedMLA
 from model.moe import DenseMLP, GroupedExperts, MoEGate, SparseMoE, check_replay_ids, expert_conversions
 
@@ -240,6 +240,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         self.model = HybridModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # the chunked head's per-chunk math (``model.lm_head``); ``model.compile`` swaps in compiled ones
+        self.head_stats_fn, self.head_grad_fn = chunk_stats, chunk_logits_grad
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -292,7 +294,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
                 raise ValueError("return_logits=False needs target_ids and no labels")
             if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
                 out.token_logprobs, out.entropy = chunked_logprobs_entropy(
-                    self.lm_head, h_BTD, target_ids, with_entropy=return_entropy
+                    self.lm_head, h_BTD, target_ids, return_entropy, fns=(self.head_stats_fn, self.head_grad_fn)
                 )
             else:  # a wrapped head (an adapter): checkpointed chunks through the module itself
                 out.token_logprobs = chunked_token_logprobs(self.lm_head, h_BTD, target_ids)

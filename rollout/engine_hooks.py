@@ -6,8 +6,8 @@ They are module-level so they pickle by reference when the engine core is anothe
 ``install_step_recorder`` wraps the model runner so that after every real forward it knows, per
 request, how many tokens were computed and which experts each token was routed to. Tokens of a
 step are laid out request by request in the runner's ``input_batch.req_ids`` order, with
-``scheduler_output.num_scheduled_tokens[req_id]`` tokens each; that is how the flat
-``last_routed_experts_TLK`` of our model is split per request. The recorder is the ground truth
+``scheduler_output.num_scheduled_tokens[req_id]`` tokens each; that is how the first rows of our
+model's ``routed_experts_TLK`` buffer are split per request. The recorder is the ground truth
 for "prefill tokens actually computed" in the reuse benchmark, for every caching mode alike, and the
 source of the routing replay records: ``RolloutWorker`` looks each turn's prompt and sampled tokens
 up by position (a position with no record was not computed, e.g. a prefix-cache hit).
@@ -43,7 +43,9 @@ class StepRecorder:
         offset = 0
         req_ids = runner.input_batch.req_ids
         pos_np = positions.cpu().numpy() if positions is not None else None
-        routed_np = routed_TLK.to(torch.int16).cpu().numpy() if routed_TLK is not None else None
+        total = sum(int(sched.num_scheduled_tokens.get(r, 0)) for r in req_ids)
+        # a copy: the model's buffer is rewritten by the next forward (on the CPU .cpu() would be a view)
+        routed_np = routed_TLK[:total].to("cpu", torch.int16, copy=True).numpy() if routed_TLK is not None else None
         for req_id in req_ids:
             n = int(sched.num_scheduled_tokens.get(req_id, 0))
             if n == 0:
@@ -78,7 +80,7 @@ def install_step_recorder(worker) -> bool:
     def _model_forward(*args, **kwargs):
         out = orig_forward(*args, **kwargs)
         model = runner.get_model()
-        recorder.record(runner, kwargs.get("positions"), getattr(model, "last_routed_experts_TLK", None))
+        recorder.record(runner, kwargs.get("positions"), getattr(model, "routed_experts_TLK", None))
         return out
 
     runner.execute_model = execute_model

@@ -12,9 +12,11 @@ Deviations from a stock vLLM model, on purpose:
 * plain ``torch.nn`` layers instead of vLLM's parallel linears: single-rank only (tensor parallel
   = 1), but no CPU weight repacking, so in-place weight updates are plain ``copy_`` and an updated
   engine equals a fresh one on the same weights;
-* MoE experts chosen per token are recorded after each forward (``last_routed_experts_TLK``), for
-  every token computed (prefill and decode alike), for routing replay; ``rollout.engine_hooks`` maps
-  them to requests and positions.
+* MoE experts chosen per token are written by each forward into a buffer of fixed address
+  (``routed_experts_TLK``: the step's tokens in its first rows), for every token computed (prefill
+  and decode alike), for routing replay; ``rollout.engine_hooks`` maps them to requests and positions.
+  A copy into a persistent buffer, not a new tensor per forward, because a replayed CUDA graph runs no
+  Python: the copy is part of the graph and refreshes the rows on every replay.
 * vLLM's own torch.compile does not trace this model (it is not a ``support_torch_compile`` model: the
   learner's modules, the paged mixers' metadata reads). With ``enforce_eager=False`` the engine instead
   compiles the learner's element-wise regions (``model.compile``: norms, AttnRes mixes, GLUs, routing,
@@ -88,7 +90,10 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         # router bias stays frozen at the checkpoint's value
         self.eval()
         self.requires_grad_(False)
-        self.last_routed_experts_TLK: torch.Tensor | None = None
+        rows = vllm_config.scheduler_config.max_num_batched_tokens
+        moe_layers, k = len(config.moe_layer_indices), config.num_experts_per_token
+        device = self.lm_head.weight.device
+        self._routed_TLK = torch.zeros(rows, moe_layers, k, dtype=torch.int16, device=device) if moe_layers else None
         self.compiled_regions = [] if vllm_config.model_config.enforce_eager else self._compile(vllm_config)
 
     def _compile(self, vllm_config: VllmConfig) -> list:
@@ -109,8 +114,21 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
             h_1TD, _, choices = self.model(inputs_embeds=inputs_embeds[None])
         else:
             h_1TD, _, choices = self.model(input_ids[None])
-        self.last_routed_experts_TLK = torch.stack(choices, dim=1) if choices else None
+        if choices:
+            self._record_routes(torch.stack(choices, dim=1))
         return h_1TD[0]
+
+    def _record_routes(self, routed_TLK: torch.Tensor) -> None:
+        tokens = routed_TLK.shape[0]
+        if tokens > self._routed_TLK.shape[0]:  # more tokens than the scheduler's step budget: eager runs only
+            self._routed_TLK = self._routed_TLK.new_zeros(tokens, *self._routed_TLK.shape[1:])
+        self._routed_TLK[:tokens].copy_(routed_TLK)
+
+    @property
+    def routed_experts_TLK(self) -> torch.Tensor | None:
+        """[rows, num MoE layers, top_k] int16: row t holds the experts of the last step's token t (rows past
+        the step's token count are stale); None for a model without MoE layers."""
+        return self._routed_TLK
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states).float()

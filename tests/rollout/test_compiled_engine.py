@@ -1,13 +1,15 @@
 """The engine's fast path (``enforce_eager=False``): our model's element-wise regions compiled inside vLLM
 (``rollout.vllm_model``; on a GPU vLLM then captures CUDA graphs over them). It must give the eager
 engine's tokens: greedy decoding equal to ``model.generate``, sampled logprobs equal to the learner's, and
-every region, the KDA decode step's included, compiled without falling back. The aot_eager backend stands
+every region, the KDA decode step's included, compiled without falling back, and the routes recorded for
+replay equal to the learner's router. The aot_eager backend stands
 in for inductor here (the same dynamo capture and graphs, no C++ builds on the 2-core box; inductor itself
 is held to eager in tests/model/test_compile.py)."""
 
 from __future__ import annotations
 
 import pytest
+import test_vllm_engine as engine_tests
 import torch
 from rollout_cases import SMALL_ENGINE
 from test_vllm_engine import _prompt, assert_sampled_logprobs_equal_learner
@@ -48,6 +50,12 @@ def test_compiled_engine_decodes_like_the_learner(compiled_worker, tiny_ckpt):
             "kda_decode_inputs"} <= set(regions)  # fmt: skip
     assert all(r.failed is None for r in regions.values()), {n: r.failed for n, r in regions.items() if r.failed}
     assert regions["kda_decode_inputs"].graphs() >= 1  # decode steps went through the compiled region
+
+
+def test_compiled_engine_records_the_learners_routes(compiled_worker, tiny_ckpt):
+    """Routing replay's records come from the engine's route buffer (written inside the forward, so CUDA
+    graph replays refresh it): prompt and sampled tokens' experts equal the learner's router."""
+    engine_tests.test_routed_experts_match_the_learners_router(compiled_worker, tiny_ckpt)
 
 
 def test_eager_engine_compiles_nothing(session_worker):
