@@ -1,7 +1,8 @@
 """Learner scaling: tokens/s, MFU, peak memory per GPU and scaling efficiency of the sharded learner over ranks.
 
     python bench/learner_scaling.py --out DIR [--presets gpu_1b,gpu_8b] [--world-sizes 1,2,4,8]
-                                    [--tokens 16384] [--expert-parallel 1] [--steps 3] [--warmup 1]
+                                    [--tokens 16384] [--expert-parallel 1] [--checkpoint none]
+                                    [--steps 3] [--warmup 1] [--budget 540]
     python bench/learner_scaling.py --out DIR --small    # CPU, gloo, world sizes 1 and 2, tiny model
 
 For every preset and world size N (default 1, 2, 4, 8, capped at the visible GPU count) it starts the learner
@@ -32,7 +33,9 @@ base is world size 1.
 
 A preset that cannot fit is reported, not crashed on: a world size whose model states alone (fp32 weights,
 gradients and two AdamW moments, 16 bytes per parameter, sharded over N) exceed 90% of a GPU's memory is
-skipped, and an out-of-memory error in a rank marks the row "does not fit". ``--budget`` seconds: no new row
+skipped unbuilt, and an out-of-memory error in a rank marks the row "does not fit" (gpu_8b at N = 1: 117 GiB
+of states pass the estimate on a 140 GiB H200, its activations do not fit beside them; ``--world-sizes
+2,4,8`` saves building it, ``--checkpoint layer`` recomputes activations). ``--budget`` seconds: no new row
 starts after it (one device call is limited to 10 minutes). Results: ``DIR/learner_scaling.json`` and
 ``DIR/learner_scaling.md``, rewritten after every row; exit 1 when a check failed or a row raised.
 
@@ -201,7 +204,8 @@ def start_group(plan: Plan, n: int, ep: int, args):
 
     cfg = learner_config(plan.arch, args.tokens, plan.dtype)
     lc = replace(cfg.learner, num_workers=n, expert_parallel=ep, torch_threads=1 if args.small else None,
-                 device="cuda" if args.cuda else "cpu")  # fmt: skip
+                 device="cuda" if args.cuda else "cpu", activation_checkpointing=args.checkpoint != "none",
+                 checkpoint_scope=args.checkpoint if args.checkpoint != "none" else "layer")  # fmt: skip
     return LearnerGroup(cfg.model, lc, cfg.algorithm), HybridConfig(**plan.arch)
 
 
@@ -301,7 +305,8 @@ def run_preset(report: Report, preset: str, args, peak: float, t_start: float) -
     for n in args.world_sizes:
         ep = args.expert_parallel if n > 1 else 1  # world size 1: the one-GPU baseline, all experts local
         row = {"preset": preset, "world_size": n, "expert_parallel": ep, "tokens_per_rank": args.tokens,
-               "tokens_per_step": n * args.tokens, "params": params, "active_matmul_params": n_mm}  # fmt: skip
+               "tokens_per_step": n * args.tokens, "checkpoint": args.checkpoint, "params": params,
+               "active_matmul_params": n_mm}  # fmt: skip
         if time.time() - t_start > args.budget:
             row["status"] = "not run: --budget reached"
         elif (why := skip_reason(plan, n, ep, args)) is not None:
@@ -364,6 +369,8 @@ def parse(argv=None):
     p.add_argument(
         "--warmup", type=int, default=None, help="untimed steps after the first (default 1; --small 0)"
     )
+    p.add_argument("--checkpoint", default="none", choices=["none", "layer", "ffn", "attention"],
+                   help="activation checkpointing scope (learner.checkpoint_scope); none: off")  # fmt: skip
     p.add_argument("--budget", type=float, default=540.0, help="seconds: no new row starts after this")
     args = p.parse_args(argv)
     args.cuda = torch.cuda.is_available() and not args.small
