@@ -47,7 +47,6 @@ Device run (one H200; the lead's environment puts Ray, omegaconf and fla-core on
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -213,10 +212,20 @@ def stop_group(group) -> None:
     """Kill the ranks and wait until Ray reports them dead, so the next row's ranks find their GPUs free."""
     import ray
 
+    def dead(actor) -> bool:
+        try:
+            ray.get(actor.rank.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return True
+        except ray.exceptions.GetTimeoutError:
+            pass
+        return False
+
     group.shutdown()
+    deadline = time.time() + 120
     for a in group.ranks:
-        with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            ray.get(a.rank.remote(), timeout=120)
+        while not dead(a) and time.time() < deadline:
+            time.sleep(0.5)
     if torch.cuda.is_available():
         time.sleep(3)  # the killed processes' CUDA contexts
 
@@ -231,7 +240,7 @@ def reference_steps(plan: Plan, group, config, n: int, args) -> dict:
     """The base's first step on every world size's global batch, each from the initial weights; returns its own."""
     on_ranks(group, _rank_snapshot)
     refs = {}
-    for k in [n, *(s for s in args.world_sizes if s > n)]:
+    for k in [n, *(s for s in args.world_sizes if s > n and (s <= args.gpus or not args.cuda))]:
         if k != n:
             on_ranks(group, _rank_restore)
         refs[k] = first_step(group, global_batch(config, args.tokens, k, seed=k))
@@ -262,11 +271,10 @@ def run_row(plan: Plan, row: dict, args) -> None:
     try:
         row["build_s"] = time.time() - t0
         batch = global_batch(config, args.tokens, n, seed=n)
-        got = (
-            reference_steps(plan, group, config, n, args)
-            if plan.ref_world is None
-            else first_step(group, batch)
-        )
+        if plan.ref_world is None:  # the base: every world size's reference step, its own first
+            got = reference_steps(plan, group, config, n, args)
+        else:
+            got = first_step(group, batch)
         row["first_step_s"] = got["seconds"]
         if not check_row(plan, row, got):
             row["status"] = "check failed: not timed"
