@@ -8,19 +8,24 @@ A local Ray cluster; the learner group (``--learner-ranks`` Learner actors, one 
 rollout worker actor (a vLLM engine on a GPU of its own) started from the learner's export, as
 rl/train.py sets them up. Parts:
 
-* ``sync``: for each transport (directory first, the reference; then object_store, then nccl): every
-  weight of the engine is zeroed, ``WeightSync.push`` sends the learner's weights, and the SHA-1 of
-  every tensor of the engine's state dict must equal the reference's (a transport that moved nothing,
-  or moved it wrong, fails); then ``--repeats`` more pushes timed (``perf/sync_s``, and GiB/s of the
-  engine's weights: the learner sends its fp32 tensors, so the wire carries more under a bf16 engine). The nccl group's backend must be ``nccl`` when every end is on CUDA.
-  ``--lora``: adapter-only sync (the learner sharded with fsdp, also at one rank).
-  Needs a second GPU for the engine (skipped on one GPU: the learner reserves it). On CUDA an ipc push
-  to that engine must then be refused naming both GPUs (CUDA IPC maps memory of the same GPU only).
+* ``sync``: for each transport of ``--transports`` (directory, object_store, nccl by default; any subset,
+  e.g. ``nccl`` alone for gpu_8b, whose directory sync writes and reads 31 GiB): every weight of the
+  engine is zeroed, ``WeightSync.push`` sends the learner's weights, and the SHA-1 of every tensor of the
+  engine's state dict must equal that of the fresh engine (hashed once it started from the learner's
+  export of the same version, before anything was zeroed; with ``--lora`` the first transport's engine):
+  a transport that moved nothing, or moved it wrong, fails; then ``--repeats`` more pushes timed
+  (``perf/sync_s``, and GiB/s of the engine's weights: the learner sends its fp32 tensors, so the wire
+  carries more under a bf16 engine). The nccl group's backend must be ``nccl`` when every end is on CUDA.
+  ``--learner-ranks`` N: the learner sharded over N ranks (FSDP2, one GPU each; rank 0 gathers and
+  sends). ``--lora``: adapter-only sync (the learner sharded with fsdp, also at one rank). Needs a GPU
+  for the engine beside the learner's N (skipped otherwise). On CUDA an ipc push to that engine must
+  then be refused naming both GPUs (CUDA IPC maps memory of the same GPU only).
 * ``colocated``: the learner and one rollout worker on one GPU (Ray shares of 0.5 each, as
   configs/exp/gpu_colocated.yaml; on a one-GPU machine the learner reserves 0.5 for it), the same
-  zero / push / SHA-1 check and timing for ``--colocated-transports`` (directory, the reference; then
-  object_store, then ipc: the engine maps the learner's bucket buffers by CUDA IPC). Skipped on two or
-  more GPUs (the learner holds a whole one there); on CPU it runs the same code through shared memory.
+  zero / push / SHA-1 check and timing for ``--colocated-transports`` (directory, object_store, then
+  ipc: the engine maps the learner's bucket buffers by CUDA IPC). Skipped on two or more GPUs (the
+  learner holds a whole one there) and for a sharded learner on a GPU (its ranks take whole GPUs); on
+  CPU it runs the same code through shared memory.
 * ``shared_gpu``: two rollout workers on one GPU (``num_gpus=0.5`` each, the learner on another), or on a
   one-GPU machine one worker beside the learner: an nccl push must be refused naming both ends (NCCL
   cannot put two ranks on one device).
@@ -29,12 +34,13 @@ Results: DIR/weight_sync_gpu.json (rewritten after every part); exit 1 when a ch
 machine without CUDA it runs on CPU (gloo; ``--preset tiny``), which is how the script is tried here.
 
 Device run (2 GPUs: nvidia-h200-x2 for ``sync``; nvidia-h200 for ``colocated``, and ``shared_gpu`` on
-either), with the Ray, vLLM,
-omegaconf and gymnasium wheels carried as for bench/rollout_gpu.py (bench/RESULTS.md, "Rollout on the
-H200")::
+either; N + 1 GPUs for ``--learner-ranks`` N), with the Ray, vLLM, omegaconf and gymnasium wheels carried
+as for bench/rollout_gpu.py (bench/RESULTS.md, "Rollout on the H200")::
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_LOGGING_LEVEL=WARNING \\
         python3 bench/weight_sync_gpu.py --out $OUT --preset gpu_1b
+    # gpu_8b from a learner sharded over 2 GPUs to an engine on a third (nvidia-h200-x4):
+    python3 bench/weight_sync_gpu.py --out $OUT --preset gpu_8b --learner-ranks 2 --parts sync --transports nccl
 """
 
 from __future__ import annotations
@@ -55,7 +61,8 @@ sys.path.insert(0, str(ROOT))
 
 from rollout.worker import RolloutWorker  # noqa: E402
 
-PRESETS = {"tiny": ROOT / "configs/model/cpu_tiny.yaml", "gpu_1b": ROOT / "configs/model/gpu_1b.yaml"}
+PRESETS = {name: ROOT / f"configs/model/{file}.yaml" for name, file in
+           (("tiny", "cpu_tiny"), ("gpu_1b", "gpu_1b"), ("gpu_8b", "gpu_8b"))}  # fmt: skip
 # the device image's NCCL settings (multicast off), kept in every Ray worker
 KEEP_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "PYTHONPATH",
             "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_LOGGING_LEVEL")  # fmt: skip
@@ -65,11 +72,19 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def _engine_weights(worker) -> dict:
+    """The engine's state dict without vLLM's private layer state (names ending in ``._...``: the attention
+    layers' ``_k_scale`` / ``_v_scale`` / ``_q_scale`` / ``_prob_scale``, no checkpoint tensor and never
+    synced; zeroed they would stay zero and differ from a fresh engine's)."""
+    sd = worker.model_runner.get_model().state_dict()
+    return {k: v for k, v in sd.items() if not k.rsplit(".", 1)[-1].startswith("_")}
+
+
 def _zero(worker) -> int:
     import torch
 
     with torch.no_grad():
-        sd = worker.model_runner.get_model().state_dict()
+        sd = _engine_weights(worker)
         for t in sd.values():
             t.zero_()
     return len(sd)
@@ -80,7 +95,7 @@ def _digest(worker) -> dict[str, str]:
 
     import torch
 
-    sd = worker.model_runner.get_model().state_dict()
+    sd = _engine_weights(worker)
     raw = {k: v.detach().reshape(-1).view(torch.uint8).cpu().numpy() for k, v in sd.items()}
     return {k: hashlib.sha1(b.tobytes()).hexdigest() for k, b in raw.items()}
 
@@ -142,11 +157,18 @@ class Bench:
         cfg = load_config(None, overrides)
         from bench.learner_mfu import load_arch
 
-        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, arch=load_arch(PRESETS[a.preset]), seed=0))
+        return dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, arch=load_arch(PRESETS[a.preset]), seed=0)
+        )
 
     def colocates(self) -> bool:
-        """A one-GPU machine: the learner and the colocated part's engine share its GPU."""
-        return self.cuda and self.results["gpus"] == 1 and "colocated" in self.args.parts
+        """A one-GPU machine: the learner (one rank) and the colocated part's engine share its GPU."""
+        one_gpu = self.cuda and self.results["gpus"] == 1
+        return one_gpu and "colocated" in self.args.parts and self.args.learner_ranks == 1
+
+    def spare_gpus(self) -> int:
+        """GPUs beside the learner's ranks (one each on CUDA)."""
+        return self.results["gpus"] - self.args.learner_ranks
 
     def save(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -172,8 +194,9 @@ class Bench:
 
         from rl.weight_sync import WeightSync
 
-        if self.cuda and self.results["gpus"] < 2:
-            return {"skipped": "one GPU: the learner holds it, the engine needs another"}
+        if self.cuda and self.spare_gpus() < 1:
+            return {"skipped": f"{self.results['gpus']} GPUs: the learner's {self.args.learner_ranks} rank(s) hold "
+                               "them all, the engine needs another"}  # fmt: skip
         syncs = {t: WeightSync(group, dataclasses.replace(self.cfg.learner, weight_sync=t), self.tmp / t / "weights")
                  for t in self.args.transports}  # fmt: skip
         start, adapter, version = syncs[self.args.transports[0]].start_weights()
@@ -212,7 +235,8 @@ class Bench:
         from rl.weight_sync import WeightSync
 
         if self.cuda and not self.colocates():
-            return {"skipped": f"{self.results['gpus']} GPUs: the learner holds a whole one; run on one GPU"}
+            return {"skipped": f"{self.results['gpus']} GPUs, {self.args.learner_ranks} learner rank(s): the learner "
+                               "holds whole GPUs; run one rank on one GPU"}  # fmt: skip
         transports = self.args.colocated_transports
         syncs = {t: WeightSync(group, dataclasses.replace(self.cfg.learner, weight_sync=t), self.tmp / f"co_{t}")
                  for t in transports}  # fmt: skip
@@ -228,24 +252,27 @@ class Bench:
         return out
 
     def time_transports(self, part: str, syncs: dict, pool: Pool, transports: list[str]) -> dict:
-        """For each transport: zero the engine, push, compare every tensor's SHA-1 with the first transport's
-        (the reference), then time ``--repeats`` more pushes. Results land in ``parts[part]`` as they come."""
+        """For each transport: zero the engine, push, compare every tensor's SHA-1 with the fresh engine's (it
+        started from the learner's export of this same version), then time ``--repeats`` more pushes.
+        Results land in ``parts[part]`` as they come. ``--lora``: an adapter push restores only the adapted
+        weights (the zeroed rest stays zero), so the reference is the first transport's engine instead."""
         import ray
 
         w = pool.workers[0]
-        out, reference = {}, None
+        reference = None if self.args.lora else ray.get(w.digest.remote())  # before anything is zeroed
+        against = "the_first_transport" if self.args.lora else "a_fresh_engine"
+        out = {}
         gib = ray.get(w.nbytes.remote()) / 2**30
         self.results["engine_gib"] = gib
         for t in transports:
             ray.get(w.zero_weights.remote())
             first = syncs[t].push(pool)
             got = ray.get(w.digest.remote())
-            if reference is None:
-                reference = got
+            reference = got if reference is None else reference
             bad = [k for k in reference if reference[k] != got.get(k)]
             ok = not bad and got.keys() == reference.keys()
             name = t if part == "sync" else f"{part}_{t}"
-            self.check(f"{name}_weights_equal_the_reference", ok)  # the first transport's (directory)
+            self.check(f"{name}_weights_equal_{against}", ok)
             times = [first.seconds] + [syncs[t].push(pool).seconds for _ in range(self.args.repeats)]
             out[t] = {"seconds": times, "best_s": min(times), "engine_gib_per_s": gib / min(times),
                       "buckets": first.buckets, "mismatched": bad[:10]}  # fmt: skip
@@ -261,9 +288,11 @@ class Bench:
 
         if not self.cuda:
             return {"skipped": "no CUDA"}
-        sync = WeightSync(group, dataclasses.replace(self.cfg.learner, weight_sync="nccl"), self.tmp / "shared")
+        sync = WeightSync(
+            group, dataclasses.replace(self.cfg.learner, weight_sync="nccl"), self.tmp / "shared"
+        )
         start, _adapter, version = sync.start_weights()
-        if self.results["gpus"] >= 2:  # two engines share the GPU the learner left
+        if self.spare_gpus() >= 1:  # two engines share a GPU the learner left
             workers = [self.worker(start, 0.5, self.args.gpu_share / 2) for _ in range(2)]
             want = "rollout worker 0 and rollout worker 1 are on the same GPU"
         else:  # one engine reserving no GPU: it takes the learner's
@@ -302,14 +331,18 @@ class Bench:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: gpu_1b on CUDA, else tiny")
+    p.add_argument(
+        "--preset", default=None, choices=sorted(PRESETS), help="default: gpu_1b on CUDA, else tiny"
+    )
     p.add_argument("--bucket-mb", type=float, default=256)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--parts", default="sync,colocated,shared_gpu")
     p.add_argument("--transports", default="directory,object_store,nccl", help="of the sync part")
-    p.add_argument("--colocated-transports", default="directory,object_store,ipc", help="the colocated part's")
+    p.add_argument(
+        "--colocated-transports", default="directory,object_store,ipc", help="the colocated part's"
+    )
     p.add_argument("--lora", action="store_true", help="LoRA adapter-only sync")
-    p.add_argument("--learner-ranks", type=int, default=1)
+    p.add_argument("--learner-ranks", type=int, default=1, help="learner.num_workers (sharded when > 1)")
     p.add_argument("--timeout-s", type=float, default=120)
     p.add_argument("--gpu-share", type=float, default=0.3, help="gpu_memory_utilization of the engine")
     args = p.parse_args(argv)

@@ -166,7 +166,10 @@ class Learner:
         lc = self.cfg.lora
         targets = lc.target_modules[0] if lc.target_modules == ["all-linear"] else list(lc.target_modules)
         peft_cfg = PeftLoraConfig(
-            r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=targets,
+            r=lc.r,
+            lora_alpha=lc.alpha,
+            lora_dropout=lc.dropout,
+            target_modules=targets,
             target_parameters=list(lc.target_parameters) or None,
         )
         return get_peft_model(model, peft_cfg)
@@ -423,8 +426,8 @@ class Learner:
         names (``rl.parallel.full_tensors``): ``full`` (adapters merged in with LoRA), ``base`` (LoRA's
         frozen base) or ``adapter`` (LoRA tensors only, peft's save names). A generator every rank of a
         group must drain (the gathers are collective); only rank 0 gets buckets. ``device``: where a
-        model without LoRA puts its copies (the ipc transport: the learner's GPU, no round trip through
-        the host; the values are the same); LoRA's tensors stay on the host, where the merge is computed
+        model without LoRA puts its copies (the ipc and, under NCCL, the nccl transport: the learner's
+        GPU, no round trip through the host; the values are the same); LoRA's tensors stay on the host, where the merge is computed
         for every transport alike."""
         from rl.parallel import DEFAULT_BUCKET_BYTES, full_tensors
 
@@ -461,7 +464,9 @@ class Learner:
 
         return device_record(self.device)
 
-    def open_weight_group(self, name: str, world_size: int, backend: str, timeout_s: float) -> tuple[str, int]:
+    def open_weight_group(
+        self, name: str, world_size: int, backend: str, timeout_s: float
+    ) -> tuple[str, int]:
         from rl.weight_sync import open_sender
 
         return open_sender(name, world_size, backend, timeout_s, self.device)
@@ -472,10 +477,12 @@ class Learner:
         join_sender(name)
 
     def broadcast_weight_buckets(self, name: str, kind: str = "full", bucket_bytes: int | None = None):
-        """``weight_buckets(kind)`` broadcast over group ``name``, yielding each bucket's metadata first."""
-        from rl.weight_sync import broadcast_buckets
+        """``weight_buckets(kind)`` broadcast over group ``name``, yielding each bucket's metadata first; the
+        copies are gathered where the group broadcasts from (this GPU under NCCL: no round trip through the
+        host; LoRA's stay on the host, see ``weight_buckets``)."""
+        from rl.weight_sync import broadcast_buckets, sender_device
 
-        yield from broadcast_buckets(name, self.weight_buckets(kind, bucket_bytes), kind)
+        yield from broadcast_buckets(name, self.weight_buckets(kind, bucket_bytes, sender_device(name)), kind)
 
     def close_weight_group(self, name: str) -> None:
         from rl.weight_sync import close_sender

@@ -65,10 +65,15 @@ def check_fits(learner: LearnerConfig, rollout: RolloutConfig, cluster_gpus: flo
     rank, worker = learner_rank_gpus(learner, cluster_gpus), rollout_worker_gpus(rollout, cluster_gpus)
     need = rank * learner.num_workers + worker * rollout.num_workers
     if need > cluster_gpus + 1e-9:
+        hint = (
+            "share GPUs with fractions, e.g. learner.num_gpus=0.5 rollout.worker_num_gpus=0.5 on one GPU"
+            if learner.num_workers == 1
+            else "a sharded learner's ranks take whole GPUs: lower learner.num_workers / rollout.num_workers "
+            f"or run on a cluster with {need:g} GPUs"
+        )
         raise ValueError(
             f"the run reserves {need:g} GPUs ({learner.num_workers} learner rank(s) x {rank:g} + "
-            f"{rollout.num_workers} rollout worker(s) x {worker:g}) but the cluster has {cluster_gpus:g}; "
-            "share GPUs with fractions, e.g. learner.num_gpus=0.5 rollout.worker_num_gpus=0.5 on one GPU"
+            f"{rollout.num_workers} rollout worker(s) x {worker:g}) but the cluster has {cluster_gpus:g}; {hint}"
         )
     return need
 

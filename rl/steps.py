@@ -3,7 +3,14 @@
 Per step, ``perf/*`` times the phases in seconds: ``rollout_s`` (collecting the step's groups: done during
 the previous step, right after its weight sync), ``train_s`` (advantages and the learner's update),
 ``sync_s`` (the weight sync of the new version, rl/weight_sync.py), ``eval_s`` (an evaluation after the
-step); the driver adds ``step_s`` (the whole step, including the next step's groups and the checkpoint).
+step); the driver adds ``step_s`` (the whole step, including the next step's groups and the checkpoint) and
+the busy fractions of that same wall-clock window (``busy_fractions``): ``rollout_busy_frac``, the share of
+the step the rollout workers were given work (the groups collected in it, the next step's and at the first
+step its own, plus an evaluation after it) and ``learner_busy_frac``, the learner's share (``train_s``). In
+this synchronous loop they add up to at most 1; the rest is the weight sync, the checkpoint and the driver's
+own work, during which both sides wait. They are upper bounds on the devices' utilisation (within a rollout
+the engines also wait for the envs) and the figure an asynchronous mode would raise. The last step's window
+holds no collection (its rollout fraction is only its evaluation's, 0 without one).
 """
 
 from __future__ import annotations
@@ -54,6 +61,24 @@ def rl_step(cfg: TrainConfig, learner, sync, pool, groups, step: int) -> dict:
     metrics = learner.train_step(batches)
     train_s = time.time() - t0
     return {**metrics, "perf/train_s": train_s, **sync.push(pool).metrics()}
+
+
+def busy_fractions(
+    step: dict[str, float], collected_in_step: bool, next_collect: dict[str, float]
+) -> dict[str, float]:
+    """``perf/rollout_busy_frac`` and ``perf/learner_busy_frac`` of one step's row (the module docstring):
+    ``step`` holds its ``perf/*`` seconds, ``step_s`` included; ``collected_in_step``: its own groups were
+    collected inside its window (the first step; otherwise the previous step collected them); ``next_collect``:
+    the metrics of the next step's collection, done inside this window (empty at the last step)."""
+    step_s = step.get("perf/step_s", 0.0)
+    if step_s <= 0:
+        return {}
+    rollout_s = step.get("perf/eval_s", 0.0) + next_collect.get("perf/rollout_s", 0.0)
+    rollout_s += step.get("perf/rollout_s", 0.0) if collected_in_step else 0.0
+    return {
+        "perf/rollout_busy_frac": rollout_s / step_s,
+        "perf/learner_busy_frac": step.get("perf/train_s", 0.0) / step_s,
+    }
 
 
 def niah_check(cfg: TrainConfig, learner, stage) -> dict:

@@ -35,7 +35,7 @@ from rl.rollouts import WorkerPool, make_renderer
 from rl.rundir import RunOutputs, open_run
 from rl.sft import warm_start, warm_start_warnings
 from rl.signal import NoSignalDetector
-from rl.steps import collect, niah_check, rl_step, run_eval, uses_group_stats
+from rl.steps import busy_fractions, collect, niah_check, rl_step, run_eval, uses_group_stats
 from rl.summary import finish
 from rl.weight_sync import WeightSync
 
@@ -60,8 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return EXIT_CONFIG
     resume = run.resume_from
-    state = run.state if resume else checkpoint.RunState(init_path=warm_start(cfg, run.path, start_learner) or "")
-    learner = start_learner(cfg, dataclasses.replace(cfg.model, init_from=state.init_path or None), cfg.learner)
+    state = (
+        run.state if resume else checkpoint.RunState(init_path=warm_start(cfg, run.path, start_learner) or "")
+    )
+    learner = start_learner(
+        cfg, dataclasses.replace(cfg.model, init_from=state.init_path or None), cfg.learner
+    )
     if resume:
         learner.load(str(resume / "learner.pt"))
         truncate_metrics(run.path / "metrics.jsonl", state.step)
@@ -71,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     model_path, adapter, version = sync.start_weights(renderer)
     pool = WorkerPool(cfg.rollout, model_path, version, max(s.max_context_tokens for s in plan), adapter, renderer,
                       sync)  # fmt: skip
-    log = MetricsLogger(str(run.path), total, cfg.run.tensorboard, cfg.run.progress_bar, start_step=state.step)
+    log = MetricsLogger(
+        str(run.path), total, cfg.run.tensorboard, cfg.run.progress_bar, start_step=state.step
+    )
     out = RunOutputs(cfg, run.path, log.echo)
     try:
         return train(cfg, run, state, plan, learner, sync, pool, rubric, log, out)
@@ -106,6 +112,7 @@ def train(cfg, run, state, plan, learner, sync, pool, rubric, log: MetricsLogger
         if step > 1 and stage is not stage_of[step - 2] and cfg.curriculum.niah.enabled:
             log.log(step - 1, niah_check(cfg, learner, stage))  # validation between stages
         groups, metrics = state.in_flight, dict(state.in_flight_metrics)
+        collected_in_step = groups is None
         if groups is None:
             groups, metrics = collect(cfg, pool, stage, step, rubric, out)
         metrics.update(rl_step(cfg, learner, sync, pool, groups, step))
@@ -129,6 +136,7 @@ def train(cfg, run, state, plan, learner, sync, pool, rubric, log: MetricsLogger
         if run.config_version:
             metrics["run/config_version"] = float(run.config_version)
         metrics["perf/step_s"] = time.time() - t_step
+        metrics.update(busy_fractions(metrics, collected_in_step, nxt_metrics))
         log.log(step, metrics)
         log.advance(metrics)
         if failure is not None:
@@ -140,7 +148,9 @@ def train(cfg, run, state, plan, learner, sync, pool, rubric, log: MetricsLogger
     log.log(total, final)
     if cfg.curriculum.niah.enabled:
         log.log(total, niah_check(cfg, learner, plan[-1]))
-    summary = finish(cfg, run.path, state.eval_before, final, [*warm_start_warnings(run.path), *signal.warnings])
+    summary = finish(
+        cfg, run.path, state.eval_before, final, [*warm_start_warnings(run.path), *signal.warnings]
+    )
     print(summary_text(summary), flush=True)
     return summary["exit_code"]
 

@@ -20,8 +20,9 @@ started from, rollout/adapters.py). How it travels is the transport (``learner.w
   ``ProcessGroupNCCL`` (every end on CUDA) or ``ProcessGroupGloo`` (otherwise: CPU engines, the CPU
   tests) built on it directly, without ``init_process_group`` (the learner group owns the default
   group). The learner gathers its parameters in buckets of ``learner.sync_bucket_mb`` exactly as for
-  ``object_store`` (the same CPU tensors, LoRA merge included, so every transport gives the same bits),
-  packs each bucket into one flat buffer per dtype (moved to its GPU under NCCL), yields the bucket's
+  ``object_store`` (copies of the same tensors, LoRA merge included, so every transport gives the same
+  bits; under NCCL without LoRA the copies are made on its GPU, as for ``ipc``, not in host memory),
+  packs each bucket into one flat buffer per dtype (on its GPU under NCCL), yields the bucket's
   metadata (names, shapes, dtypes, offsets) through a Ray streaming generator and broadcasts it; each
   worker allocates the buffers from the metadata, joins the broadcast and loads the bucket in place
   (``RolloutWorker.receive_weight_bucket``, the object store's load path). The group is built at the
@@ -79,7 +80,11 @@ class SyncReport:
     path: str | None = None  # the directory transport's version directory
 
     def metrics(self) -> dict[str, float]:
-        return {"perf/sync_s": self.seconds, "sync/version": float(self.version), "sync/buckets": float(self.buckets)}
+        return {
+            "perf/sync_s": self.seconds,
+            "sync/version": float(self.version),
+            "sync/buckets": float(self.buckets),
+        }
 
 
 def _is_actor(w) -> bool:
@@ -96,7 +101,10 @@ def _on_all(workers: list, method: str, *args) -> list:
 
     if all(_is_actor(w) for w in workers):
         return ray.get([getattr(w, method).remote(*args) for w in workers])
-    return [getattr(w, method)(*(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)) for w in workers]
+    return [
+        getattr(w, method)(*(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args))
+        for w in workers
+    ]
 
 
 class WeightSync:
@@ -132,7 +140,9 @@ class WeightSync:
         t0 = time.time()
         report = self._send(pool.workers)
         report.seconds = time.time() - t0
-        pool.adopt(report.version, report.path if self.transport == "directory" else None, report.adapter_only)
+        pool.adopt(
+            report.version, report.path if self.transport == "directory" else None, report.adapter_only
+        )
         self.latest = report
         return report
 
@@ -247,13 +257,17 @@ class WeightSync:
         try:
             for ref in head:  # bucket k's metadata, yielded as the learner enters bucket k's broadcast
                 meta = _get(ref, "the learner (rank 0)", self.timeout_s * 2)
-                counts = _on_each(workers, "receive_weight_bucket", [(meta,)] * len(workers), self.timeout_s * 2)
+                counts = _on_each(
+                    workers, "receive_weight_bucket", [(meta,)] * len(workers), self.timeout_s * 2
+                )
                 count += int(counts[0])
                 buckets += 1
             _get(others, "the learner's other ranks", self.timeout_s * 2)
             if kind == "adapter":
                 fields = self.learner.adapter_scale_fields()
-                _on_each(workers, "finish_adapter_broadcast", [(version, fields)] * len(workers), self.timeout_s)
+                _on_each(
+                    workers, "finish_adapter_broadcast", [(version, fields)] * len(workers), self.timeout_s
+                )
             else:
                 _on_each(workers, "finish_weight_update", [(version, count)] * len(workers), self.timeout_s)
         except BaseException:
@@ -324,7 +338,12 @@ def _open_group(learner, workers: list, timeout_s: float) -> _Group:
     spec = GroupSpec(name, host, int(port), len(workers) + 1, backend, timeout_s)
     lead = learner.sender_call("join_weight_group", name)
     try:
-        _on_each(workers, "join_weight_group", [(spec.for_rank(i + 1),) for i in range(len(workers))], timeout_s * 2)
+        _on_each(
+            workers,
+            "join_weight_group",
+            [(spec.for_rank(i + 1),) for i in range(len(workers))],
+            timeout_s * 2,
+        )
         _get(lead, names[0], timeout_s * 2)
     except BaseException:
         _Group(name, backend, workers).close(learner)
@@ -427,6 +446,13 @@ def broadcast_buckets(name: str, buckets, kind: str):
         yield meta
         group.broadcast(flats)
         del flats
+
+
+def sender_device(name: str):
+    """Where group ``name``'s flat buffers live on the learner: its GPU under NCCL, the host under gloo (None
+    before the group is joined)."""
+    group = _sender(name)["group"]
+    return None if group is None else group.device
 
 
 def close_sender(name: str) -> None:

@@ -73,10 +73,19 @@ def test_debugging_outputs(uninterrupted):
         rows = [json.loads(line) for line in lines]
         assert len(rows) == 4 and all(r["turns"] and r["turns"][0]["prompt_text"] for r in rows)
         assert all(r["sampled_tokens"] == sum(t["sampled_tokens"] for t in r["turns"]) for r in rows)
-    assert {p.name for p in (run / "transcripts").glob("eval_*.jsonl")} == {"eval_000000.jsonl", "eval_000003.jsonl"}
+    assert {p.name for p in (run / "transcripts").glob("eval_*.jsonl")} == {
+        "eval_000000.jsonl",
+        "eval_000003.jsonl",
+    }
     for r in step_rows(run).values():
         assert 0 <= r["reward/env/Calculator/success_rate"] <= 1 and r["rollout/env_errors/Calculator"] == 0
         assert all(r[f"perf/{k}"] > 0 for k in ("rollout_s", "train_s", "sync_s", "step_s"))
+        rollout, learner = r["perf/rollout_busy_frac"], r["perf/learner_busy_frac"]
+        assert r["perf/train_s"] == pytest.approx(learner * r["perf/step_s"])
+        assert 0 < learner < 1 and 0 <= rollout < 1
+        assert rollout + learner + r["perf/sync_s"] / r["perf/step_s"] <= 1  # one phase at a time
+    rows = step_rows(run)  # the last step's window collects nothing (the final evaluation is after it)
+    assert rows[1]["perf/rollout_busy_frac"] > 0 and rows[3]["perf/rollout_busy_frac"] == 0
     assert not (run / "errors.jsonl").exists()  # nothing failed
     steps = [line.split()[1] for line in CONSOLE["uninterrupted"].splitlines() if line.startswith("step ")]
     assert steps == ["1/3", "2/3", "3/3"]
@@ -88,7 +97,10 @@ def test_rerunning_the_finished_run_prints_its_summary_and_adds_no_row(uninterru
     from rl.train import main
 
     files = {p.name: p.read_bytes() for p in uninterrupted.iterdir() if p.is_file()}
-    assert main(["--config", CONFIG, f"run.dir={uninterrupted}", "run.save_every=1", "run.keep_checkpoints=3"]) == 0
+    assert (
+        main(["--config", CONFIG, f"run.dir={uninterrupted}", "run.save_every=1", "run.keep_checkpoints=3"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "is a finished run (step 3)" in out and "held_out_success_after" in out
     assert {p.name: p.read_bytes() for p in uninterrupted.iterdir() if p.is_file()} == files

@@ -69,6 +69,21 @@ def test_env_errors_are_removed_and_counted():
     assert m["reward/errors"] == pytest.approx(1 / 3) and m["reward/mean"] == pytest.approx(2 / 3)
 
 
+def test_busy_fractions_count_the_work_inside_the_steps_own_window():
+    from rl.steps import busy_fractions
+
+    step = {
+        f"perf/{k}": v for k, v in {"rollout_s": 3.0, "train_s": 2.0, "eval_s": 1.0, "step_s": 10.0}.items()
+    }
+    nxt = {"perf/rollout_s": 4.0}
+    # its groups came from the previous step: this window holds the next step's collection and the eval
+    assert busy_fractions(step, False, nxt) == {"perf/rollout_busy_frac": 0.5, "perf/learner_busy_frac": 0.2}
+    # the first step collected its own groups too; the last collects none
+    assert busy_fractions(step, True, nxt)["perf/rollout_busy_frac"] == 0.8
+    assert busy_fractions({**step, "perf/eval_s": 0.0}, False, {})["perf/rollout_busy_frac"] == 0.0
+    assert busy_fractions({"perf/step_s": 0.0}, True, nxt) == {}
+
+
 def test_checkpoint_roundtrip_keeps_in_flight_groups_and_prunes(tmp_path):
     eg = EpisodeGroup("t", [episode([turn([1], [2])], 1.0)])
     for step in (1, 2, 3):

@@ -7,6 +7,7 @@ more than there is gets refused before any actor starts.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -61,7 +62,27 @@ def test_on_a_one_gpu_cluster_two_half_shares_run_at_once_and_two_whole_gpus_are
 
     learner, worker = LearnerConfig(num_gpus=0.5), RolloutConfig(worker_num_gpus=0.5)
     assert placement_error(learner, worker) is None
-    shares = [Probe.options(num_cpus=0, num_gpus=g).remote() for g in (learner_rank_gpus(learner), rollout_worker_gpus(worker))]
+    shares = [
+        Probe.options(num_cpus=0, num_gpus=g).remote()
+        for g in (learner_rank_gpus(learner), rollout_worker_gpus(worker))
+    ]
     assert ray.get([p.visible.remote() for p in shares]) == ["0", "0"]  # both on the one GPU, at once
     err = placement_error(LearnerConfig(), RolloutConfig())
     assert err is not None and "reserves 2 GPUs" in err and "the cluster has 1" in err
+
+
+def test_the_multi_gpu_config_is_refused_on_one_gpu_naming_what_it_needs(ray_one_gpu):
+    from rl.config import CONFIGS_ROOT, load_config
+
+    cfg = load_config(CONFIGS_ROOT / "exp" / "gpu_multi.yaml")
+    learner, rollout = cfg.learner, cfg.rollout
+    assert learner.weight_sync == "nccl" and learner.num_workers > 1 and learner.sharding == "fsdp"
+    assert rollout.worker_num_gpus == 1
+    err = placement_error(learner, rollout)
+    assert err is not None and "reserves 4 GPUs (2 learner rank(s) x 1 + 2 rollout worker(s) x 1)" in err
+    assert "the cluster has 1" in err and "ranks take whole GPUs" in err
+    # the split it documents for two GPUs still needs two
+    one_each = placement_error(
+        dataclasses.replace(learner, num_workers=1), dataclasses.replace(rollout, num_workers=1)
+    )
+    assert one_each is not None and "reserves 2 GPUs" in one_each
