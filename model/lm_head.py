@@ -47,8 +47,9 @@ def chunk_logits_grad(z_CV, targets_C1, lse_C1, ent_C1, g_logp_C1, g_ent_C1, dty
     dz_CV = torch.zeros_like(z)
     if g_ent_C1 is not None:
         dz_CV = dz_CV - g_ent_C1 * p_CV * (z - (lse_C1 - ent_C1))
-    if g_logp_C1 is not None:
-        dz_CV = (dz_CV - g_logp_C1 * p_CV).scatter_add(-1, targets_C1, g_logp_C1)
+    if g_logp_C1 is not None:  # the one-hot as a comparison, not a scatter: one element-wise kernel compiled
+        onehot_CV = torch.arange(z.shape[-1], device=z.device) == targets_C1
+        dz_CV = dz_CV - g_logp_C1 * (p_CV - onehot_CV.float())
     return dz_CV.to(dtype)
 
 
