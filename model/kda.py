@@ -142,9 +142,11 @@ class KimiDeltaAttention(nn.Module):
             return recompute_in_backward(self.qk_norm_fn, q_BTHK, k_BTHK)
         return self.qk_norm_fn(q_BTHK, k_BTHK)
 
-    def gated_output(self, o_BTHV: torch.Tensor, x_BTD: torch.Tensor) -> torch.Tensor:
-        """o_proj(RMSNorm_head(o) * sigmoid(gate(x))) [..., d]."""
-        gate = self.output_gate_logits(x_BTD)
+    def gated_output(self, o_BTHV: torch.Tensor, x_BTD: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """o_proj(RMSNorm_head(o) * sigmoid(gate(x))) [..., d]; ``gate``: the gate logits when the caller has
+        them already (the vLLM decode step's fused projection)."""
+        if gate is None:
+            gate = self.output_gate_logits(x_BTD)
         args = (o_BTHV, self.o_norm.weight, self.o_norm.eps, gate, x_BTD.dtype)
         if fast.pick("norm", o_BTHV.device) == "recompute":
             o_BTHV = recompute_in_backward(self.out_gate_fn, *args)

@@ -78,6 +78,7 @@ class KDAStateLayer(nn.Module, MambaBase):
         super().__init__()
         self._kda = [kda]  # a plain reference: the parameters stay registered under the HF module tree
         self.decode_inputs_fn = kda_decode_inputs  # ``rollout.vllm_model`` may swap in a compiled one
+        self.w_in, self.in_sizes = fuse_input_projections(kda)
         self.config = config
         self.prefix = prefix
         vllm_config = get_current_vllm_config()
@@ -144,17 +145,50 @@ class KDAStateLayer(nn.Module, MambaBase):
         full-sequence logprobs)."""
         kda = self._kda[0]
         conv_q, conv_k, conv_v, rec = self.kv_cache
+        xq, xk, xv, fa, b, gate = self._input_projections(x_ND)
         windows = [pool[slots_N] for pool in (conv_q, conv_k, conv_v)]
         q, k, v, g, beta, *new_windows = self.decode_inputs_fn(
-            kda.q_proj(x_ND), kda.k_proj(x_ND), kda.v_proj(x_ND), *windows,
-            kda.q_conv1d.weight, kda.k_conv1d.weight, kda.v_conv1d.weight,
-            kda.f_b_proj(kda.f_a_proj(x_ND)), kda.b_proj(x_ND), kda.dt_bias, kda.A_log,
-            kda.gate_kind, kda.lower_bound, kda.q_conv1d.activation == "silu",
+            xq, xk, xv, *windows, kda.q_conv1d.weight, kda.k_conv1d.weight, kda.v_conv1d.weight,
+            kda.f_b_proj(fa), b, kda.dt_bias, kda.A_log, kda.gate_kind, kda.lower_bound,
+            kda.q_conv1d.activation == "silu",
         )  # fmt: skip
         for pool, window in zip((conv_q, conv_k, conv_v), new_windows):
             pool[slots_N] = window.to(pool.dtype)
         o_NHV = kda_pool_step_(q, k, v, g, beta, rec, slots_N, kda.head_dim**-0.5)
-        return kda.gated_output(o_NHV, x_ND)
+        if not kda.full_rank_gate:
+            gate = kda.g_b_proj(gate)
+        return kda.gated_output(o_NHV, x_ND, gate)
+
+    def _input_projections(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v, f_a, b and the output gate's first projection of x: one GEMM over the fused weight, or
+        six calls of the modules when they could not be fused (``fuse_input_projections``)."""
+        kda = self._kda[0]
+        if self.w_in is not None:
+            return F.linear(x_ND, self.w_in).split(self.in_sizes, dim=-1)
+        return tuple(m(x_ND) for m in _input_linears(kda))
+
+
+def _input_linears(kda: nn.Module) -> list[nn.Module]:
+    return [kda.q_proj, kda.k_proj, kda.v_proj, kda.f_a_proj, kda.b_proj,
+            kda.g_proj if kda.full_rank_gate else kda.g_a_proj]  # fmt: skip
+
+
+def fuse_input_projections(kda: nn.Module) -> tuple[torch.Tensor | None, tuple[int, ...]]:
+    """(fused weight [sum of outputs, d], output sizes) of the six projections a KDA decode step applies to
+    x: one contiguous weight, each nn.Linear's weight a view of its rows, so weight loads and in-place
+    updates (``load_weights``, adapter folds: ``copy_`` into the named parameters) write the fused weight
+    itself and a decode step pays one GEMM instead of six. (None, ()) when a projection is not a plain
+    bias-free nn.Linear (a wrapped one keeps its own call)."""
+    linears = _input_linears(kda)
+    if not all(type(m) is nn.Linear and m.bias is None for m in linears):
+        return None, ()
+    w_in = torch.cat([m.weight.detach() for m in linears])
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(w_in[start : start + rows], requires_grad=m.weight.requires_grad)
+        start += rows
+    return w_in, tuple(m.weight.shape[0] for m in linears)
 
 
 def kda_decode_inputs(
