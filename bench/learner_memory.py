@@ -121,7 +121,11 @@ class LiveMemory(TorchDispatchMode):
         def post(mod, args, out):
             self.site.pop()
 
-        hooks = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+        hooks = [
+            h
+            for m in model.modules()
+            for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))
+        ]
         try:
             yield
         finally:
@@ -143,7 +147,7 @@ class _FusedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
+        x, weight, _rstd = ctx.saved_tensors
         dw = None if weight is None else torch.empty_like(weight)
         return torch.empty_like(x), None, dw, None
 
@@ -286,7 +290,9 @@ def classify(live: dict[int, Alloc], learner, kinds: dict[int, str]) -> dict:
     for b in learner.base_model.buffers():
         ids["parameters"].add(id(b.untyped_storage()))
     for state in learner.optimizer.state.values():
-        ids["AdamW state"].update(id(t.untyped_storage()) for t in state.values() if isinstance(t, torch.Tensor))
+        ids["AdamW state"].update(
+            id(t.untyped_storage()) for t in state.values() if isinstance(t, torch.Tensor)
+        )
     totals: dict[str, int] = {}
     sites: dict[str, int] = {}
     tensors: dict[tuple, list[int]] = {}
@@ -314,7 +320,10 @@ def markdown(result: dict) -> str:
              f"{result['fast_paths']}, checkpoint={result['checkpoint']}", "",
              f"Peak {result['peak_gib']:.2f} GiB (step 2, in {result['peak_phase']}); end of forward "
              f"{result['forward_end']['total_gib']:.2f} GiB.", ""]  # fmt: skip
-    for title, snap in (("at the peak", result["at_peak"]), ("at the end of the forward", result["forward_end"])):
+    for title, snap in (
+        ("at the peak", result["at_peak"]),
+        ("at the end of the forward", result["forward_end"]),
+    ):
         lines += [f"### Live {title}: {snap['total_gib']:.2f} GiB", "", "| category | GiB |", "|---|---|"]
         lines += [f"| {k} | {v:.2f} |" for k, v in snap["categories_gib"].items()]
         lines += ["", "| allocated in / where (summed over the layers of a kind) | GiB |", "|---|---|"]
@@ -326,7 +335,9 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def measure(arch: dict, tokens: int, fast_paths: str = "auto", checkpoint: str = "none", seed: int | None = None) -> dict:
+def measure(
+    arch: dict, tokens: int, fast_paths: str = "auto", checkpoint: str = "none", seed: int | None = None
+) -> dict:
     """Peak and breakdowns of the second train step at ``tokens`` packed tokens (the bench's batch)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -336,7 +347,8 @@ def measure(arch: dict, tokens: int, fast_paths: str = "auto", checkpoint: str =
     bounds = [[0, *np.cumsum(lengths).tolist()]]
     from model import HybridConfig
 
-    batch = make_batch(lengths, HybridConfig(**arch), seed=seed)  # real host tensors, as the learner gets them
+    # real host tensors, as the learner gets them
+    batch = make_batch(lengths, HybridConfig(**arch), seed=seed)
     with FakeTensorMode(allow_non_fake_inputs=True), mem, cuda_code_paths(bounds):
         learner = build_learner(arch, tokens, fast_paths, checkpoint)
         kinds = {i: ("kda" if l.is_kda else "mla") + ("+moe" if l.is_moe else "+dense")
@@ -347,7 +359,8 @@ def measure(arch: dict, tokens: int, fast_paths: str = "auto", checkpoint: str =
             start = mem.events
             mem.reset_peak()
             train_step(learner, batch, mem)
-            peak, peak_event, peak_phase, forward_end = mem.peak, mem.peak_event, mem.peak_phase, mem.forward_end
+            peak, peak_event, peak_phase = mem.peak, mem.peak_event, mem.peak_phase
+            forward_end = mem.forward_end
             mem.snap_event, mem.events = peak_event, start  # step 3 allocates as step 2 did
             train_step(learner, batch, mem)
             if mem.snapshot is None:
