@@ -25,6 +25,7 @@ from model.attention import varlen_causal_attention
 from model.cache import MLAState
 from model.config import HybridConfig
 from model.layers import RMSNorm, SeqLayout, f32
+from model.moe import compute_dtype
 
 
 class GatedMLA(nn.Module):
@@ -75,6 +76,9 @@ class GatedMLA(nn.Module):
         return kv[..., : self.nope], kv[..., self.nope :]
 
     def _output(self, x_BTD: torch.Tensor, attn_BTHV: torch.Tensor) -> torch.Tensor:
+        """``x_BTD`` in the compute dtype (``forward``): under autocast the gate product stays bf16, the
+        same values as an fp32 product rounded by o_proj's cast (one rounding either way, forward and
+        backward), without an fp32 copy of the attention output kept for backward."""
         B, T = x_BTD.shape[:2]
         attn = attn_BTHV.reshape(B, T, self.num_heads * self.v_dim).to(x_BTD.dtype)
         if self.use_output_gate:
@@ -94,6 +98,8 @@ class GatedMLA(nn.Module):
         """absorbed=None picks the absorbed form when decoding over a non-empty cache."""
         if state is not None and cu_seqlens is not None:
             raise ValueError("MLA with a cache takes padded [N, T] input, not packed cu_seqlens")
+        # one cast for the three projections of x (autocast casts per nn.Linear and each keeps its copy)
+        x_BTD = x_BTD.to(compute_dtype(x_BTD))
         q_nope, q_pe = self._queries(x_BTD)
         c_kv, k_pe = self._latents(x_BTD)
         if state is not None:

@@ -209,12 +209,14 @@ class SparseMoE(nn.Module):
         """Returns (y_BTD, experts used [B*T, k])."""
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
-        route = self.gate(x_TD, replay_TK, replay_checked)
-        z_TZ = self.routed_expert_down_proj(x_TD) if self.latent else x_TD
+        route = self.gate(x_TD, replay_TK, replay_checked)  # fp32, from x as given
+        # one cast for every projection of x (autocast casts per nn.Linear and each keeps its own copy)
+        xc_TD = x_TD.to(compute_dtype(x_TD))
+        z_TZ = self.routed_expert_down_proj(xc_TD) if self.latent else x_TD
         u_TZ = self.experts(z_TZ, route)
         y_TD = self.routed_expert_up_proj(self.routed_expert_norm(u_TZ)) if self.latent else u_TZ
         if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(x_TD)
+            y_TD = y_TD + self.shared_experts(xc_TD)
         return y_TD.view(B, T, D), route.experts_TK
 
 
@@ -279,14 +281,22 @@ class GroupedExperts(GatedActivation, nn.Module):
 
     def _grouped(self, z_TZ, route: RouterOutput, w_gu, w_down) -> torch.Tensor:
         """The grouped form of ``_loop``: same products, same (token, slot) order of the weighted fp32 sum,
-        so it equals the loop up to the GEMMs' own rounding."""
-        from kernels.moe import combine, grouped_mm_alignment, permute, route_layout
+        so it equals the loop up to the GEMMs' own rounding. Two autograd nodes (``kernels.moe``): the
+        permute with the gate/up GEMM (keeps z, not its k-times larger permuted rows), and the activation,
+        the down GEMM and the weighted sum (keep the gate/up rows only; h is recomputed in backward)."""
+        from kernels.moe import glu_grouped_mm_combine, grouped_mm_alignment, permute_grouped_mm, route_layout
 
-        dt = _compute_dtype(z_TZ)
+        dt = compute_dtype(z_TZ)
         layout = route_layout(route.experts_TK, self.num_experts, grouped_mm_alignment(z_TZ.device, dt), self.route_fn)
-        y_PZ = self.grouped_glu(permute(z_TZ.to(dt), layout), layout.offs_E, w_gu.to(dt), w_down.to(dt))
-        # one autograd node: keeps the gathered rows and the weights, not the fp32 [T, k, Z] product
-        return combine(y_PZ, layout, route.weights_TK, z_TZ.dtype)
+        # the weights go in as read (fp32 masters): cast inside, and again in backward rather than kept
+        gu_PI2 = permute_grouped_mm(z_TZ.to(dt), layout, w_gu)
+        return glu_grouped_mm_combine(gu_PI2, layout, w_down, route.weights_TK, self._glu_rows(z_TZ), z_TZ.dtype)
+
+    def _glu_rows(self, z_TZ: torch.Tensor) -> Callable:
+        """The activation ``glu_grouped_mm_combine`` runs (and reruns in backward): the fused kernel where
+        ``model.fast`` op "glu" takes it, else the plain ops, since that node already recomputes h (the
+        "recompute" wrapper would compute it a third time)."""
+        return self.glu if fast.pick("glu", z_TZ.device) == "triton" else self.glu_torch
 
     def _loop(self, z_TZ, route: RouterOutput, w_gu, w_down) -> torch.Tensor:
         """sum_j w_tj E_{e_tj}(z_t): experts run on their tokens, results go back to (token, slot)
@@ -405,8 +415,9 @@ def expert_conversions() -> list:
     ]
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """What nn.Linear would compute in: the autocast dtype inside autocast, else x's dtype."""
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """What nn.Linear would compute in: the autocast dtype inside autocast, else x's dtype (also read by
+    ``model.mla``; ``model.layers`` would be the shared home)."""
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype

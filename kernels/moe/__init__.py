@@ -12,6 +12,20 @@ from the routing itself: no host sync, whatever the expert loads.
     y_TKN  = unpermute(y_PN, layout)                        # [T, k, N], slot order
     y_TN   = combine(y_PN, layout, weights_TK)              # sum_j w_tj y_TjN in fp32, one autograd node
 
+The routed experts' training path keeps less for backward by fusing the stages around the two GEMMs
+into two autograd nodes (``GroupedExperts._grouped`` in ``model.moe``):
+
+    gu_PI2 = permute_grouped_mm(z_TZ, layout, w_gu)                  # keeps z [T, Z], not x [P, Z]
+    y_TN   = glu_grouped_mm_combine(gu_PI2, layout, w_down, w_TK, glu)  # keeps gate/up only
+
+The first gathers the k-times larger permuted rows again in backward (for the weight gradient); the
+second recomputes the activation h = glu(g, u) in backward (an element-wise kernel) and never keeps the
+down projection's rows (the routing weights' gradient is <h, dy_rows W_down>, from the same product that
+gives dh). Per MoE layer that drops x [P, Z], h [P, I] and the gathered y [T, k, Z] (gpu_1b at 16K tokens:
+305 MiB a layer, 4.5 GiB over 15 layers); the backward does two more memory-bound passes (the gather and
+the activation), no extra GEMM. ``grouped_mm_dx`` / ``grouped_mm_dw`` are the grouped product's two
+gradient products, per backend, that these nodes call.
+
 ``grouped_mm`` takes weights in nn.Linear layout [G, N, K] and dispatches to PyTorch's grouped
 matrix product (``torch._grouped_mm``) where it has a kernel for the device and dtype: CUDA with
 bf16 on sm90+ (the CUTLASS kernel; torch's CUDA fallback for other dtypes copies the offsets to
@@ -30,8 +44,9 @@ import torch
 
 from kernels.moe.naive import grouped_mm_naive
 
-__all__ = ["RouteLayout", "combine", "combine_reference", "grouped_mm", "grouped_mm_alignment", "grouped_mm_backend",
-           "permute", "permute_reference", "route_layout", "route_tensors", "unpermute"]  # fmt: skip
+__all__ = ["RouteLayout", "combine", "combine_reference", "glu_grouped_mm_combine", "grouped_mm", "grouped_mm_alignment",
+           "grouped_mm_backend", "grouped_mm_dw", "grouped_mm_dx", "permute", "permute_grouped_mm", "permute_reference",
+           "route_layout", "route_tensors", "unpermute"]  # fmt: skip
 
 
 @dataclass
@@ -82,9 +97,9 @@ def route_tensors(experts_TK: torch.Tensor, num_experts: int, align: int) -> tup
     padded_E = (counts_E + align - 1) // align * align
     ends_E = padded_E.cumsum(0)
     order_S = flat_S.argsort(stable=True)
-    expert_sorted_S = flat_S[order_S]
-    rank_S = torch.arange(S, device=dev) - (counts_E.cumsum(0) - counts_E)[expert_sorted_S]
-    row_sorted_S = (ends_E - padded_E)[expert_sorted_S] + rank_S
+    # sorted slot i of expert e sits at row i + (padding rows of the experts before e)
+    pad_E = padded_E - counts_E
+    row_sorted_S = torch.arange(S, device=dev) + (pad_E.cumsum(0) - pad_E)[flat_S[order_S]]
     row_of_slot_S = torch.empty_like(order_S).scatter_(0, order_S, row_sorted_S)
     P = S + num_experts * (align - 1)
     src_row_P = torch.full((P,), T, dtype=torch.long, device=dev)
@@ -103,8 +118,12 @@ def permute(z_TZ: torch.Tensor, layout: RouteLayout) -> torch.Tensor:
 
 def permute_reference(z_TZ: torch.Tensor, layout: RouteLayout) -> torch.Tensor:
     """``permute`` by autograd on index_select (the reference of its backward)."""
-    z_T1Z = torch.cat([z_TZ, z_TZ.new_zeros(1, z_TZ.shape[1])])
-    return z_T1Z.index_select(0, layout.src_row_P)
+    return _with_zero_row(z_TZ).index_select(0, layout.src_row_P)
+
+
+def _with_zero_row(x_TN: torch.Tensor) -> torch.Tensor:
+    """[T, N] -> [T + 1, N], the last row zero: what padding and tail rows of the buffer read."""
+    return torch.nn.functional.pad(x_TN, (0, 0, 0, 1))
 
 
 class _Permute(torch.autograd.Function):
@@ -244,3 +263,151 @@ def grouped_mm(x_SK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) ->
 
         return grouped_mm_triton(x_SK, w_GNK, offs_G)
     return grouped_mm_naive(x_SK, w_GNK, offs_G)
+
+
+def grouped_mm_dx(dy_SN: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor, backend: str) -> torch.Tensor:
+    """The input gradient of ``grouped_mm(x, w, offs)``: dx [S, K] with dx[rows of g] = dy[rows of g] @ w[g]
+    (rows past offs[-1] as ``grouped_mm`` leaves them). ``backend``: ``grouped_mm_backend(x, w)``."""
+    if backend == "torch":
+        return torch._grouped_mm(dy_SN, w_GNK, offs=offs_G)
+    if backend == "triton":
+        from kernels.moe.triton import grouped_mm_triton_dx
+
+        return grouped_mm_triton_dx(dy_SN, w_GNK, offs_G)
+    return grouped_mm_naive(dy_SN, w_GNK.transpose(1, 2), offs_G)
+
+
+def grouped_mm_dw(dy_SN: torch.Tensor, x_SK: torch.Tensor, offs_G: torch.Tensor, backend: str) -> torch.Tensor:
+    """The weight gradient of ``grouped_mm(x, w, offs)``: dw [G, N, K] with dw[g] = dy[rows of g]^T x[rows of g]
+    (an empty group gets zeros; rows past offs[-1] count nowhere)."""
+    if backend == "torch":
+        return torch._grouped_mm(dy_SN.t(), x_SK, offs=offs_G)
+    if backend == "triton":
+        from kernels.moe.triton import grouped_mm_triton_dw
+
+        return grouped_mm_triton_dw(dy_SN, x_SK, offs_G)
+    ends, start = [int(e) for e in offs_G.tolist()], 0
+    dw = dy_SN.new_zeros(len(ends), dy_SN.shape[1], x_SK.shape[1])
+    for g, end in enumerate(ends):
+        if end > start:
+            dw[g] = dy_SN[start:end].transpose(0, 1) @ x_SK[start:end]
+        start = max(start, end)
+    return dw
+
+
+def _grouped_mm_forward(x_SK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor, backend: str) -> torch.Tensor:
+    """``grouped_mm`` without its autograd node (inside the nodes below, which make their own)."""
+    if backend == "torch":
+        return torch._grouped_mm(x_SK, w_GNK.transpose(-2, -1), offs=offs_G)
+    return grouped_mm_dx(x_SK, w_GNK.transpose(1, 2), offs_G, backend)
+
+
+def permute_grouped_mm(z_TZ: torch.Tensor, layout: RouteLayout, w_GNZ: torch.Tensor) -> torch.Tensor:
+    """``grouped_mm(permute(z, layout), w.to(z.dtype), layout.offs_E)`` [P, N] as one autograd node that
+    keeps z [T, Z] instead of the k-times larger permuted rows, and gathers them again in backward for the
+    weight gradient. The input gradient sums each token's k rows as ``permute``'s backward does.
+
+    ``w`` may be the fp32 master weight: it is cast to z's dtype in forward and again in backward, so the
+    cast copy is not kept in between (gpu_1b: 64 MiB a layer, for an element-wise pass over the weight);
+    its gradient, computed in z's dtype, reaches w as the cast's backward would hand it on."""
+    return _PermuteGroupedMM.apply(z_TZ, layout, w_GNZ)
+
+
+class _PermuteGroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z_TZ, layout, w_GNZ):
+        z_T1Z = _with_zero_row(z_TZ)  # kept: the backward's gather is then one op, as the forward's
+        x_PZ = z_T1Z.index_select(0, layout.src_row_P)
+        w_c = w_GNZ.to(z_TZ.dtype)
+        ctx.backend = grouped_mm_backend(x_PZ, w_c)
+        ctx.layout = layout
+        ctx.save_for_backward(z_T1Z, w_GNZ)
+        return _grouped_mm_forward(x_PZ, w_c, layout.offs_E, ctx.backend)
+
+    @staticmethod
+    def backward(ctx, dy_PN):
+        z_T1Z, w_GNZ = ctx.saved_tensors
+        w_GNZ = w_GNZ.to(z_T1Z.dtype)
+        lay, dy_PN = ctx.layout, dy_PN.contiguous()
+        dz = dw = None
+        if ctx.needs_input_grad[0]:
+            dx_PZ = grouped_mm_dx(dy_PN, w_GNZ, lay.offs_E, ctx.backend)
+            dz = dx_PZ.index_select(0, lay.row_of_slot_S).view(lay.tokens, lay.top_k, -1).sum(1)
+        if ctx.needs_input_grad[2]:
+            dw = grouped_mm_dw(dy_PN, z_T1Z.index_select(0, lay.src_row_P), lay.offs_E, ctx.backend)
+        return dz, None, dw
+
+
+def glu_grouped_mm_combine(
+    gu_PI2: torch.Tensor,
+    layout: RouteLayout,
+    w_GNI: torch.Tensor,
+    weights_TK: torch.Tensor,
+    glu,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``combine(grouped_mm(glu(g, u), w.to(gu.dtype), layout.offs_E), layout, weights, dtype)`` [T, N], g
+    and u the two halves of the gate/up rows ``gu_PI2``, as one autograd node that keeps only gu, w and the
+    weights (w cast in forward and again in backward, as in ``permute_grouped_mm``).
+
+    ``glu(g, u)``: the differentiable gated activation (``GatedActivation.glu``: the fused kernel where it
+    applies); it runs with gradient on detached rows, so it takes its training path, and its graph is
+    dropped in forward and rebuilt in backward (h recomputed). Backward, with dy_j = w_j g the gradient of a
+    slot's down-projected row: the unweighted rows' product dq = g_rows W[e] gives dw_j = <h_j, dq_j>
+    (fp32) and dh = w_j dq_j, and dW[e] = sum_rows (w_j g)^T h_j as ``combine`` + ``grouped_mm`` give it.
+    Against them only rounding differs: dh rounds the product before the weight, not after."""
+    if weights_TK.shape != (layout.tokens, layout.top_k):
+        raise ValueError(
+            f"weights must be [T, k] = [{layout.tokens}, {layout.top_k}], got {tuple(weights_TK.shape)}"
+        )
+    if gu_PI2.shape[1] != 2 * w_GNI.shape[2]:
+        raise ValueError(f"gate/up rows must be [P, 2I] for w [G, N, I], got {tuple(gu_PI2.shape)} and {tuple(w_GNI.shape)}")
+    w_TK = weights_TK if weights_TK.dtype in (torch.float32, torch.float64) else weights_TK.float()
+    return _GluGroupedMMCombine.apply(gu_PI2, layout, w_GNI, w_TK, glu, dtype or gu_PI2.dtype)
+
+
+def _glu_graph(glu, gu_PI2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(leaf gu with gradient, h = glu(g, u) with its graph): the activation as training runs it."""
+    with torch.enable_grad():
+        leaf = gu_PI2.detach().requires_grad_()
+        return leaf, glu(*leaf.chunk(2, dim=-1))
+
+
+class _GluGroupedMMCombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gu_PI2, layout, w_GNI, w_TK, glu, dtype):
+        h_PI = _glu_graph(glu, gu_PI2)[1].detach()
+        w_c = w_GNI.to(h_PI.dtype)
+        ctx.backend = grouped_mm_backend(h_PI, w_c)
+        y_PN = _grouped_mm_forward(h_PI, w_c, layout.offs_E, ctx.backend)
+        del h_PI, w_c
+        ctx.layout, ctx.glu = layout, glu
+        ctx.save_for_backward(gu_PI2, w_GNI, w_TK)
+        return (unpermute(y_PN, layout) * w_TK[..., None]).sum(1).to(dtype)
+
+    @staticmethod
+    def backward(ctx, g_TN):
+        gu_PI2, w_GNI, w_TK = ctx.saved_tensors
+        lay = ctx.layout
+        leaf, h_PI = _glu_graph(ctx.glu, gu_PI2)
+        dt = h_PI.dtype
+        w_GNI = w_GNI.to(dt)
+        # each buffer row's token gradient (padding and tail rows read the zero row) and slot weight
+        g_PN = _with_zero_row(g_TN).index_select(0, lay.src_row_P)
+        w_P = w_TK.new_zeros(lay.rows).index_copy_(0, lay.row_of_slot_S, w_TK.reshape(-1))[:, None]
+        dq_PI = grouped_mm_dx(g_PN.to(dt), w_GNI, lay.offs_E, ctx.backend)
+        dw_TK = None
+        if ctx.needs_input_grad[3]:  # fp32 sums of the products (rounded to h's dtype, as y's entries were)
+            hq_P = (h_PI.detach() * dq_PI).sum(-1, dtype=w_TK.dtype)
+            dw_TK = hq_P.index_select(0, lay.row_of_slot_S).view(lay.tokens, lay.top_k)
+        dW = None
+        if ctx.needs_input_grad[2]:  # rows w_j g rounded once, as combine's backward gives them
+            dy_PN = g_PN.mul_(w_P) if g_PN.dtype == dt else (g_PN * w_P).to(dt)
+            dW = grouped_mm_dw(dy_PN, h_PI.detach(), lay.offs_E, ctx.backend)
+            del dy_PN
+        del g_PN
+        dgu = None
+        if ctx.needs_input_grad[0]:
+            torch.autograd.backward(h_PI, dq_PI.mul_(w_P))
+            dgu = leaf.grad
+        return dgu, None, dW, dw_TK, None, None

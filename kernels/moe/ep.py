@@ -12,9 +12,10 @@ the two stacked weights of ``model.moe.GroupedExperts``). Every rank routes its 
     y_SZ  = all_to_all(y_RZ)                       # back to the sending rank, in its sorted slot order
     y_TZ  = combine(y_SZ, lay, weights_TK)         # sum_j w_tj y_tj in fp32, (token, slot) order
 
-``combine`` is the node ``GroupedExperts._grouped`` ends with, on a layout with the same ``row_of_slot_S``
-meaning, so the sum runs over the same products in the same order: the layer equals the unsharded one up
-to the GEMMs' rounding (their rows are grouped differently). The per-expert counts are exchanged first
+``combine`` is the weighted sum ``GroupedExperts._grouped`` ends with (there fused with the activation and
+the down GEMM, ``kernels.moe.glu_grouped_mm_combine``), on a layout with the same ``row_of_slot_S`` meaning,
+so the sum runs over the same products in the same order: the layer equals the unsharded one up to the
+GEMMs' rounding (their rows are grouped differently). The per-expert counts are exchanged first
 (one small all-to-all) and read on the host once per forward: ``all_to_all_single`` takes its split sizes
 as Python ints. Gradients: the all-to-all's backward is the reverse all-to-all (``_AllToAll``), so the
 input, routing-weight and (local) expert-weight gradients are those of the unsharded layer; an expert
@@ -92,13 +93,13 @@ class ExpertParallel:
     def __call__(
         self, experts, z_TZ: torch.Tensor, route, w_gu: torch.Tensor, w_down: torch.Tensor
     ) -> torch.Tensor:
-        from model.moe import _compute_dtype
+        from model.moe import compute_dtype
 
         w_gu, w_down = _local(w_gu), _local(w_down)
         if w_gu.shape[0] != self.num_local or w_down.shape[0] != self.num_local:
             raise ValueError(f"rank {self.rank} holds {self.num_local} experts, got weights of "
                              f"{w_gu.shape[0]} and {w_down.shape[0]}")  # fmt: skip
-        dt = _compute_dtype(z_TZ)
+        dt = compute_dtype(z_TZ)
         lay = route_layout(route.experts_TK, self.num_experts, 1, experts.route_fn)  # S rows, no padding
         counts_E = torch.diff(lay.offs_E.long(), prepend=lay.offs_E.new_zeros(1).long())
         recv_E = _all_to_all(counts_E, [self.num_local] * self.size, [self.num_local] * self.size, self.group)

@@ -95,6 +95,22 @@ def _rows(x_SK: torch.Tensor, w, w_strides, N: int, offs_G: torch.Tensor) -> tor
     return y
 
 
+def grouped_mm_triton_dx(dy_SN: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    """dx [S, K] of y = x @ w[g]^T per group: dy[rows of g] @ w[g] (the forward kernel on w transposed)."""
+    s0, s1, s2 = w_GNK.stride()
+    return _rows(dy_SN, w_GNK, (s0, s2, s1), w_GNK.shape[2], offs_G)
+
+
+def grouped_mm_triton_dw(dy_SN: torch.Tensor, x_SK: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    """dw [G, N, K] of y = x @ w[g]^T per group: dy[rows of g]^T @ x[rows of g] (rows past offs[-1] ignored)."""
+    (G,), N, K = offs_G.shape, dy_SN.shape[1], x_SK.shape[1]
+    dw = torch.empty(G, N, K, device=x_SK.device, dtype=x_SK.dtype)
+    grid = (G, triton.cdiv(N, BN), triton.cdiv(K, BK))
+    _gmm_dw[grid](dy_SN, x_SK, dw, offs_G, N, K, dy_SN.stride(0), dy_SN.stride(1), x_SK.stride(0),
+                  x_SK.stride(1), PREC=_prec(x_SK.dtype), BM=BM, BN=BN, BK=BK)  # fmt: skip
+    return dw
+
+
 class GroupedMMTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_SK, w_GNK, offs_G):
@@ -104,16 +120,9 @@ class GroupedMMTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_SN):
         x_SK, w_GNK, offs_G = ctx.saved_tensors
-        G, N, K = w_GNK.shape
         dy_SN = dy_SN.contiguous()
-        s0, s1, s2 = w_GNK.stride()
-        dx = _rows(dy_SN, w_GNK, (s0, s2, s1), K, offs_G) if ctx.needs_input_grad[0] else None  # dy @ w[g]
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = torch.empty(G, N, K, device=w_GNK.device, dtype=w_GNK.dtype)
-            grid = (G, triton.cdiv(N, BN), triton.cdiv(K, BK))
-            _gmm_dw[grid](dy_SN, x_SK, dw, offs_G, N, K, dy_SN.stride(0), dy_SN.stride(1), x_SK.stride(0),
-                          x_SK.stride(1), PREC=_prec(x_SK.dtype), BM=BM, BN=BN, BK=BK)  # fmt: skip
+        dx = grouped_mm_triton_dx(dy_SN, w_GNK, offs_G) if ctx.needs_input_grad[0] else None
+        dw = grouped_mm_triton_dw(dy_SN, x_SK, offs_G) if ctx.needs_input_grad[1] else None
         return dx, dw, None
 
 
