@@ -25,7 +25,7 @@ from model.attention import varlen_causal_attention
 from model.cache import MLAState
 from model.config import HybridConfig
 from model.layers import RMSNorm, SeqLayout, f32
-from model.moe import compute_dtype
+from model.moe import cast_once
 
 
 class GatedMLA(nn.Module):
@@ -98,10 +98,10 @@ class GatedMLA(nn.Module):
         """absorbed=None picks the absorbed form when decoding over a non-empty cache."""
         if state is not None and cu_seqlens is not None:
             raise ValueError("MLA with a cache takes padded [N, T] input, not packed cu_seqlens")
-        # one cast for the three projections of x (autocast casts per nn.Linear and each keeps its copy)
-        x_BTD = x_BTD.to(compute_dtype(x_BTD))
-        q_nope, q_pe = self._queries(x_BTD)
-        c_kv, k_pe = self._latents(x_BTD)
+        # one compute-dtype copy of x for the three projections (autocast keeps a copy per nn.Linear)
+        xc = cast_once(x_BTD)
+        q_nope, q_pe = self._queries(xc())
+        c_kv, k_pe = self._latents(xc())
         if state is not None:
             c_kv = torch.cat([state.c_kv_NSR.to(c_kv.dtype), c_kv], dim=1)
             k_pe = torch.cat([state.k_pe_NSP.to(k_pe.dtype), k_pe], dim=1)
@@ -111,7 +111,7 @@ class GatedMLA(nn.Module):
         attend = self._attend_absorbed if absorbed else self._attend_expanded
         attn_BTHV = attend(q_nope, q_pe, c_kv, k_pe, layout, past)
         new_state = MLAState(c_kv, k_pe) if return_state else None
-        return self._output(x_BTD, attn_BTHV), new_state
+        return self._output(xc(), attn_BTHV), new_state
 
     def _attend_expanded(self, q_nope, q_pe, c_kv, k_pe, layout: SeqLayout, past: int) -> torch.Tensor:
         k_nope, v = self._expand_kv(c_kv)

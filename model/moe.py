@@ -210,13 +210,14 @@ class SparseMoE(nn.Module):
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
         route = self.gate(x_TD, replay_TK, replay_checked)  # fp32, from x as given
-        # one cast for every projection of x (autocast casts per nn.Linear and each keeps its own copy)
-        xc_TD = x_TD.to(compute_dtype(x_TD))
-        z_TZ = self.routed_expert_down_proj(xc_TD) if self.latent else x_TD
+        # one compute-dtype copy of x for the projections below (the shared expert's gate and up then sum
+        # their input gradients in that dtype, a bf16 add, where per-Linear casts summed them in fp32)
+        xc_TD = cast_once(x_TD)
+        z_TZ = self.routed_expert_down_proj(xc_TD()) if self.latent else x_TD
         u_TZ = self.experts(z_TZ, route)
         y_TD = self.routed_expert_up_proj(self.routed_expert_norm(u_TZ)) if self.latent else u_TZ
         if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(xc_TD)
+            y_TD = y_TD + self.shared_experts(xc_TD())
         return y_TD.view(B, T, D), route.experts_TK
 
 
@@ -413,6 +414,28 @@ def expert_conversions() -> list:
             operations=[MergeModulelist(dim=0)],
         ),
     ]
+
+
+def cast_once(x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """x in the compute dtype for several projections, as one copy: each call gives the same bf16 storage
+    under a node of its own, whose backward upcasts that consumer's gradient alone, so x's gradient sums the
+    consumers' gradients in x's dtype as a cast per nn.Linear gives it (autocast keeps a copy per Linear)."""
+    dt = compute_dtype(x)
+    if dt == x.dtype:
+        return lambda: x
+    xc = x.detach().to(dt)
+    return lambda: _SharedCast.apply(x, xc)
+
+
+class _SharedCast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, xc):
+        ctx.dtype = x.dtype
+        return xc.view_as(xc)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(ctx.dtype), None
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -265,7 +265,9 @@ def grouped_mm(x_SK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) ->
     return grouped_mm_naive(x_SK, w_GNK, offs_G)
 
 
-def grouped_mm_dx(dy_SN: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor, backend: str) -> torch.Tensor:
+def grouped_mm_dx(
+    dy_SN: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor, backend: str
+) -> torch.Tensor:
     """The input gradient of ``grouped_mm(x, w, offs)``: dx [S, K] with dx[rows of g] = dy[rows of g] @ w[g]
     (rows past offs[-1] as ``grouped_mm`` leaves them). ``backend``: ``grouped_mm_backend(x, w)``."""
     if backend == "torch":
@@ -277,7 +279,9 @@ def grouped_mm_dx(dy_SN: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor
     return grouped_mm_naive(dy_SN, w_GNK.transpose(1, 2), offs_G)
 
 
-def grouped_mm_dw(dy_SN: torch.Tensor, x_SK: torch.Tensor, offs_G: torch.Tensor, backend: str) -> torch.Tensor:
+def grouped_mm_dw(
+    dy_SN: torch.Tensor, x_SK: torch.Tensor, offs_G: torch.Tensor, backend: str
+) -> torch.Tensor:
     """The weight gradient of ``grouped_mm(x, w, offs)``: dw [G, N, K] with dw[g] = dy[rows of g]^T x[rows of g]
     (an empty group gets zeros; rows past offs[-1] count nowhere)."""
     if backend == "torch":
@@ -295,7 +299,9 @@ def grouped_mm_dw(dy_SN: torch.Tensor, x_SK: torch.Tensor, offs_G: torch.Tensor,
     return dw
 
 
-def _grouped_mm_forward(x_SK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor, backend: str) -> torch.Tensor:
+def _grouped_mm_forward(
+    x_SK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor, backend: str
+) -> torch.Tensor:
     """``grouped_mm`` without its autograd node (inside the nodes below, which make their own)."""
     if backend == "torch":
         return torch._grouped_mm(x_SK, w_GNK.transpose(-2, -1), offs=offs_G)
@@ -361,16 +367,24 @@ def glu_grouped_mm_combine(
             f"weights must be [T, k] = [{layout.tokens}, {layout.top_k}], got {tuple(weights_TK.shape)}"
         )
     if gu_PI2.shape[1] != 2 * w_GNI.shape[2]:
-        raise ValueError(f"gate/up rows must be [P, 2I] for w [G, N, I], got {tuple(gu_PI2.shape)} and {tuple(w_GNI.shape)}")
+        raise ValueError(
+            f"gate/up rows must be [P, 2I] for w [G, N, I], got {tuple(gu_PI2.shape)} and {tuple(w_GNI.shape)}"
+        )
     w_TK = weights_TK if weights_TK.dtype in (torch.float32, torch.float64) else weights_TK.float()
     return _GluGroupedMMCombine.apply(gu_PI2, layout, w_GNI, w_TK, glu, dtype or gu_PI2.dtype)
 
 
 def _glu_graph(glu, gu_PI2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(leaf gu with gradient, h = glu(g, u) with its graph): the activation as training runs it."""
-    with torch.enable_grad():
+    """(leaf gu with gradient, h = glu(g, u) with its graph): the activation as training runs it. The graph
+    lives only inside one forward or backward of the node, so it is kept from the saved-tensor hooks around
+    it (activation checkpointing, offloading): they see what the node keeps, not this."""
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
         leaf = gu_PI2.detach().requires_grad_()
         return leaf, glu(*leaf.chunk(2, dim=-1))
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class _GluGroupedMMCombine(torch.autograd.Function):

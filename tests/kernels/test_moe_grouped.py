@@ -1,13 +1,26 @@
-"""kernels.moe: route layout invariants, permute/unpermute, grouped_mm (torch and loop) vs per-slot products."""
+"""kernels.moe: route layout invariants, permute/unpermute, grouped_mm (torch and loop) vs per-slot products, and
+the two expert nodes of the grouped MoE (permute_grouped_mm, glu_grouped_mm_combine) vs the ops they fuse."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.moe import grouped_mm, grouped_mm_backend, permute, route_layout, unpermute
+from kernels.glu import situ_glu_reference
+from kernels.moe import (
+    combine,
+    glu_grouped_mm_combine,
+    grouped_mm,
+    grouped_mm_backend,
+    grouped_mm_dw,
+    grouped_mm_dx,
+    permute,
+    permute_grouped_mm,
+    route_layout,
+    unpermute,
+)
 from kernels.moe.naive import grouped_mm_naive
-from kernels.testing import assert_close, import_interpreted
+from kernels.testing import assert_close, error_ratio, import_interpreted
 
 
 def _routing(T, k, E, seed=0, skip=()):
@@ -107,3 +120,112 @@ def test_triton_grouped_mm_matches_the_loop_fwd_bwd(monkeypatch, N, K):
     got, want = torch.autograd.grad(y, (x, w), dy), torch.autograd.grad(ref, (x, w), dy)
     assert_close("dx", want[0], got[0], 1e-6)
     assert_close("dw", want[1], got[1], 1e-6)
+
+
+# ------------------------------------------------------------------------------------------ the expert nodes
+@pytest.mark.parametrize("dtype, ratio", [(torch.float32, 1e-6), (torch.float64, 1e-14)])
+def test_grouped_mm_gradient_products_equal_autograd(dtype, ratio):
+    """grouped_mm_dx / grouped_mm_dw, the products the expert nodes call, as grouped_mm's own backward gives
+    them: an empty group, a tail past offs[-1] (its dx rows are not defined on the torch path)."""
+    x = torch.randn(22, 16, dtype=dtype, requires_grad=True)
+    w = torch.randn(3, 8, 16, dtype=dtype, requires_grad=True)
+    offs = torch.tensor([5, 5, 18], dtype=torch.int32)
+    backend = grouped_mm_backend(x, w)
+    assert backend == ("torch" if dtype == torch.float32 else "naive")
+    dy = torch.randn(22, 8, dtype=dtype)
+    want_dx, want_dw = torch.autograd.grad(grouped_mm(x, w, offs), (x, w), dy)
+    assert_close("dx", want_dx[:18], grouped_mm_dx(dy, w.detach(), offs, backend)[:18], ratio)
+    dw = grouped_mm_dw(dy, x.detach(), offs, backend)
+    assert_close("dw", want_dw, dw, ratio)
+    assert float(dw[1].abs().max()) == 0.0
+
+
+def _experts_composed(z, lay, w_gu, w_down, weights, dt):
+    """What the two nodes replace: permute, grouped_mm, SiTU-GLU, grouped_mm, combine (weights cast outside)."""
+    gu = grouped_mm(permute(z, lay), w_gu.to(dt), lay.offs_E)
+    h = situ_glu_reference(*gu.chunk(2, dim=-1))
+    return combine(grouped_mm(h, w_down.to(dt), lay.offs_E), lay, weights, z.dtype)
+
+
+def _experts_fused(z, lay, w_gu, w_down, weights, dt):
+    gu = permute_grouped_mm(z, lay, w_gu)
+    return glu_grouped_mm_combine(gu, lay, w_down, weights, situ_glu_reference, z.dtype)
+
+
+def _expert_case(dtype, align, seed=2):
+    T, k, E, Z, I = 61, 3, 8, 16, 24
+    lay = route_layout(_routing(T, k, E, seed=seed, skip=(5,)), E, align)
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(T, Z, generator=g, dtype=torch.float64).to(dtype)
+    master = torch.float64 if dtype == torch.float64 else torch.float32
+    w_gu = (torch.randn(E, 2 * I, Z, generator=g, dtype=torch.float64) / 4).to(master)
+    w_down = (torch.randn(E, Z, I, generator=g, dtype=torch.float64) / 5).to(master)
+    weights = torch.rand(T, k, generator=g, dtype=torch.float64).to(master)
+    leaves = [t.requires_grad_() for t in (z, w_gu, w_down, weights)]
+    return lay, leaves, torch.randn(T, Z, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype, align, ratio", [(torch.float32, 1, 1e-6), (torch.float32, 8, 1e-6),
+                                                 (torch.float64, 8, 1e-13)])  # fmt: skip
+def test_expert_nodes_equal_the_composition_fwd_bwd(dtype, align, ratio):
+    """permute_grouped_mm + glu_grouped_mm_combine against the ops they fuse: padding rows (align 8), an idle
+    expert; fp32 on torch's grouped GEMM, float64 on the loop. The forward runs the same ops (bit for bit),
+    the gradients differ by fp32 rounding (dh rounds dy W before the routing weight, not after)."""
+    lay, (z, w_gu, w_down, weights), gy = _expert_case(dtype, align)
+    outs = {}
+    for name, fn in (("composed", _experts_composed), ("fused", _experts_fused)):
+        y = fn(z, lay, w_gu, w_down, weights, dtype)
+        outs[name] = (y, torch.autograd.grad(y, (z, w_gu, w_down, weights), gy.to(dtype)))
+    (y_ref, g_ref), (y, g) = outs["composed"], outs["fused"]
+    assert torch.equal(y, y_ref)
+    for name, a, b in zip(("dz", "dw_gu", "dw_down", "dweights"), g_ref, g):
+        assert_close(name, a, b, ratio * 10)
+    assert float(g[1][5].abs().max()) == float(g[2][5].abs().max()) == 0.0  # the idle expert
+
+
+def test_expert_nodes_in_bf16_are_as_accurate_as_the_composition():
+    """bf16 rows with fp32 master weights (the learner under autocast): the same forward bit for bit, every
+    gradient as close to the float64 result as the composition's (the weights' gradients arrive in fp32)."""
+    lay, leaves, gy = _expert_case(torch.float64, 8, seed=3)
+    results = {}
+    for name, fn, dt in (("exact", _experts_composed, torch.float64), ("composed", _experts_composed, torch.bfloat16),
+                         ("fused", _experts_fused, torch.bfloat16)):  # fmt: skip
+        z = leaves[0].detach().to(dt).requires_grad_()
+        ws = [
+            t.detach().to(torch.float64 if dt == torch.float64 else torch.float32).requires_grad_()
+            for t in leaves[1:]
+        ]
+        y = fn(z, lay, *ws, dt)
+        results[name] = [y, *torch.autograd.grad(y, (z, *ws), gy.to(dt))]
+    assert torch.equal(results["fused"][0], results["composed"][0])
+    assert [t.dtype for t in results["fused"][2:]] == [torch.float32] * 3
+    for name, exact, old, new in zip(("y", "dz", "dw_gu", "dw_down", "dweights"), *results.values()):
+        err_old, err_new = error_ratio(exact, old), error_ratio(exact, new)
+        assert err_new <= 1.25 * err_old + 1e-4, f"{name}: fused {err_new:.2e} vs composed {err_old:.2e}"
+
+
+def test_expert_nodes_keep_only_z_the_gate_up_rows_and_the_weights():
+    """Saved for backward (distinct storages, the master weights left out: they are alive anyway): the fused
+    nodes keep z (with its zero row), the gate/up rows and the routing weights; the composition also keeps
+    the permuted rows, h, the gathered down-projected rows and bf16 copies of the weights."""
+    lay, (z, w_gu, w_down, weights), _ = _expert_case(torch.float32, 8)
+    z, params = (
+        z.detach().bfloat16().requires_grad_(),
+        {t.untyped_storage().data_ptr() for t in (w_gu, w_down)},
+    )
+    kept = {}
+    for name, fn in (("composed", _experts_composed), ("fused", _experts_fused)):
+        seen: dict[int, int] = {}
+
+        def pack(t, seen=seen):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:
+                seen.setdefault(st.data_ptr(), st.nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(z, lay, w_gu, w_down, weights, torch.bfloat16)
+        kept[name] = sum(seen.values())
+    P, (T, Z), I = lay.rows, z.shape, w_down.shape[2]
+    assert kept["fused"] == (T + 1) * Z * 2 + P * 2 * I * 2 + weights.numel() * 4
+    assert kept["composed"] >= kept["fused"] + P * Z * 2 + P * I * 2 + T * lay.top_k * Z * 2

@@ -1,6 +1,7 @@
 """The memory-saving "recompute" fast paths (model.fast ops "glu", "attn_res", "norm"; the grouped MoE's
 weighted slot sum is kernels.moe.combine on both sides): the same outputs and gradients as autograd on the reference ops, bit for bit, and
-fewer bytes kept for backward (counted with saved_tensors_hooks)."""
+fewer bytes kept for backward (counted with saved_tensors_hooks). Also the MoE's and the MLA's one cast of
+their input under autocast, against a cast per projection."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import pytest
 import torch
 from model_cases import tiny_config
 
+from kernels.testing import error_ratio
 from model.attnres import AttnResMix
 from model.fast import use_fast_paths
-from model.layers import GLUMLP, RMSNorm, l2_normalize
+from model.layers import GLUMLP, RMSNorm, l2_normalize, seq_layout
+from model.mla import GatedMLA
 from model.modeling import HybridForCausalLM
+from model.moe import SparseMoE
 
 
 def saved_bytes(fn) -> tuple[object, int]:
@@ -108,3 +112,47 @@ def test_model_step_equals_the_reference_ops_and_keeps_less():
     for a, b in zip(g, g_ref):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert nbytes < 0.8 * bytes_ref
+
+
+def _autocast_layer_run(layer: str):
+    """(module, run): one forward of a tiny MoE or MLA layer under CPU bf16 autocast on a non-leaf fp32 input
+    (autocast caches its cast of a leaf, so a leaf would share one cast in either form)."""
+    config = tiny_config(routed_expert_hidden_size=32)
+    module = SparseMoE(config) if layer == "moe" else GatedMLA(config, layer_idx=3)
+    leaf = torch.randn(1, 40, config.hidden_size, requires_grad=True)
+    layout = seq_layout(1, 40, None, leaf.device)
+
+    def run(dtype=torch.float32):
+        x = leaf.to(dtype) * 1.0
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float64):
+            return module(x)[0] if layer == "moe" else module(x, layout)[0]
+
+    return module, leaf, run
+
+
+@pytest.mark.parametrize("layer", ["moe", "mla"])
+def test_moe_and_mla_cast_x_once_under_autocast(monkeypatch, layer):
+    """Under bf16 autocast the MoE and the MLA cast their fp32 input once for all their projections (autocast
+    keeps a copy per nn.Linear), and the MLA's gate product stays bf16 (no fp32 copy of the attention
+    output). Against the per-Linear casts and the fp32 gate product (``compute_dtype`` patched to keep x's
+    dtype): the same outputs and weight gradients bit for bit, two [T, D] bf16 copies fewer kept; the input
+    gradient too for the MLA (each projection's gradient upcast on its own, ``cast_once``), while the MoE's
+    shared expert adds its gate and up input gradients in bf16 (one GLUMLP call): as close to float64."""
+    import model.moe as moe_mod
+
+    module, leaf, run = _autocast_layer_run(layer)
+    params = [p for p in module.parameters() if p.requires_grad]
+    results = {"once": run_and_grad(run, [leaf], params)}
+    with monkeypatch.context() as m:
+        m.setattr(moe_mod, "compute_dtype", lambda t: t.dtype)
+        results["per_linear"] = run_and_grad(run, [leaf], params)
+    (out, g, nbytes), (out_ref, g_ref, bytes_ref) = results["once"], results["per_linear"]
+    assert torch.equal(out, out_ref)
+    assert all(torch.equal(a, b) for a, b in zip(g[1:], g_ref[1:]))
+    assert nbytes <= bytes_ref - 2 * leaf.numel() * 2
+    if layer == "mla":
+        assert torch.equal(g[0], g_ref[0])
+    else:
+        module.double()
+        exact = run_and_grad(lambda: run(torch.float64), [leaf], params)[1][0]
+        assert error_ratio(exact, g[0]) <= 1.25 * error_ratio(exact, g_ref[0])
