@@ -97,13 +97,14 @@ def route_tensors(experts_TK: torch.Tensor, num_experts: int, align: int) -> tup
     padded_E = (counts_E + align - 1) // align * align
     ends_E = padded_E.cumsum(0)
     order_S = flat_S.argsort(stable=True)
+    slots_S = torch.arange(S, device=dev)
     # sorted slot i of expert e sits at row i + (padding rows of the experts before e)
     pad_E = padded_E - counts_E
-    row_sorted_S = torch.arange(S, device=dev) + (pad_E.cumsum(0) - pad_E)[flat_S[order_S]]
+    row_sorted_S = slots_S + (pad_E.cumsum(0) - pad_E)[flat_S[order_S]]
     row_of_slot_S = torch.empty_like(order_S).scatter_(0, order_S, row_sorted_S)
     P = S + num_experts * (align - 1)
     src_row_P = torch.full((P,), T, dtype=torch.long, device=dev)
-    src_row_P.scatter_(0, row_of_slot_S, torch.arange(S, device=dev) // k)
+    src_row_P.scatter_(0, row_of_slot_S, slots_S // k)
     return src_row_P, row_of_slot_S, ends_E.to(torch.int32)
 
 
