@@ -19,12 +19,16 @@ code paths CUDA takes patched in where the CPU would take another (``cuda_code_p
 allocator's 512 bytes, until Python frees it: what ``torch.cuda.max_memory_allocated`` counts, less the
 allocator's unsplit block tails and cuBLAS / flash-attention workspaces (a few MiB). Step 1 creates the
 AdamW state; the peak of step 2 is reported (the bench reports the max over its timed steps after two
-warm-up steps), with what is live at that peak and at the end of the forward (everything kept for
-backward: saved tensors, checkpointed regions' inputs and custom Functions' ``ctx`` attributes alike),
-per layer kind and sub-module. Batch tensors the GPU learner copies to the device (token ids, replayed
-routes, masks; ~16 MiB at 16K tokens) stay real host tensors here and are not counted.
+warm-up steps), with what is live at the end of the forward (everything kept for backward: saved tensors,
+checkpointed regions' inputs and custom Functions' ``ctx`` attributes alike, which the saved-tensor ledger
+of ``bench/learner_mfu.py --memory-breakdown`` does not see) and at the peak (taken in step 3 at step 2's
+peak event: the same allocations), per layer kind and sub-module. Batch tensors the GPU learner copies to
+the device (token ids, replayed routes, masks; ~16 MiB at 16K tokens) stay real host tensors here and are
+not counted. Against the H200 (main at d37b20f's model, bench/RESULTS.md): 42.23 GiB predicted, 42.3 GiB
+measured at 16K tokens; 131.92 against 132.0 GiB at 64K.
 
-    python bench/learner_memory.py --tokens 16384            # gpu_1b, ~1-3 min on 2 CPU cores
+    python bench/learner_memory.py --tokens 16384,65536       # gpu_1b, ~30 s a size on 2 CPU cores
+    python bench/learner_memory.py --tokens 16384 --micro-batches 2       # gradients accumulated
     python bench/learner_memory.py --tokens 16384 --fast-paths moe=loop   # any model.fast spec
 
 Results: ``<out>/learner_memory.json`` and a markdown summary on stdout (and ``learner_memory.md``).
@@ -253,20 +257,22 @@ def build_learner(arch: dict, tokens: int, fast_paths: str, checkpoint: str):
     return learner
 
 
-def train_step(learner, batch, mem: LiveMemory) -> None:
-    """``Learner._update`` for one micro-batch, with a plain weighted-logprob loss: the rl.losses objective
-    reads metrics on the host (no values here); its [T] tensors are a few MiB at most."""
+def train_step(learner, batch, mem: LiveMemory, micro_batches: int = 1) -> None:
+    """``Learner._update`` over ``micro_batches`` copies of ``batch`` (gradients accumulated, then one clip and
+    AdamW step), with a plain weighted-logprob loss: the rl.losses objective reads metrics on the host (no
+    values here); its [T] tensors are a few MiB at most. ``mem.forward_end``: the last micro-batch's."""
     learner.policy.train()
     learner.optimizer.zero_grad(set_to_none=True)
-    mem.phase = "forward"
-    fwd = learner.forward(batch, need_entropy=True)
-    w_T = batch.token_weights_T.to(learner.device)
-    loss = -(w_T * torch.exp(fwd.logprobs_T - fwd.logprobs_T.detach())).sum()
-    mem.phase = "backward"
-    mem.forward_end = mem.on_snapshot(mem.live)
-    with learner._paths():
-        loss.backward()
-    del fwd, loss
+    for _ in range(micro_batches):
+        mem.phase = "forward"
+        fwd = learner.forward(batch, need_entropy=True)
+        w_T = batch.token_weights_T.to(learner.device)
+        loss = -(w_T * torch.exp(fwd.logprobs_T - fwd.logprobs_T.detach())).sum()
+        mem.phase = "backward"
+        mem.forward_end = mem.on_snapshot(mem.live)
+        with learner._paths():
+            loss.backward()
+        del fwd, loss
     mem.phase = "optimizer"
     learner._clip_and_step()
     mem.phase = "idle"
@@ -316,8 +322,9 @@ def classify(live: dict[int, Alloc], learner, kinds: dict[int, str]) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"## Learner memory, {result['tokens']} tokens ({result['episodes']} episodes), fast paths "
-             f"{result['fast_paths']}, checkpoint={result['checkpoint']}", "",
+    lines = [f"## Learner memory, {result['tokens']} tokens ({result['episodes']} episodes) x "
+             f"{result['micro_batches']} micro-batches, fast paths {result['fast_paths']}, "
+             f"checkpoint={result['checkpoint']}", "",
              f"Peak {result['peak_gib']:.2f} GiB (step 2, in {result['peak_phase']}); end of forward "
              f"{result['forward_end']['total_gib']:.2f} GiB.", ""]  # fmt: skip
     for title, snap in (
@@ -336,9 +343,15 @@ def markdown(result: dict) -> str:
 
 
 def measure(
-    arch: dict, tokens: int, fast_paths: str = "auto", checkpoint: str = "none", seed: int | None = None
+    arch: dict,
+    tokens: int,
+    fast_paths: str = "auto",
+    checkpoint: str = "none",
+    seed: int | None = None,
+    micro_batches: int = 1,
 ) -> dict:
-    """Peak and breakdowns of the second train step at ``tokens`` packed tokens (the bench's batch)."""
+    """Peak and breakdowns of the second train step at ``tokens`` packed tokens a micro-batch (the bench's
+    batch), ``micro_batches`` of them per optimizer step."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     seed = tokens if seed is None else seed
@@ -355,19 +368,19 @@ def measure(
                  for i, l in enumerate(learner.base_model.model.layers)}  # fmt: skip
         mem.on_snapshot = lambda live: classify(live, learner, kinds)
         with mem.module_sites(learner.base_model):
-            train_step(learner, batch, mem)  # creates the AdamW state
+            train_step(learner, batch, mem, micro_batches)  # creates the AdamW state
             start = mem.events
             mem.reset_peak()
-            train_step(learner, batch, mem)
+            train_step(learner, batch, mem, micro_batches)
             peak, peak_event, peak_phase = mem.peak, mem.peak_event, mem.peak_phase
             forward_end = mem.forward_end
             mem.snap_event, mem.events = peak_event, start  # step 3 allocates as step 2 did
-            train_step(learner, batch, mem)
+            train_step(learner, batch, mem, micro_batches)
             if mem.snapshot is None:
                 raise RuntimeError("step 3 did not allocate as step 2 did: no snapshot at the peak")
     return {
         "tokens": tokens, "episodes": len(lengths), "lengths": lengths, "fast_paths": fast_paths,
-        "checkpoint": checkpoint, "peak_gib": peak / GiB, "peak_phase": peak_phase,
+        "checkpoint": checkpoint, "micro_batches": micro_batches, "peak_gib": peak / GiB, "peak_phase": peak_phase,
         "at_peak": mem.snapshot, "forward_end": forward_end,
     }  # fmt: skip
 
@@ -378,13 +391,16 @@ def main() -> int:
     ap.add_argument("--tokens", default="16384", help="micro-batch sizes (comma-separated)")
     ap.add_argument("--fast-paths", default="auto", help="model.fast spec, e.g. moe=loop")
     ap.add_argument("--checkpoint", default="none", choices=["none", "layer", "ffn", "attention"])
+    ap.add_argument("--micro-batches", type=int, default=1, help="per optimizer step (gradients accumulated)")
     ap.add_argument("--out", type=Path, default=Path("bench_out"))
     args = ap.parse_args()
     arch = load_arch(args.preset)
     results = []
     for tokens in (int(t) for t in args.tokens.split(",") if t):
         t0 = time.time()
-        results.append(measure(arch, tokens, args.fast_paths, args.checkpoint))
+        results.append(
+            measure(arch, tokens, args.fast_paths, args.checkpoint, micro_batches=args.micro_batches)
+        )
         print(markdown(results[-1]), flush=True)
         print(f"[{tokens} tokens: {time.time() - t0:.0f} s]", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
