@@ -24,8 +24,9 @@ checkpointed regions' inputs and custom Functions' ``ctx`` attributes alike, whi
 of ``bench/learner_mfu.py --memory-breakdown`` does not see) and at the peak (taken in step 3 at step 2's
 peak event: the same allocations), per layer kind and sub-module. Batch tensors the GPU learner copies to
 the device (token ids, replayed routes, masks; ~16 MiB at 16K tokens) stay real host tensors here and are
-not counted. Against the H200 (main at d37b20f's model, bench/RESULTS.md): 42.23 GiB predicted, 42.3 GiB
-measured at 16K tokens; 131.92 against 132.0 GiB at 64K.
+not counted. Against the H200 (bench/RESULTS.md, the d37b20f run; predicted at 5ed528d, which changed
+nothing since that moves memory): 42.23 GiB predicted, 42.3 GiB measured at 16K tokens; 131.92 against
+132.0 GiB at 64K.
 
     python bench/learner_memory.py --tokens 16384,65536       # gpu_1b, ~30 s a size on 2 CPU cores
     python bench/learner_memory.py --tokens 16384 --micro-batches 2       # gradients accumulated
