@@ -291,7 +291,8 @@ class GroupedExperts(GatedActivation, nn.Module):
         layout = route_layout(route.experts_TK, self.num_experts, grouped_mm_alignment(z_TZ.device, dt), self.route_fn)
         # the weights go in as read (fp32 masters): cast inside, and again in backward rather than kept
         gu_PI2 = permute_grouped_mm(z_TZ.to(dt), layout, w_gu)
-        return glu_grouped_mm_combine(gu_PI2, layout, w_down, route.weights_TK, self._glu_rows(z_TZ), z_TZ.dtype)
+        glu = self._glu_rows(z_TZ)
+        return glu_grouped_mm_combine(gu_PI2, layout, w_down, route.weights_TK, glu, z_TZ.dtype)
 
     def _glu_rows(self, z_TZ: torch.Tensor) -> Callable:
         """The activation ``glu_grouped_mm_combine`` runs (and reruns in backward): the fused kernel where

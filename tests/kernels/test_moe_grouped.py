@@ -229,3 +229,21 @@ def test_expert_nodes_keep_only_z_the_gate_up_rows_and_the_weights():
     P, (T, Z), I = lay.rows, z.shape, w_down.shape[2]
     assert kept["fused"] == (T + 1) * Z * 2 + P * 2 * I * 2 + weights.numel() * 4
     assert kept["composed"] >= kept["fused"] + P * Z * 2 + P * I * 2 + T * lay.top_k * Z * 2
+
+
+def test_expert_nodes_on_the_triton_grouped_mm_equal_the_loop(monkeypatch):
+    """The nodes' gradient products through the Triton kernels (the fp32 / fp16 CUDA path; interpreted)."""
+    import kernels.moe as moe
+
+    _interpreted_triton_module()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    lay, (z, w_gu, w_down, weights), gy = _expert_case(torch.float32, 8)
+    leaves = (z, w_gu, w_down, weights)
+    outs = {}
+    for backend in ("naive", "triton"):
+        monkeypatch.setattr(moe, "grouped_mm_backend", lambda x, w, b=backend: b)
+        y = _experts_fused(z, lay, w_gu, w_down, weights, torch.float32)
+        outs[backend] = (y, torch.autograd.grad(y, leaves, gy.float()))
+    for name, a, b in zip(("y", "dz", "dw_gu", "dw_down", "dweights"), [outs["naive"][0], *outs["naive"][1]],
+                          [outs["triton"][0], *outs["triton"][1]]):  # fmt: skip
+        assert_close(name, a, b, 1e-5)
