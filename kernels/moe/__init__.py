@@ -334,11 +334,10 @@ class _PermuteGroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_PN):
         z_T1Z, w_GNZ = ctx.saved_tensors
-        w_GNZ = w_GNZ.to(z_T1Z.dtype)
         lay, dy_PN = ctx.layout, dy_PN.contiguous()
         dz = dw = None
         if ctx.needs_input_grad[0]:
-            dx_PZ = grouped_mm_dx(dy_PN, w_GNZ, lay.offs_E, ctx.backend)
+            dx_PZ = grouped_mm_dx(dy_PN, w_GNZ.to(z_T1Z.dtype), lay.offs_E, ctx.backend)
             dz = dx_PZ.index_select(0, lay.row_of_slot_S).view(lay.tokens, lay.top_k, -1).sum(1)
         if ctx.needs_input_grad[2]:
             dw = grouped_mm_dw(dy_PN, z_T1Z.index_select(0, lay.src_row_P), lay.offs_E, ctx.backend)
