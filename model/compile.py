@@ -58,9 +58,9 @@ class CompiledOrEager:
     """``torch.compile(fn)`` until it raises once, then ``fn`` itself; one per function, shared by
     every module that calls it (deep copies of a model share it too)."""
 
-    def __init__(self, fn: Callable, name: str, backend: str | Callable = "inductor") -> None:
+    def __init__(self, fn: Callable, name: str, backend: str | Callable = "inductor", options: dict | None = None):
         self.eager, self.name = fn, name
-        self.compiled = torch.compile(fn, backend=backend, dynamic=False)
+        self.compiled = torch.compile(fn, backend=backend, dynamic=False, options=options)
         self.failed: str | None = None
 
     def __call__(self, *args):
@@ -110,11 +110,15 @@ def region_kinds() -> tuple[tuple[type, str, Callable], ...]:
 
 
 def compile_regions(
-    model: nn.Module, backend: str | Callable = "inductor", extra_kinds: tuple[tuple[type, str, Callable], ...] = ()
+    model: nn.Module,
+    backend: str | Callable = "inductor",
+    extra_kinds: tuple[tuple[type, str, Callable], ...] = (),
+    options: dict | None = None,
 ) -> list[CompiledOrEager]:
     """Point every norm, AttnRes mix, GLU, router, grouped MoE and KDA layer of ``model`` (and the modules
     of ``extra_kinds``: the vLLM model's decode step) at the shared compiled functions; returns the
-    wrappers (one per function that ``model`` has modules for)."""
+    wrappers (one per function that ``model`` has modules for). ``options``: inductor's, e.g.
+    ``{"emulate_precision_casts": True}`` (the engine: bf16 rounded between fused ops as eager rounds it)."""
     if torch._dynamo.config.recompile_limit < REGION_RECOMPILE_LIMIT:
         log.info("dynamo recompile_limit %d -> %d (compiled regions)", torch._dynamo.config.recompile_limit,
                  REGION_RECOMPILE_LIMIT)  # fmt: skip
@@ -125,6 +129,6 @@ def compile_regions(
         for cls, attr, fn in kinds:
             if isinstance(module, cls):
                 if attr not in regions:
-                    regions[attr] = CompiledOrEager(fn, fn.__name__, backend)
+                    regions[attr] = CompiledOrEager(fn, fn.__name__, backend, options)
                 setattr(module, attr, regions[attr])
     return list(regions.values())

@@ -104,7 +104,11 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         backend = os.environ.get("LONGHORIZON_COMPILE_BACKEND", "inductor")
         if backend == "none":
             return []
-        regions = compile_regions(self, backend, extra_kinds=((KDAStateLayer, "decode_inputs_fn", kda_decode_inputs),))
+        # inductor keeps eager's bf16 roundings between the ops it fuses: the fast path computes what the
+        # eager reference does, up to the order of reductions (an H200 run without it changed greedy tokens)
+        options = {"emulate_precision_casts": True} if backend == "inductor" else None
+        extra = ((KDAStateLayer, "decode_inputs_fn", kda_decode_inputs),)
+        regions = compile_regions(self, backend, extra, options)
         cc = vllm_config.compilation_config
         cc.cudagraph_num_of_warmups = max(1, cc.cudagraph_num_of_warmups)
         return regions

@@ -69,11 +69,12 @@ def test_budget_shares_and_the_peer_fallback(bench, tmp_path, monkeypatch):
         bench, "build_checkpoints", lambda tmp, args, sz: {"ours": "o", "peer": "p", "vocab_size": 64}
     )
     assert bench.main(["--small", "--out", str(tmp_path), "--budget-s", "500"]) == 0
-    assert [c[0] for c in calls] == ["ours_eager", "ours_fast", "peer", "peer#triton_mla", "ours_eager#2"]
-    assert [c[3] for c in calls] == [None, None, None, "TRITON_MLA", None]
-    budgets = [c[2] for c in calls]
-    assert budgets[0] == pytest.approx(500 - 300, abs=5) and budgets[1] == pytest.approx(500 - 150, abs=5)
-    assert budgets[2] == pytest.approx(500, abs=5) and budgets[4] == pytest.approx(500, abs=5)
+    assert [c[0] for c in calls] == ["ours_eager_fp32", "ours_fast_fp32", "ours_fast", "peer", "peer#triton_mla"]
+    assert [c[3] for c in calls] == [None, None, None, None, "TRITON_MLA"]
+    budgets = [c[2] for c in calls]  # RESERVE_S: ours_fast 150 s, the peer 300 s
+    assert budgets[0] == pytest.approx(500 - 450, abs=5) and budgets[1] == pytest.approx(500 - 450, abs=5)
+    assert budgets[2] == pytest.approx(500 - 300, abs=5)
+    assert budgets[3] == pytest.approx(500, abs=5) and budgets[4] == pytest.approx(500, abs=5)
     res = json.loads((tmp_path / "rollout_throughput.json").read_text())
     assert "no MLA backend" in res["engines"]["peer"]["error"] and "peer#triton_mla" in res["engines"]
 
@@ -90,13 +91,13 @@ def test_a_failing_engine_is_a_result(bench, tmp_path, monkeypatch):
     assert list(engines) == ["ours_eager", "ours_fast"]
     for e in engines.values():
         assert e["process"]["status"] == "exit 1" and e["error"] and "first_call_s" not in e
-    assert "| ours_eager | True | - |" in (tmp_path / "rollout_throughput.md").read_text()
+    assert "| ours_eager | True | float32 | - |" in (tmp_path / "rollout_throughput.md").read_text()
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_small_run_end_to_end(bench, tmp_path):
-    plan = bench.DEFAULT_PLAN.replace("ours_fast:check+time", "ours_fast:check+time+profile")
+    plan = "ours_eager:check,ours_fast:check+time+profile,peer:time,ours_eager:time"  # every task, both sides
     assert bench.main(["--small", "--keep", "--plan", plan, "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "rollout_throughput.json").read_text())
     engines = res["engines"]
