@@ -36,6 +36,7 @@ k slots is one autograd node, ``kernels.moe.combine``, which keeps the gathered 
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -61,6 +62,25 @@ def routing_weights(
     if scaling != 1.0:
         weights_TK = weights_TK * scaling
     return weights_TK
+
+
+def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    """W_r x in fp32. When x and W are both bf16 on CUDA (the engine's model) the product runs on the tensor
+    cores with fp32 accumulation and an fp32 result (``aten::mm.dtype``): each product of two bf16 values is
+    exact in fp32, so this is the fp32 GEMM's math summed in another order. cuBLAS's fp32 kernel for a decode
+    batch ([8, 1024] x [1024, 128], no tensor cores) took 52 us per call on an H200, the largest kernel of a
+    decode step. The learner's fp32 weights take the fp32 GEMM."""
+    if x_TD.is_cuda and x_TD.dtype == w_ED.dtype == torch.bfloat16 and _MM_OUT_DTYPE["ok"]:
+        try:
+            s_TE = torch.mm(x_TD.reshape(-1, x_TD.shape[-1]), w_ED.t(), out_dtype=torch.float32)
+            return s_TE.view(*x_TD.shape[:-1], w_ED.shape[0])
+        except RuntimeError as e:  # a torch or GPU without the kernel: the fp32 GEMM from now on
+            _MM_OUT_DTYPE["ok"] = False
+            logging.getLogger(__name__).warning("bf16 router GEMM with an fp32 result unavailable (%s): fp32 GEMM", e)
+    return F.linear(f32(x_TD), f32(w_ED))
+
+
+_MM_OUT_DTYPE = {"ok": hasattr(torch.ops.aten.mm, "dtype")}  # torch.mm(..., out_dtype=) (CUDA kernels)
 
 
 @dataclass
@@ -130,7 +150,7 @@ class MoEGate(nn.Module):
         """``replay_checked``: the caller already validated the replayed ids (HybridModel does so
         once per forward, so that no MoE layer reads them on the host)."""
         with torch.autocast(x_TD.device.type, enabled=False):  # fp32 even under autocast (its bias is fp32)
-            scores_TE = torch.sigmoid(F.linear(f32(x_TD), f32(self.weight)))
+            scores_TE = torch.sigmoid(router_logits(x_TD, self.weight))
         biased_TE = scores_TE.detach() + self.e_score_correction_bias.to(scores_TE.dtype)
         # only gradient-carrying training forwards count: no-grad passes (old logprobs, replay
         # lookups) would add their tokens a second time
