@@ -33,6 +33,35 @@ def f32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
+def cast_once(x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """x in the compute dtype for several projections, as one copy: each call gives the same bf16 storage
+    under a node of its own, whose backward upcasts that consumer's gradient alone, so x's gradient sums the
+    consumers' gradients in x's dtype as a cast per nn.Linear gives it (autocast keeps a copy per Linear)."""
+    dt = compute_dtype(x)
+    if dt == x.dtype:
+        return lambda: x
+    xc = x.detach().to(dt)
+    return lambda: _SharedCast.apply(x, xc)
+
+
+class _SharedCast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, xc):
+        ctx.dtype = x.dtype
+        return xc.view_as(xc)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(ctx.dtype), None
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """What nn.Linear would compute in: the autocast dtype inside autocast, else x's dtype."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of the last dim in fp32, cast back to x's dtype: the math of ``RMSNorm`` as a function of
     its weight, so that one compiled graph serves every norm of a shape (``model.compile``).

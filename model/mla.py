@@ -24,8 +24,7 @@ from model import fast
 from model.attention import varlen_causal_attention
 from model.cache import MLAState
 from model.config import HybridConfig
-from model.layers import RMSNorm, SeqLayout, f32
-from model.moe import cast_once
+from model.layers import RMSNorm, SeqLayout, cast_once, f32
 
 
 class GatedMLA(nn.Module):

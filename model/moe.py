@@ -48,7 +48,7 @@ from torch import nn
 from model import fast
 from model.balancing import RoutingStats, histogram_range
 from model.config import HybridConfig
-from model.layers import GLUMLP, GatedActivation, RMSNorm, f32
+from model.layers import GLUMLP, GatedActivation, RMSNorm, cast_once, compute_dtype, f32
 
 
 def routing_weights(
@@ -435,36 +435,6 @@ def expert_conversions() -> list:
             operations=[MergeModulelist(dim=0)],
         ),
     ]
-
-
-def cast_once(x: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """x in the compute dtype for several projections, as one copy: each call gives the same bf16 storage
-    under a node of its own, whose backward upcasts that consumer's gradient alone, so x's gradient sums the
-    consumers' gradients in x's dtype as a cast per nn.Linear gives it (autocast keeps a copy per Linear)."""
-    dt = compute_dtype(x)
-    if dt == x.dtype:
-        return lambda: x
-    xc = x.detach().to(dt)
-    return lambda: _SharedCast.apply(x, xc)
-
-
-class _SharedCast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, xc):
-        ctx.dtype = x.dtype
-        return xc.view_as(xc)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.to(ctx.dtype), None
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """What nn.Linear would compute in: the autocast dtype inside autocast, else x's dtype (also read by
-    ``model.mla``; ``model.layers`` would be the shared home)."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 class DenseMLP(GLUMLP):

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.moe.naive import grouped_mm_naive
+from kernels.moe.naive import grouped_mm_naive, grouped_mm_naive_dw
 
 __all__ = ["RouteLayout", "combine", "combine_reference", "glu_grouped_mm_combine", "grouped_mm", "grouped_mm_alignment",
            "grouped_mm_backend", "grouped_mm_dw", "grouped_mm_dx", "permute", "permute_grouped_mm", "permute_reference",
@@ -291,13 +291,7 @@ def grouped_mm_dw(
         from kernels.moe.triton import grouped_mm_triton_dw
 
         return grouped_mm_triton_dw(dy_SN, x_SK, offs_G)
-    ends, start = [int(e) for e in offs_G.tolist()], 0
-    dw = dy_SN.new_zeros(len(ends), dy_SN.shape[1], x_SK.shape[1])
-    for g, end in enumerate(ends):
-        if end > start:
-            dw[g] = dy_SN[start:end].transpose(0, 1) @ x_SK[start:end]
-        start = max(start, end)
-    return dw
+    return grouped_mm_naive_dw(dy_SN, x_SK, offs_G)
 
 
 def _grouped_mm_forward(

@@ -93,7 +93,7 @@ class ExpertParallel:
     def __call__(
         self, experts, z_TZ: torch.Tensor, route, w_gu: torch.Tensor, w_down: torch.Tensor
     ) -> torch.Tensor:
-        from model.moe import compute_dtype
+        from model.layers import compute_dtype
 
         w_gu, w_down = _local(w_gu), _local(w_down)
         if w_gu.shape[0] != self.num_local or w_down.shape[0] != self.num_local:

@@ -138,13 +138,13 @@ def test_moe_and_mla_cast_x_once_under_autocast(monkeypatch, layer):
     dtype): the same outputs and weight gradients bit for bit, two [T, D] bf16 copies fewer kept; the input
     gradient too for the MLA (each projection's gradient upcast on its own, ``cast_once``), while the MoE's
     shared expert adds its gate and up input gradients in bf16 (one GLUMLP call): as close to float64."""
-    import model.moe as moe_mod
+    import model.layers as layers_mod
 
     module, leaf, run = _autocast_layer_run(layer)
     params = [p for p in module.parameters() if p.requires_grad]
     results = {"once": run_and_grad(run, [leaf], params)}
     with monkeypatch.context() as m:
-        m.setattr(moe_mod, "compute_dtype", lambda t: t.dtype)
+        m.setattr(layers_mod, "compute_dtype", lambda t: t.dtype)
         results["per_linear"] = run_and_grad(run, [leaf], params)
     (out, g, nbytes), (out_ref, g_ref, bytes_ref) = results["once"], results["per_linear"]
     assert torch.equal(out, out_ref)
