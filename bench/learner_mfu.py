@@ -157,6 +157,7 @@ def make_learner(arch: dict, device: str, dtype: str, tokens: int, args, fast_pa
         cfg.learner, device=device, dtype=dtype, micro_batch_tokens=tokens, torch_threads=torch.get_num_threads(), lr=1e-5,
         fast_paths=fast_paths, activation_checkpointing=args.checkpoint != "none",
         checkpoint_scope=args.checkpoint if args.checkpoint != "none" else "layer", compile=args.compile,
+        compile_scope=args.compile_scope,
     )  # fmt: skip
     learner = Learner(cfg.model, cfg.learner, cfg.algorithm)
     if device == "cuda":  # fused AdamW: what a GPU learner runs (the Learner's default is foreach)
@@ -537,6 +538,7 @@ def profile_step(learner, batch, cuda: bool) -> dict:
             rows.append((ev.key[:70], dev_us / 1e3, ev.count))
             launches += ev.count
     rows.sort(key=lambda r: -r[1])
+    busy = device_busy(prof) if cuda else {}
     syncs = syncs_fwd_bwd = None
     if cuda:
         torch.cuda.set_sync_debug_mode("warn")
@@ -548,7 +550,32 @@ def profile_step(learner, batch, cuda: bool) -> dict:
         syncs = sum("synchroniz" in str(w.message) for w in caught)
         syncs_fwd_bwd = count_fwd_bwd_syncs(learner, batch)
     return {"kernels_per_step": launches, "host_syncs_per_step": syncs, "host_syncs_fwd_bwd": syncs_fwd_bwd,
-            "top_kernels_ms": rows[:15]}  # fmt: skip
+            "top_kernels_ms": rows[:15], **busy}  # fmt: skip
+
+
+def device_busy(prof, kind=torch.autograd.DeviceType.CUDA) -> dict:
+    """How much of the profiled step the GPU spent running kernels: the union of the kernels' intervals
+    against the span from the first launch to the last kernel's end. A busy fraction well under 1 means
+    the host does not launch work fast enough (the step is host-bound); near 1, the kernels themselves
+    are the time. Also the kernel count (device events, not the ops that launched them)."""
+    spans = sorted(
+        (ev.time_range.start, ev.time_range.end)
+        for ev in prof.events()
+        if ev.device_type == kind and ev.time_range.end > ev.time_range.start
+    )
+    if not spans:
+        return {}
+    busy, (lo, hi) = 0.0, spans[0]
+    for a, b in spans[1:]:
+        if a > hi:
+            busy, lo, hi = busy + hi - lo, a, b
+        else:
+            hi = max(hi, b)
+    busy += hi - lo
+    host = [ev.time_range.start for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CPU]
+    span = spans[-1][1] - min([spans[0][0], *host])
+    return {"device_kernels": len(spans), "device_busy_ms": busy / 1e3, "device_span_ms": span / 1e3,
+            "device_busy_frac": busy / span if span > 0 else None}  # fmt: skip
 
 
 def count_fwd_bwd_syncs(learner, batch) -> dict:
@@ -860,7 +887,7 @@ def run_ours(report: Report, learner, tokens: int, args, clock: Clock, peak: flo
         "impl": "ours", "tokens": tokens, "episodes": len(lengths), "lengths_min_max": [min(lengths), max(lengths)],
         "step_s": step_s, "tokens_per_s": tokens / step_s, "mfu": 6 * n_mm * tokens / step_s / peak,
         "active_matmul_params": n_mm, "peak_mem_gib": peak_gib, "warmup_s": warm_s, "components": comps,
-        "checkpoint": args.checkpoint, "compile": args.compile, "fast_paths": str(learner.fast_paths), **prof,
+        "checkpoint": args.checkpoint, "compile": args.compile and args.compile_scope, "fast_paths": str(learner.fast_paths), **prof,
     }  # fmt: skip
     if learner.compiled_regions:  # one graph per call signature; a limit hit would leave variants eager
         row["compiled_regions"] = {r.name: {"graphs": r.graphs(), "failed": r.failed} for r in learner.compiled_regions}
@@ -1013,6 +1040,10 @@ def markdown(report: Report) -> str:
             lines.append(f"\n{r['tokens']} tokens, optimizer {o['s'] * 1e3:.0f} ms: clip {o['clip_s'] * 1e3:.0f} ms, AdamW "
                          f"{o['adamw_s'] * 1e3:.0f} ms, host dispatch {o['host_dispatch_s'] * 1e3:.0f} ms{busy}; "
                          f"{o['param_tensors']} parameter tensors, clip foreach: {o['clip_foreach']}")  # fmt: skip
+    for r in report.runs:  # host-bound or kernel-bound: the GPU's busy share of the profiled step
+        if r.get("device_busy_frac") is not None:
+            lines.append(f"\n{r['tokens']} tokens, profiled step: GPU busy {r['device_busy_ms']:.0f} of "
+                         f"{r['device_span_ms']:.0f} ms ({r['device_busy_frac'] * 100:.0f}%), {r['device_kernels']} kernels")  # fmt: skip
     for r in report.runs:
         if r.get("compiled_regions"):
             regions = ", ".join(f"{k} {v['graphs']} graphs{' (FAILED, eager)' if v['failed'] else ''}"
@@ -1038,6 +1069,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--checkpoint", default="none", choices=["none", "layer", "ffn", "attention"])
     ap.add_argument("--compile", action="store_true", help="learner.compile (regional torch.compile)")
+    ap.add_argument("--compile-scope", default="regions", help="learner.compile_scope: regions or moe")
     ap.add_argument("--no-peer", dest="peer", action="store_false")
     ap.add_argument("--peer-row", type=int, default=1024, help="the peer's row length (tokens per sequence)")
     ap.add_argument("--no-components", dest="components", action="store_false")

@@ -109,24 +109,46 @@ def region_kinds() -> tuple[tuple[type, str, Callable], ...]:
     )  # fmt: skip
 
 
+def block_kinds(scope: str) -> tuple[tuple[type, str, Callable], ...]:
+    """The whole blocks compiled at ``scope``: "regions" none; "moe" every MoE block's forward (router,
+    routing, permutation, grouped GEMMs, combine, latent projections and shared expert: one graph per
+    call signature for all MoE layers, split where dynamo cannot trace, e.g. around the GLU combine's
+    saved-tensor hooks)."""
+    if scope not in COMPILE_SCOPES:
+        raise ValueError(f"compile scope must be one of {COMPILE_SCOPES}, got {scope!r}")
+    if scope == "regions":
+        return ()
+    from model.moe import SparseMoE, sparse_moe_forward
+
+    return ((SparseMoE, "forward_fn", sparse_moe_forward),)
+
+
+COMPILE_SCOPES = ("regions", "moe")
+
+
 def compile_regions(
     model: nn.Module,
     backend: str | Callable = "inductor",
     extra_kinds: tuple[tuple[type, str, Callable], ...] = (),
     options: dict | None = None,
+    scope: str = "regions",
 ) -> list[CompiledOrEager]:
     """Point every norm, AttnRes mix, GLU, router, grouped MoE and KDA layer of ``model`` (and the modules
     of ``extra_kinds``: the vLLM model's decode step) at the shared compiled functions; returns the
     wrappers (one per function that ``model`` has modules for). ``options``: inductor's, e.g.
-    ``{"emulate_precision_casts": True}`` (the engine: bf16 rounded between fused ops as eager rounds it)."""
+    ``{"emulate_precision_casts": True}`` (the engine: bf16 rounded between fused ops as eager rounds it).
+    ``scope`` (``block_kinds``): blocks compiled whole; the regions inside them stay plain functions that
+    the block's graph traces through (one compile, fused with the block's other element-wise work)."""
     if torch._dynamo.config.recompile_limit < REGION_RECOMPILE_LIMIT:
         log.info("dynamo recompile_limit %d -> %d (compiled regions)", torch._dynamo.config.recompile_limit,
                  REGION_RECOMPILE_LIMIT)  # fmt: skip
         torch._dynamo.config.recompile_limit = REGION_RECOMPILE_LIMIT
+    blocks = block_kinds(scope)
+    inside = {id(sub) for m in model.modules() if isinstance(m, tuple(c for c, _, _ in blocks)) for sub in m.modules()}
     kinds = (*region_kinds(), *extra_kinds)
     regions: dict[str, CompiledOrEager] = {}
     for module in model.modules():
-        for cls, attr, fn in kinds:
+        for cls, attr, fn in (*blocks, *(() if id(module) in inside else kinds)):
             if isinstance(module, cls):
                 if attr not in regions:
                     regions[attr] = CompiledOrEager(fn, fn.__name__, backend, options)

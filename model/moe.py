@@ -222,23 +222,33 @@ class SparseMoE(nn.Module):
             else None
         )
         self.latent = bool(latent)
+        # ``model.compile.compile_regions`` with scope "moe" swaps in the compiled one
+        self.forward_fn: Callable = sparse_moe_forward
 
     def forward(
         self, x_BTD: torch.Tensor, replay_TK: torch.Tensor | None = None, replay_checked: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (y_BTD, experts used [B*T, k])."""
-        B, T, D = x_BTD.shape
-        x_TD = x_BTD.reshape(B * T, D)
-        route = self.gate(x_TD, replay_TK, replay_checked)  # fp32, from x as given
-        # one compute-dtype copy of x for the projections below (the shared expert's gate and up then sum
-        # their input gradients in that dtype, a bf16 add, where per-Linear casts summed them in fp32)
-        xc_TD = cast_once(x_TD)
-        z_TZ = self.routed_expert_down_proj(xc_TD()) if self.latent else x_TD
-        u_TZ = self.experts(z_TZ, route)
-        y_TD = self.routed_expert_up_proj(self.routed_expert_norm(u_TZ)) if self.latent else u_TZ
-        if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(xc_TD())
-        return y_TD.view(B, T, D), route.experts_TK
+        return self.forward_fn(self, x_BTD, replay_TK, replay_checked)
+
+
+def sparse_moe_forward(
+    moe: SparseMoE, x_BTD: torch.Tensor, replay_TK: torch.Tensor | None, replay_checked: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``SparseMoE.forward``: a function of the module, so that ``model.compile`` (scope "moe") compiles
+    one graph for every MoE layer (the module is an argument, its weights graph inputs)."""
+    B, T, D = x_BTD.shape
+    x_TD = x_BTD.reshape(B * T, D)
+    route = moe.gate(x_TD, replay_TK, replay_checked)  # fp32, from x as given
+    # one compute-dtype copy of x for the projections below (the shared expert's gate and up then sum
+    # their input gradients in that dtype, a bf16 add, where per-Linear casts summed them in fp32)
+    xc_TD = cast_once(x_TD)
+    z_TZ = moe.routed_expert_down_proj(xc_TD()) if moe.latent else x_TD
+    u_TZ = moe.experts(z_TZ, route)
+    y_TD = moe.routed_expert_up_proj(moe.routed_expert_norm(u_TZ)) if moe.latent else u_TZ
+    if moe.shared_experts is not None:
+        y_TD = y_TD + moe.shared_experts(xc_TD())
+    return y_TD.view(B, T, D), route.experts_TK
 
 
 class GroupedExperts(GatedActivation, nn.Module):

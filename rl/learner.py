@@ -141,7 +141,7 @@ class Learner:
         if cfg.compile:  # after the reference copy: no-grad reference passes stay eager
             from model.compile import compile_regions
 
-            self.compiled_regions = compile_regions(self.base_model)
+            self.compiled_regions = compile_regions(self.base_model, scope=cfg.compile_scope)
         hidden = self.base_model.config.hidden_size
         self.value_head = nn.Linear(hidden, 1).to(self.device) if (algo.vf_coef or 0) > 0 else None
         self.dist = dist  # rl.parallel.Distributed, or None: a plain single-process learner

@@ -154,3 +154,42 @@ def test_inductor_regions_give_the_eager_results(tmp_path, monkeypatch):
     for a, b in zip(grads_ref, grads):
         if a is not None:
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_moe_scope_compiles_one_block_graph_for_every_moe_layer():
+    """Scope "moe": each MoE block's whole forward is one compiled function shared by all MoE layers (its
+    router, routing and GLU regions traced inside it, not compiled apart), dynamo holds one entry for it
+    however many MoE layers run, and forward and backward under bf16 autocast (the learner's GPU dtype;
+    the grouped GEMM's meta kernel takes bf16 only) equal eager's."""
+    from model.moe import sparse_moe_forward
+
+    model = _small_model(num_hidden_layers=4).train()
+    moes = [m for m in model.modules() if type(m).__name__ == "SparseMoE"]
+    params = [p for m in moes for p in m.parameters()]
+
+    def step(T: int):  # every MoE block on its own input (the CPU's KDA core has no bf16 path)
+        torch.manual_seed(T)
+        xs = [torch.randn(1, T, model.config.hidden_size, requires_grad=True) for _ in moes]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = sum((m(x)[0].float() * x).sum() for m, x in zip(moes, xs))
+        return loss.detach(), torch.autograd.grad(loss, params + xs)
+
+    loss_ref, grads_ref = step(145)
+    regions = compile_regions(model, backend="aot_eager", scope="moe")
+    step(37)  # another micro-batch size: the token dim is dynamic, no second graph
+    loss, grads = step(145)
+    by_name = {r.name: r for r in regions}
+    block = by_name["sparse_moe_forward"]
+    assert len(moes) == 3 and all(m.forward_fn is block for m in moes)
+    assert block.failed is None and block.graphs() == 1
+    assert "routing_weights" not in by_name and "route_tensors" not in by_name  # traced inside the block
+    assert callable(moes[0].gate.weights_fn) and moes[0].gate.weights_fn.__name__ == "routing_weights"
+    assert sparse_moe_forward is block.eager
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-3, atol=1e-3)
+    for a, b in zip(grads_ref, grads):
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-3)
+
+
+def test_unknown_compile_scope_is_named():
+    with pytest.raises(ValueError, match="compile scope must be one of"):
+        compile_regions(_small_model(), backend="aot_eager", scope="everything")
