@@ -523,8 +523,9 @@ def optimizer_times(learner, clock: Clock) -> dict:
     return out
 
 
-def profile_step(learner, batch, cuda: bool) -> dict:
-    """Kernel launches and GPU time of one step; host syncs counted by CUDA's sync debug mode."""
+def profile_step(learner, batch, cuda: bool, table: Path | None = None) -> dict:
+    """Kernel launches and GPU time of one step; host syncs counted by CUDA's sync debug mode. ``table``:
+    the profiler's op tables (by host time and by device time) written there."""
     act = torch.profiler.ProfilerActivity
     acts = [act.CPU] + ([act.CUDA] if cuda else [])
     with torch.profiler.profile(activities=acts) as prof:
@@ -539,6 +540,10 @@ def profile_step(learner, batch, cuda: bool) -> dict:
             launches += ev.count
     rows.sort(key=lambda r: -r[1])
     busy = device_busy(prof) if cuda else {}
+    if table is not None:
+        avg = prof.key_averages()
+        by = ["self_cpu_time_total"] + (["self_device_time_total"] if cuda else [])
+        table.write_text("\n\n".join(avg.table(sort_by=k, row_limit=60, max_name_column_width=70) for k in by))
     syncs = syncs_fwd_bwd = None
     if cuda:
         torch.cuda.set_sync_debug_mode("warn")
@@ -882,7 +887,7 @@ def run_ours(report: Report, learner, tokens: int, args, clock: Clock, peak: flo
     counts = {"kda": sum(layer.is_kda for layer in layers), "mla": sum(not layer.is_kda for layer in layers),
               "moe": sum(layer.is_moe for layer in layers)}  # fmt: skip
     comps = component_times(learner, batch, clock, counts) if args.components else {}
-    prof = profile_step(learner, batch, cuda) if args.profile else {}
+    prof = profile_step(learner, batch, cuda, args.out / f"profile_{tokens}.txt") if args.profile else {}
     row = {
         "impl": "ours", "tokens": tokens, "episodes": len(lengths), "lengths_min_max": [min(lengths), max(lengths)],
         "step_s": step_s, "tokens_per_s": tokens / step_s, "mfu": 6 * n_mm * tokens / step_s / peak,
