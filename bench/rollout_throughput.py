@@ -344,7 +344,7 @@ class Parent:
             "vocab_size": self.ckpts["vocab_size"], "seed": self.args.seed, "deadline": deadline,
             "reference": self.reference(dtype) if ours_fast else None, "dtype": dtype,
             "gpu_util": self.args.gpu_util, "max_num_batched_tokens": self.args.max_num_batched_tokens,
-            "attention_backend": backend,
+            "attention_backend": backend, "profile_n": self.args.profile_n,
             "result": str(self.tmp / f"{key.replace('#', '_')}.json"),
         }  # fmt: skip
         spec_path = self.tmp / f"{key.replace('#', '_')}_spec.json"
@@ -529,8 +529,9 @@ class Child:
         from torch.profiler import ProfilerActivity, profile
 
         sz, vocab = self.sz, self.job["vocab_size"]
-        ps, _ = timed_requests(sz, PROFILE_N, vocab, seed=7)
-        ps, gens = [p[: sz.prompt_min] for p in ps], [PROFILE_GEN] * PROFILE_N
+        n = self.job.get("profile_n", PROFILE_N)
+        ps, _ = timed_requests(sz, n, vocab, seed=7)
+        ps, gens = [p[: sz.prompt_min] for p in ps], [PROFILE_GEN] * n
         timed_batch(llm, ps, gens)  # warm: the same shapes once unprofiled
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         with profile(activities=acts) as prof:
@@ -762,6 +763,7 @@ def main(argv: list[str] | None = None) -> int:
         "--peer-backend", default=None, help="the peer's attention backend (vLLM's pick when unset)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile-n", type=int, default=PROFILE_N, help="sequences of the profiled batch (task profile)")
     p.add_argument("--warm-caches", action="store_true", help="children share vLLM/inductor/Triton caches")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints and caches (deleted by default)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
