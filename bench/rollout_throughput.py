@@ -93,7 +93,7 @@ RESULTS = "rollout_throughput"
 BAR_RATIO, BAR_CONCURRENCY, BAR_FIRST_CALL_S = 0.8, (64, 128), 60.0
 MIN_CHILD_S = 45.0  # do not start an engine with less budget left than this
 # budget an engine leaves for a later timing run of the engines the bar needs (start, warm-up, 3 batches)
-RESERVE_S = {"ours_fast": 150.0, "peer": 300.0}  # the peer: its cold first call alone took 213 s and > 170 s on the H200
+RESERVE_S = {"ours_fast": 150.0, "ours_fast_moe": 150.0, "peer": 300.0}  # the peer: its cold first call alone took 213 s and > 170 s on the H200
 PEER_FALLBACK_BACKEND = "TRITON_MLA"  # the peer's attention backend if vLLM's pick does not start
 
 
@@ -103,6 +103,7 @@ class EngineSpec:
     enforce_eager: bool
     compile_regions: bool = True  # ours with enforce_eager=False: its element-wise regions compiled
     dtype: str | None = None  # None: the run's (bf16 on a GPU)
+    compile_scope: str = "regions"  # model.compile's scope (moe: each MoE block compiled whole)
 
 
 ENGINES = {
@@ -112,6 +113,8 @@ ENGINES = {
     # the greedy check in fp32: compiled regions round bf16 where eager does (emulated casts) but may sum
     # in another order, enough to flip a near-tied token of a random-init model in bf16, not in fp32
     "ours_fast_fp32": EngineSpec("ours", enforce_eager=False, dtype="float32"),
+    "ours_fast_moe": EngineSpec("ours", enforce_eager=False, compile_scope="moe"),
+    "ours_fast_moe_fp32": EngineSpec("ours", enforce_eager=False, dtype="float32", compile_scope="moe"),
     "ours_eager_fp32": EngineSpec("ours", enforce_eager=True, dtype="float32"),
     "peer": EngineSpec("peer", enforce_eager=False),
     "peer_eager": EngineSpec("peer", enforce_eager=True),
@@ -352,6 +355,7 @@ class Parent:
         env = dict(os.environ)
         if not spec.compile_regions:
             env["LONGHORIZON_COMPILE_BACKEND"] = "none"  # rollout.vllm_model: CUDA graphs, no compiled regions
+        env["LONGHORIZON_COMPILE_SCOPE"] = spec.compile_scope
         if not self.args.warm_caches:  # a cold first call per engine: nothing compiled by an earlier child
             caches = self.tmp / f"cache_{name}"  # a repeat of an engine finds its own first run's caches
             for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):  # fmt: skip

@@ -100,7 +100,8 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         """The compiled element-wise regions, and a warm-up run before each CUDA graph capture (a region
         compiled while a graph is being captured would break the capture). ``LONGHORIZON_COMPILE_BACKEND``:
         the dynamo backend (default inductor; tests take aot_eager: no C++ builds), or none (CUDA graphs of
-        the uncompiled model)."""
+        the uncompiled model). ``LONGHORIZON_COMPILE_SCOPE``: ``model.compile``'s scope (default regions; moe
+        compiles each MoE block whole, one graph with its routing, permutation and projections)."""
         backend = os.environ.get("LONGHORIZON_COMPILE_BACKEND", "inductor")
         if backend == "none":
             return []
@@ -108,7 +109,7 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         # eager reference does, up to the order of reductions (an H200 run without it changed greedy tokens)
         options = {"emulate_precision_casts": True} if backend == "inductor" else None
         extra = ((KDAStateLayer, "decode_inputs_fn", kda_decode_inputs),)
-        regions = compile_regions(self, backend, extra, options)
+        regions = compile_regions(self, backend, extra, options, os.environ.get("LONGHORIZON_COMPILE_SCOPE", "regions"))
         cc = vllm_config.compilation_config
         cc.cudagraph_num_of_warmups = max(1, cc.cudagraph_num_of_warmups)
         return regions

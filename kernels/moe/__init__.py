@@ -365,7 +365,20 @@ def glu_grouped_mm_combine(
             f"gate/up rows must be [P, 2I] for w [G, N, I], got {tuple(gu_PI2.shape)} and {tuple(w_GNI.shape)}"
         )
     w_TK = weights_TK if weights_TK.dtype in (torch.float32, torch.float64) else weights_TK.float()
-    return _GluGroupedMMCombine.apply(gu_PI2, layout, w_GNI, w_TK, glu, dtype or gu_PI2.dtype)
+    if torch.is_grad_enabled() and (gu_PI2.requires_grad or w_GNI.requires_grad or w_TK.requires_grad):
+        return _GluGroupedMMCombine.apply(gu_PI2, layout, w_GNI, w_TK, glu, dtype or gu_PI2.dtype)
+    # no gradient wanted (the engine, no-grad logprob passes): the node's forward math without the node, so
+    # the activation runs as plain ops and a compiled MoE block traces through it in one graph
+    h_PI = glu(*gu_PI2.chunk(2, dim=-1))
+    return _grouped_mm_combine(h_PI, layout, w_GNI, w_TK, dtype or gu_PI2.dtype)[0]
+
+
+def _grouped_mm_combine(h_PI, layout: RouteLayout, w_GNI, w_TK, dtype) -> tuple[torch.Tensor, str]:
+    """The forward of ``glu_grouped_mm_combine`` given the activation rows h: (output, grouped GEMM backend)."""
+    w_c = w_GNI.to(h_PI.dtype)
+    backend = grouped_mm_backend(h_PI, w_c)
+    y_PN = _grouped_mm_forward(h_PI, w_c, layout.offs_E, backend)
+    return (unpermute(y_PN, layout) * w_TK[..., None]).sum(1).to(dtype), backend
 
 
 def _glu_graph(glu, gu_PI2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -385,13 +398,10 @@ class _GluGroupedMMCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gu_PI2, layout, w_GNI, w_TK, glu, dtype):
         h_PI = _glu_graph(glu, gu_PI2)[1].detach()
-        w_c = w_GNI.to(h_PI.dtype)
-        ctx.backend = grouped_mm_backend(h_PI, w_c)
-        y_PN = _grouped_mm_forward(h_PI, w_c, layout.offs_E, ctx.backend)
-        del h_PI, w_c
+        y_TN, ctx.backend = _grouped_mm_combine(h_PI, layout, w_GNI, w_TK, dtype)
         ctx.layout, ctx.glu = layout, glu
         ctx.save_for_backward(gu_PI2, w_GNI, w_TK)
-        return (unpermute(y_PN, layout) * w_TK[..., None]).sum(1).to(dtype)
+        return y_TN
 
     @staticmethod
     def backward(ctx, g_TN):

@@ -193,3 +193,19 @@ def test_moe_scope_compiles_one_block_graph_for_every_moe_layer():
 def test_unknown_compile_scope_is_named():
     with pytest.raises(ValueError, match="compile scope must be one of"):
         compile_regions(_small_model(), backend="aot_eager", scope="everything")
+
+
+def test_moe_scope_without_gradient_is_one_graph():
+    """The engine's and the no-grad logprob passes' MoE block: no autograd node on the way (the GLU combine
+    runs its forward math directly), so the whole block is one graph, with the eager outputs."""
+    model = _small_model(num_hidden_layers=3).eval()
+    moe = next(m for m in model.modules() if type(m).__name__ == "SparseMoE")
+    x = torch.randn(1, 77, model.config.hidden_size)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y_ref, e_ref = moe(x)
+        backend = CountingBackend()
+        (block,) = [r for r in compile_regions(model, backend=backend, scope="moe") if r.name == "sparse_moe_forward"]
+        y, e = moe(x)
+    assert block.failed is None and backend.graphs == 1
+    assert torch.equal(e, e_ref)
+    torch.testing.assert_close(y, y_ref)
