@@ -43,9 +43,11 @@ Tasks of an engine (``name:task+task``):
   phase and the kernels that take it (top 25 by device time, with calls), to say where a decode step goes.
 
 Per engine also: engine construction time, first-call time (construction to the first finished request,
-compilation and CUDA-graph capture included), on a GPU ``torch.cuda.max_memory_allocated`` of the child
-(weights, KV cache, activations) and vLLM's KV cache (blocks x block size, the budget
-``--kv-gib`` the same for every engine). The ratio ours_fast / peer is reported per concurrency, with
+compilation and CUDA-graph capture included) and its breakdown (``startup``: vLLM's start-up phases
+from its INFO records, dynamo / inductor compile seconds, Triton JIT compiles, bench/startup_probe.py;
+``compile_end``: the compile seconds at the child's end; one line per engine in the log), on a GPU
+``torch.cuda.max_memory_allocated`` of the child (weights, KV cache, activations) and vLLM's KV cache
+(blocks x block size, the budget ``--kv-gib`` the same for every engine). The ratio ours_fast / peer is reported per concurrency, with
 the issue's bar: >= 0.8x the peer's generated tok/s at 64 and 128 sequences, first call < 60 s.
 
 Weights: ours = gpu_1b random init (``bench/rollout_gpu.py``'s ``build_model``, router weights scaled so
@@ -87,6 +89,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import rollout_gpu  # noqa: E402  (build_model, env_info, prompts: the same random init and helpers)
+from startup_probe import StartupProbe, breakdown_line  # noqa: E402
 
 log = rollout_gpu.log
 RESULTS = "rollout_throughput"
@@ -374,6 +377,8 @@ class Parent:
         if status != "exit 0" and "error" not in res:
             res["error"] = f"child process: {status}"
         log(f"engine {key} done ({status}) in {res['process']['seconds']} s")
+        if "startup" in res:
+            log(f"engine {key} start-up: {breakdown_line(res)}")
         return res
 
 
@@ -466,12 +471,14 @@ class Child:
             register()
 
         self.res["import_s"] = time.perf_counter() - t0
+        probe = StartupProbe().install()  # vLLM's start-up phases, compile seconds (not timed itself)
         t0 = time.perf_counter()
         llm = self.engine()
         self.res["engine_init_s"] = time.perf_counter() - t0
         outs = llm.generate([_tokens(list(range(10, 26)))], _params(8, temperature=0.0), use_tqdm=False)
         assert len(outs[0].outputs[0].token_ids) == 8, outs[0].outputs[0].token_ids
         self.res["first_call_s"] = time.perf_counter() - t0
+        self.res["startup"] = {**probe.snapshot(llm), "compiled_regions": compiled_regions(llm)}
         self.res["kv_cache"] = kv_cache_info(llm, self.sz)
         self.res["memory_first_call"] = self.res["memory"] = self.memory()
         log(f"[{self.job['key']}] engine up in {self.res['engine_init_s']:.1f} s, first call done at "
@@ -485,6 +492,7 @@ class Child:
             self.profile(llm)
         self.res["memory"] = self.memory()
         self.res["compiled_regions"] = compiled_regions(llm)
+        self.res["compile_end"] = probe.compile_snapshot()
         self.save()
 
     def check(self, llm) -> None:

@@ -31,35 +31,82 @@ class RequestRecord:
     routed: list[np.ndarray] = field(default_factory=list)  # [n, L, K] int16 per step
 
 
+@dataclass
+class _Step:
+    """One forward's host copies (still in flight on a GPU until ``done`` is synchronised) and its layout:
+    (request id, first row, rows) per request with scheduled tokens, in the runner's batch order."""
+
+    spans: list[tuple[str, int, int]]
+    positions_T: torch.Tensor | None
+    routed_TLK: torch.Tensor | None
+    done: torch.cuda.Event | None
+
+
 class StepRecorder:
+    """Per-request records of the forwards since the last ``pop``.
+
+    A step's positions and routes are copied device -> host asynchronously (pinned memory, one CUDA event
+    per step) and split per request only when records are popped: a blocking copy after every forward
+    would stall the host until the GPU finished that forward, which undoes vLLM's async scheduling (the
+    next step's scheduling and input preparation overlapping this step's GPU work)."""
+
     def __init__(self) -> None:
         self.records: dict[str, RequestRecord] = defaultdict(RequestRecord)
+        self.steps: list[_Step] = []
         self.scheduler_output = None
 
     def record(self, runner, positions: torch.Tensor | None, routed_TLK: torch.Tensor | None) -> None:
         sched = self.scheduler_output
         if sched is None:  # a dummy / profiling forward
             return
-        offset = 0
-        req_ids = runner.input_batch.req_ids
-        pos_np = positions.cpu().numpy() if positions is not None else None
-        total = sum(int(sched.num_scheduled_tokens.get(r, 0)) for r in req_ids)
-        # a copy: the model's buffer is rewritten by the next forward (on the CPU .cpu() would be a view)
-        routed_np = routed_TLK[:total].to("cpu", torch.int16, copy=True).numpy() if routed_TLK is not None else None
-        for req_id in req_ids:
+        spans, offset = [], 0
+        for req_id in runner.input_batch.req_ids:
             n = int(sched.num_scheduled_tokens.get(req_id, 0))
-            if n == 0:
-                continue
-            rec = self.records[req_id]
-            rec.num_computed_tokens += n
-            if pos_np is not None:
-                rec.positions.append(pos_np[offset : offset + n].copy())
-                if routed_np is not None:
-                    rec.routed.append(routed_np[offset : offset + n])
-            offset += n
+            if n:
+                spans.append((req_id, offset, n))
+                offset += n
+        if not spans:
+            return
+        pos_T = routed = done = None
+        if positions is not None:
+            pos_T = _host_copy(positions[:offset])
+            if routed_TLK is not None:  # a copy: the model's buffer is rewritten by the next forward
+                routed = _host_copy(routed_TLK[:offset], torch.int16)
+            if positions.is_cuda:
+                done = torch.cuda.Event()
+                done.record()  # after both copies, on the forward's stream
+        self.steps.append(_Step(spans, pos_T, routed, done))
+
+    def _drain(self) -> None:
+        """Split the recorded steps into per-request records (waiting for their copies first)."""
+        steps, self.steps = self.steps, []
+        for step in steps:
+            if step.done is not None:
+                step.done.synchronize()
+            pos_np = step.positions_T.numpy() if step.positions_T is not None else None
+            routed_np = step.routed_TLK.numpy() if step.routed_TLK is not None else None
+            for req_id, first, n in step.spans:
+                rec = self.records[req_id]
+                rec.num_computed_tokens += n
+                if pos_np is not None:
+                    rec.positions.append(pos_np[first : first + n])
+                    if routed_np is not None:
+                        rec.routed.append(routed_np[first : first + n])
 
     def pop(self, req_id: str) -> RequestRecord:
+        if self.steps:
+            self._drain()
         return self.records.pop(req_id, RequestRecord())
+
+
+def _host_copy(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host copy of ``x`` that owns its memory; from a GPU, into pinned memory without waiting."""
+    dtype = dtype or x.dtype
+    if not x.is_cuda:
+        return x.to(dtype, copy=True)
+    out = torch.empty(x.shape, dtype=dtype, pin_memory=True)
+    out.copy_(x, non_blocking=True)
+    return out
 
 
 def install_step_recorder(worker) -> bool:

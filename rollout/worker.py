@@ -457,10 +457,11 @@ class RolloutWorker:
         self.sessions.move_to_end(r.session_id)
         s.last_used = time.monotonic()
         prev_len = len(s.history)
-        full = [*s.history, *r.token_ids]
-        room = self.config.max_model_len - len(full)
+        full_len = prev_len + len(r.token_ids)
+        room = self.config.max_model_len - full_len
         if room < 1:
-            return self._empty_output(r, s, full, "context")
+            s.history.extend(r.token_ids)
+            return self._empty_output(r, s, "context")
         params = self._params(r, min(r.max_tokens, room))
         salt = None if self.config.allow_stale_cache else f"v{self.version}"
         can_continue = s.internal_id is not None and (
@@ -471,16 +472,17 @@ class RolloutWorker:
         if can_continue:
             # the previous turn's last sampled token was never fed through the model: it leads the chunk
             self.engine.add_chunk(s.external_id, s.internal_id, [s.history[-1], *r.token_ids], params, salt)
-            pend = _Pending(r, s, s.internal_id, True, True, len(full), prev_len - 1)
+            pend = _Pending(r, s, s.internal_id, True, True, full_len, prev_len - 1)
         else:
             s.incarnation += 1
             s.external_id = f"{r.session_id}#{s.incarnation}"
             resumable = self.config.reuse == "session" and self._make_room(protected)
+            full = [*s.history, *r.token_ids]  # the engine keeps its own copy (SessionEngine._prompt)
             internal = self.engine.add_request(s.external_id, full, params, resumable, salt)
             s.internal_id = internal if resumable else None
             s.version = self.version
-            pend = _Pending(r, s, internal, resumable, False, len(full), prev_len - 1)
-        s.history = full
+            pend = _Pending(r, s, internal, resumable, False, full_len, prev_len - 1)
+        s.history.extend(r.token_ids)  # in place: a reused turn copies no history
         self.stats["new_tokens"] += len(r.token_ids)
         return pend
 
@@ -555,8 +557,7 @@ class RolloutWorker:
             prompt_routed_experts=prompt_routed,
         )
 
-    def _empty_output(self, r: TurnRequest, s: _Session, full: list[int], reason: str) -> TurnOutput:
-        s.history = full
+    def _empty_output(self, r: TurnRequest, s: _Session, reason: str) -> TurnOutput:
         return TurnOutput(
             r.session_id,
             [],
@@ -569,7 +570,7 @@ class RolloutWorker:
             len(r.token_ids),
             0,
             False,
-            len(full),
+            len(s.history),
         )
 
     # --- residency ------------------------------------------------------------------------------------
@@ -670,19 +671,21 @@ def _routed_rows(
         return None, None, None
     pos = np.concatenate(rec.positions)
     rows = np.concatenate(rec.routed)
-    table = {int(p): i for i, p in enumerate(pos)}  # a recomputed position keeps its last value
     L, K = rows.shape[1:]
+    # position -> row of its last record (a recomputed position keeps its last value): np.unique's first
+    # index in the reversed order is the last occurrence
+    last_pos, rev_i = np.unique(pos[::-1], return_index=True)
+    last_row = len(pos) - 1 - rev_i
 
     def at(first: int, n: int) -> np.ndarray:
         out = np.full((n, L, K), -1, dtype=np.int16)
-        for j in range(n):
-            i = table.get(first + j)
-            if i is not None:
-                out[j] = rows[i]
+        lo, hi = np.searchsorted(last_pos, [first, first + n])
+        out[last_pos[lo:hi] - first] = rows[last_row[lo:hi]]
         return out
 
-    i = table.get(prev_pos)
-    prev = rows[i].copy() if i is not None and prev_pos >= 0 else None
+    j = np.searchsorted(last_pos, prev_pos)
+    found = prev_pos >= 0 and j < len(last_pos) and last_pos[j] == prev_pos
+    prev = rows[last_row[j]].copy() if found else None
     return at(prompt_len - num_prompt, num_prompt), at(prompt_len, num_sampled), prev
 
 

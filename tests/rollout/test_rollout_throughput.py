@@ -108,6 +108,10 @@ def test_small_run_end_to_end(bench, tmp_path):
         assert "error" not in e, e.get("error")
         assert e["process"]["status"] == "exit 0" and e["enforce_eager"] is True  # the CPU: all eager
         assert 0 < e["engine_init_s"] <= e["first_call_s"] and e["kv_cache"]["capacity_tokens"] > 0
+        # the first call's breakdown: vLLM's INFO records reach the probe (the engine reconfigures logging)
+        startup = e["startup"]
+        assert startup["vllm_log"] and startup["vllm_phases"].get("init_engine_s", -1) >= 0
+        assert set(e["compile_end"]) == {"dynamo", "triton_jit"}
     fast = engines["ours_fast"]
     assert fast["check"] == {"equal": True, "first_mismatch": None, "prompts": 2}
     assert fast["greedy"] == engines["ours_eager"]["greedy"] and len(fast["greedy"][0]) == 8

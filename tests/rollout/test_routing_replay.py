@@ -109,3 +109,28 @@ def test_prefix_cache_hits_of_another_episode_stay_unrecorded_own_hits_keep_earl
         assert (routes[:unrecorded] == -1).all()
         assert (routes[unrecorded:-1] >= 0).all() and (routes[-1] == -1).all()
         _assert_equal_where_recorded(routes[:-1], _learner_routes(model, ep.token_ids)[:-1])
+
+
+def test_turn_routes_are_looked_up_by_position_and_a_recomputed_one_keeps_its_last_record():
+    """The worker's lookup of a turn's rows in its step records (rollout.worker._routed_rows), on hand-made
+    records: an earlier position recomputed by a fallback is not returned, a position computed twice keeps
+    its last record, the last sampled token (not fed yet) is -1, the previous turn's last token is found."""
+    from rollout.engine_hooks import RequestRecord
+    from rollout.worker import _routed_rows
+
+    def rows(values):  # [n, L=2, K=3], every expert slot of token i holding values[i]
+        return np.broadcast_to(np.array(values, np.int16)[:, None, None], (len(values), 2, 3)).copy()
+
+    # prompt ids at 4..6 (prompt_len 7), sampled tokens at 7..8, the previous turn's last token at 3
+    rec = RequestRecord(
+        num_computed_tokens=7,
+        positions=[np.array([2, 3, 4, 5, 6]), np.array([5, 7])],
+        routed=[rows([20, 30, 40, 50, 60]), rows([51, 70])],
+    )
+    prompt, sampled, prev = _routed_rows(rec, prompt_len=7, num_prompt=3, num_sampled=2, prev_pos=3)
+    np.testing.assert_array_equal(prompt, rows([40, 51, 60]))
+    np.testing.assert_array_equal(sampled, rows([70, -1]))
+    np.testing.assert_array_equal(prev, rows([30])[0])
+    assert sampled.dtype == prompt.dtype == np.int16
+    assert _routed_rows(rec, 7, 3, 2, prev_pos=-1)[2] is None  # a first turn has no previous token
+    assert _routed_rows(rec, 7, 3, 2, prev_pos=1)[2] is None  # not computed in this turn
