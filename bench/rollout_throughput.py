@@ -83,6 +83,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in the child process
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -123,6 +125,7 @@ ENGINES = {
     "peer_eager": EngineSpec("peer", enforce_eager=True),
 }
 TASKS = ("check", "time", "profile")
+FAST_ENGINES = ("ours_fast", "ours_fast_moe")  # the bar's engine: the first of these a run timed
 PROFILE_N, PROFILE_GEN = 8, 32  # the profiled batch: where a decode step's device time goes
 # the bar's parts in one 10-minute device call: the fp32 greedy check, then ours and the peer timed (add
 # ours_eager:check to ours_fast's tasks for the bf16 check, ours_graphs:time for graphs without compile)
@@ -189,6 +192,81 @@ def timed_requests(sz: Sizes, n: int, vocab: int, seed: int) -> tuple[list[list[
 
 def check_prompts(sz: Sizes, vocab: int) -> list[list[int]]:
     return rollout_gpu.prompts(sz.check_prompts, sz.prompt_min, sz.prompt_max, vocab, seed=7)
+
+
+def save_prompt_routes(llm, prompts: list[list[int]], path: Path) -> str:
+    """Each prompt's expert routes [P, L, K] as the engine computes them (one prefill per prompt, the model's
+    ``routed_experts_TLK`` rows copied right after that forward: the engine may run further forwards before
+    ``generate`` returns), saved to ``path`` (npz, one array per prompt); returns the path."""
+    routes = {}
+    for i, p in enumerate(prompts):
+        llm.collective_rpc(_watch_prefill_routes, args=(len(p),))
+        llm.generate([_tokens(p)], _params(1, temperature=0.0), use_tqdm=False)
+        routes[f"p{i}"] = llm.collective_rpc(_prefill_routes)[0]
+        if routes[f"p{i}"] is None:
+            raise RuntimeError(f"check prompt {i}: no forward of its {len(p)} tokens was seen")
+    np.savez_compressed(path, **routes)
+    return str(path)
+
+
+def _watch_prefill_routes(worker, tokens: int) -> bool:
+    """collective_rpc: copy the route buffer's first ``tokens`` rows after the next forward of that many
+    tokens (an eager forward: a replayed CUDA graph runs no hooks; prompts are longer than any graph)."""
+    model = worker.model_runner.get_model()
+    seen: dict = {}
+
+    def hook(mod, args, kwargs, out):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if "routes" not in seen and ids is not None and ids.shape[0] == tokens:
+            seen["routes"] = mod.routed_experts_TLK[:tokens].to("cpu", copy=True).numpy()  # not a view of it
+
+    worker._lh_prefill_routes = (seen, model.register_forward_hook(hook, with_kwargs=True))
+    return True
+
+
+def _prefill_routes(worker) -> np.ndarray | None:
+    """collective_rpc: the routes ``_watch_prefill_routes`` copied (None if none), and its hook removed."""
+    seen, handle = worker._lh_prefill_routes
+    handle.remove()
+    return seen.get("routes")
+
+
+def route_differences(got_file: str, ref_file: str) -> dict:
+    """Where two engines' prompt routes differ: (token, MoE layer) pairs with another expert set (order
+    within the top-k ignored), their count, and the first such pair per prompt. Near-tied top-k scores of a
+    random-init router flip a few pairs between exact implementations that sum in another order; a
+    defect shows up as other sets from the first tokens and layers on."""
+    from route_replay import _other_sets_PL
+
+    got, ref = np.load(got_file), np.load(ref_file)
+    rows = []
+    for key in ref.files:
+        other_PL = _other_sets_PL(got[key].astype(np.int64), ref[key].astype(np.int64))
+        where = np.argwhere(other_PL)
+        rows.append({"pairs": int(other_PL.size), "other_sets": int(other_PL.sum()),
+                     "first": None if not where.size else [int(where[0][0]), int(where[0][1])]})  # fmt: skip
+    return {"prompts": rows, "other_sets": sum(r["other_sets"] for r in rows)}
+
+
+def replayed_check(llm, prompts: list[list[int]], ref_greedy: list[list[int]], ref_routes: str, gen: int) -> dict:
+    """The greedy check again, one prompt at a time, each prompt token routed to the experts the reference
+    engine chose for it (bench/route_replay.py's hooks; generated tokens are routed freely: a captured
+    decode graph runs no hooks). Equal tokens here mean the engines differ only where routing was tied."""
+    from route_replay import install_route_replay, remove_route_replay
+
+    ref = np.load(ref_routes)
+    got = []
+    for i, p in enumerate(prompts):
+        llm.collective_rpc(install_route_replay, args=(ref[f"p{i}"],))
+        try:
+            out = llm.generate([_tokens(p)], _params(gen, temperature=0.0), use_tqdm=False)
+        finally:
+            fed = llm.collective_rpc(remove_route_replay)[0]
+        got.append(list(out[0].outputs[0].token_ids))
+        if not fed:
+            return {"equal": None, "error": f"prompt {i}: no forward took the replayed routes"}
+    mismatch = first_mismatch(got, ref_greedy)
+    return {"equal": mismatch is None, "first_mismatch": mismatch}
 
 
 def first_mismatch(got: list[list[int]], ref: list[list[int]]) -> dict | None:
@@ -330,11 +408,12 @@ class Parent:
     def _runs(self, name: str) -> bool:
         return ENGINES[name].model != "peer" or self.cuda
 
-    def reference(self, dtype: str) -> list[list[int]] | None:
-        """The eager engine's greedy tokens in ``dtype``, once a ``check`` of it has run."""
+    def reference(self, dtype: str, field: str = "greedy"):
+        """The eager engine's greedy tokens in ``dtype`` (``field`` "check_routes_file": the file of its
+        prompts' routes), once a ``check`` of it has run."""
         for key, r in self.results["engines"].items():
-            if key.split("#")[0].startswith("ours_eager") and r.get("dtype") == dtype and r.get("greedy"):
-                return r["greedy"]
+            if key.split("#")[0].startswith("ours_eager") and r.get("dtype") == dtype and r.get(field):
+                return r[field]
         return None
 
     def child(self, key: str, name: str, tasks: list[str], budget: float, backend: str | None = None) -> dict:
@@ -349,6 +428,8 @@ class Parent:
             "enforce_eager": spec.enforce_eager or not self.cuda, "sizes": asdict(self.sz),
             "vocab_size": self.ckpts["vocab_size"], "seed": self.args.seed, "deadline": deadline,
             "reference": self.reference(dtype) if ours_fast else None, "dtype": dtype,
+            "reference_routes": self.reference(dtype, "check_routes_file") if ours_fast else None,
+            "check_replay": self.args.check_replay,
             "gpu_util": self.args.gpu_util, "max_num_batched_tokens": self.args.max_num_batched_tokens,
             "attention_backend": backend, "profile_n": self.args.profile_n,
             "result": str(self.tmp / f"{key.replace('#', '_')}.json"),
@@ -501,11 +582,19 @@ class Child:
             [_tokens(p) for p in ps], _params(self.sz.check_gen, temperature=0.0), use_tqdm=False
         )
         self.res["greedy"] = [list(o.outputs[0].token_ids) for o in outs]
+        if self.job["model_kind"] == "ours":  # the prompts' expert routes, for a replayed check against them
+            self.res["check_routes_file"] = save_prompt_routes(llm, ps, Path(self.job["result"]).with_suffix(".routes.npz"))
         ref = self.job.get("reference")
         if ref is not None:
             mismatch = first_mismatch(self.res["greedy"], ref)
             self.res["check"] = {"equal": mismatch is None, "first_mismatch": mismatch, "prompts": len(ps)}
             log(f"[{self.job['key']}] greedy vs eager reference: {'equal' if mismatch is None else mismatch}")
+            routes = self.job.get("reference_routes")
+            if routes and (mismatch is not None or self.job.get("check_replay")):
+                self.res["check"]["replayed"] = replayed_check(llm, ps, ref, routes, self.sz.check_gen)
+                self.res["check"]["routes"] = route_differences(self.res["check_routes_file"], routes)
+                log(f"[{self.job['key']}] with the reference's prompt routes replayed: {self.res['check']['replayed']}; "
+                    f"prompt routes: {self.res['check']['routes']}")  # fmt: skip
         self.save()
 
     def time_all(self, llm) -> None:
@@ -674,11 +763,12 @@ def summarise(res: dict) -> dict:
             for n, row in (v.get("timings") or {}).items():
                 if "skipped" not in row:
                     timings.setdefault(name, {}).setdefault(n, row)
-    fast = runs.get("ours_fast", [{}])[0]
-    check32 = runs.get("ours_fast_fp32", [{}])[0].get("check")
+    name = next((n for n in FAST_ENGINES if n in timings), FAST_ENGINES[0])  # the fast engine timed
+    fast = runs.get(name, [{}])[0]
+    check32 = runs.get(f"{name}_fp32", [{}])[0].get("check")
     ratios = {}
     for n in map(str, res.get("sizes", {}).get("concurrency", [])):
-        a, b = timings.get("ours_fast", {}).get(n), timings.get("peer", {}).get(n)
+        a, b = timings.get(name, {}).get(n), timings.get("peer", {}).get(n)
         if a and b:
             ratios[n] = {
                 "generated": a["generated_tok_s"] / b["generated_tok_s"],
@@ -694,7 +784,7 @@ def summarise(res: dict) -> dict:
     }
     bar["first_call_lt_60s"] = None if first is None else first < BAR_FIRST_CALL_S
     bar["greedy_equal_fp32"] = None if check32 is None else check32["equal"]
-    return {"check": fast.get("check"), "check_fp32": check32, "ours_fast_over_peer": ratios, "bar": bar,
+    return {"fast_engine": name, "check": fast.get("check"), "check_fp32": check32, "ours_fast_over_peer": ratios, "bar": bar,
             "timings": timings}  # fmt: skip
 
 
@@ -716,6 +806,9 @@ def markdown(res: dict) -> str:
             continue
         kv, mem, chk = v.get("kv_cache") or {}, v.get("memory") or {}, v.get("check")
         check = "" if chk is None else ("equal" if chk["equal"] else f"differs: {chk['first_mismatch']}")
+        if chk and chk.get("replayed"):
+            check += f"; prompt routes replayed: {'equal' if chk['replayed'].get('equal') else chk['replayed']}"
+            check += f" ({chk['routes']['other_sets']} token-layers with other experts)"
         lines.append(
             f"| {key} | {v.get('enforce_eager')} | {v.get('dtype')} | {_f(v.get('first_call_s'))} | {_f(v.get('engine_init_s'))} | "
             f"{_f(mem.get('max_allocated_gib'), 2)} | {kv.get('num_blocks')} x {kv.get('block_size')} "
@@ -743,7 +836,7 @@ def markdown(res: dict) -> str:
             lines += ["", f"profile of {key}: {prof['batch']['steps']} engine steps, {prof['per_step_ms']:.2f} ms of "
                       "kernel time per step", "", "| kernel | ms | calls |", "|---|---|---|"]  # fmt: skip
             lines += [f"| `{name}` | {ms:.2f} | {calls} |" for name, ms, calls in prof["top"]]
-    lines += ["", f"check in fp32 (ours_fast_fp32 vs ours_eager_fp32 greedy): {s.get('check_fp32')}",
+    lines += ["", f"check in fp32 ({s.get('fast_engine')}_fp32 vs ours_eager_fp32 greedy): {s.get('check_fp32')}",
               f"check in the run's dtype (ours_fast vs ours_eager greedy): {s.get('check')}", f"bar: {s.get('bar')}"]
     return "\n".join(lines) + "\n"
 
@@ -765,6 +858,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen-max", type=int, default=256)
     p.add_argument("--check-prompts", type=int, default=4)
     p.add_argument("--check-gen", type=int, default=32)
+    p.add_argument("--check-replay", action="store_true",
+                   help="also the replayed-routes check when the free greedy check is equal (it runs on a mismatch)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-gib", type=float, default=32.0, help="vLLM KV cache budget per engine")
     p.add_argument(

@@ -98,7 +98,7 @@ def test_a_failing_engine_is_a_result(bench, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_small_run_end_to_end(bench, tmp_path):
     plan = "ours_eager:check,ours_fast:check+time+profile,peer:time,ours_eager:time"  # every task, both sides
-    assert bench.main(["--small", "--keep", "--plan", plan, "--out", str(tmp_path)]) == 0
+    assert bench.main(["--small", "--keep", "--check-replay", "--plan", plan, "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "rollout_throughput.json").read_text())
     engines = res["engines"]
     assert list(engines) == ["ours_eager", "ours_fast", "peer", "ours_eager#2"]
@@ -113,7 +113,13 @@ def test_small_run_end_to_end(bench, tmp_path):
         assert startup["vllm_log"] and startup["vllm_phases"].get("init_engine_s", -1) >= 0
         assert set(e["compile_end"]) == {"dynamo", "triton_jit"}
     fast = engines["ours_fast"]
-    assert fast["check"] == {"equal": True, "first_mismatch": None, "prompts": 2}
+    check = fast["check"]
+    assert {k: check[k] for k in ("equal", "first_mismatch", "prompts")} == {"equal": True, "first_mismatch": None, "prompts": 2}
+    # --check-replay: the eager engine's prompt routes replayed in the fast one give its tokens too, and the
+    # two engines' own prompt routes are the same sets (on the CPU both are eager)
+    assert check["replayed"] == {"equal": True, "first_mismatch": None}
+    assert check["routes"]["other_sets"] == 0 and len(check["routes"]["prompts"]) == 2
+    assert all(r["pairs"] > 0 for r in check["routes"]["prompts"])
     assert fast["greedy"] == engines["ours_eager"]["greedy"] and len(fast["greedy"][0]) == 8
     sizes = res["sizes"]
     for key in ("ours_fast", "ours_eager#2"):
