@@ -58,9 +58,12 @@ class CompiledOrEager:
     """``torch.compile(fn)`` until it raises once, then ``fn`` itself; one per function, shared by
     every module that calls it (deep copies of a model share it too)."""
 
-    def __init__(self, fn: Callable, name: str, backend: str | Callable = "inductor", options: dict | None = None):
+    def __init__(
+        self, fn: Callable, name: str, backend: str | Callable = "inductor", options: dict | None = None,
+        dynamic: bool | None = False,
+    ):  # fmt: skip
         self.eager, self.name = fn, name
-        self.compiled = torch.compile(fn, backend=backend, dynamic=False, options=options)
+        self.compiled = torch.compile(fn, backend=backend, dynamic=dynamic, options=options)
         self.failed: str | None = None
 
     def __call__(self, *args):
@@ -151,6 +154,10 @@ def compile_regions(
         for cls, attr, fn in (*blocks, *(() if id(module) in inside else kinds)):
             if isinstance(module, cls):
                 if attr not in regions:
-                    regions[attr] = CompiledOrEager(fn, fn.__name__, backend, options)
+                    # a block's graph breaks resume in frames whose inputs carry no dynamic marks: there
+                    # dynamo's automatic dynamic shapes (dynamic=None) make a new token count symbolic on
+                    # its first recompile, where dynamic=False would compile every new count again
+                    dynamic = None if (cls, attr, fn) in blocks else False
+                    regions[attr] = CompiledOrEager(fn, fn.__name__, backend, options, dynamic)
                 setattr(module, attr, regions[attr])
     return list(regions.values())

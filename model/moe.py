@@ -229,7 +229,12 @@ class SparseMoE(nn.Module):
         self, x_BTD: torch.Tensor, replay_TK: torch.Tensor | None = None, replay_checked: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (y_BTD, experts used [B*T, k])."""
-        return self.forward_fn(self, x_BTD, replay_TK, replay_checked)
+        fn = self.forward_fn
+        if fast.pick("moe", x_BTD.device) != "grouped" or self.experts.dispatch is not None:
+            # the reference loop reads per-expert counts on the host (a graph would be recompiled for every
+            # new split of the tokens) and expert parallelism exchanges tokens between ranks: both eager
+            fn = sparse_moe_forward
+        return fn(self, x_BTD, replay_TK, replay_checked)
 
 
 def sparse_moe_forward(
