@@ -430,6 +430,7 @@ class Parent:
             "reference": self.reference(dtype) if ours_fast else None, "dtype": dtype,
             "reference_routes": self.reference(dtype, "check_routes_file") if ours_fast else None,
             "check_replay": self.args.check_replay,
+            "capture_sizes": [int(n) for n in self.args.capture_sizes.split(",")] if self.args.capture_sizes else None,
             "gpu_util": self.args.gpu_util, "max_num_batched_tokens": self.args.max_num_batched_tokens,
             "attention_backend": backend, "profile_n": self.args.profile_n,
             "result": str(self.tmp / f"{key.replace('#', '_')}.json"),
@@ -539,6 +540,8 @@ class Child:
             kwargs["max_num_batched_tokens"] = job["max_num_batched_tokens"]
         if job.get("attention_backend"):
             kwargs["attention_config"] = {"backend": job["attention_backend"]}
+        if job.get("capture_sizes"):  # every engine alike (the peer too)
+            kwargs["compilation_config"] = {"cudagraph_capture_sizes": job["capture_sizes"]}
         self.res["engine_kwargs"] = kwargs
         return LLM(**kwargs)
 
@@ -858,6 +861,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen-max", type=int, default=256)
     p.add_argument("--check-prompts", type=int, default=4)
     p.add_argument("--check-gen", type=int, default=32)
+    p.add_argument("--capture-sizes", default=None,
+                   help="CUDA-graph batch sizes of every engine, e.g. 1,2,4,8,16,32,64,128 (default: vLLM's, 54 graphs)")
     p.add_argument("--check-replay", action="store_true",
                    help="also the replayed-routes check when the free greedy check is equal (it runs on a mismatch)")
     p.add_argument("--max-model-len", type=int, default=4096)

@@ -47,3 +47,16 @@ def test_gpu_fields_are_plain_config_fields(tmp_path):
     assert (c.attention_backend, c.gpu_memory_utilization) == ("FLASH_ATTN", 0.1)
     with pytest.raises(ValueError, match="mla_cache_form"):
         WorkerConfig(model_path=path, mla_cache_form="compressed")
+
+
+def test_capture_sizes_are_checked_and_name_a_vllm_field(tmp_path):
+    """``cudagraph_capture_sizes`` goes to vLLM as ``compilation_config``: a field vLLM's CompilationConfig
+    has (a vLLM that renamed it fails here, not in a GPU run); bad lists are refused up front."""
+    from vllm.config import CompilationConfig
+
+    path = _checkpoint(tmp_path, 32, 16)
+    assert WorkerConfig(model_path=path, cudagraph_capture_sizes=[1, 2, 4, 64]).cudagraph_capture_sizes == [1, 2, 4, 64]
+    assert CompilationConfig(cudagraph_capture_sizes=[1, 2, 4, 64]).cudagraph_capture_sizes == [1, 2, 4, 64]
+    for bad in ([], [0, 8], [2.5]):
+        with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
+            WorkerConfig(model_path=path, cudagraph_capture_sizes=bad)
