@@ -116,17 +116,18 @@ def block_kinds(scope: str) -> tuple[tuple[type, str, Callable], ...]:
     """The whole blocks compiled at ``scope``: "regions" none; "moe" every MoE block's forward (router,
     routing, permutation, grouped GEMMs, combine, latent projections and shared expert: one graph per
     call signature for all MoE layers, split where dynamo cannot trace, e.g. around the GLU combine's
-    saved-tensor hooks)."""
+    saved-tensor hooks); "blocks" the MoE blocks and every KDA layer's forward (its projections, norms,
+    gates and gated output; the short convolutions and the kernel stay outside, ``model.kda.kda_forward``)."""
     if scope not in COMPILE_SCOPES:
         raise ValueError(f"compile scope must be one of {COMPILE_SCOPES}, got {scope!r}")
-    if scope == "regions":
-        return ()
+    from model.kda import KimiDeltaAttention, kda_forward
     from model.moe import SparseMoE, sparse_moe_forward
 
-    return ((SparseMoE, "forward_fn", sparse_moe_forward),)
+    moe = ((SparseMoE, "forward_fn", sparse_moe_forward),)
+    return {"regions": (), "moe": moe, "blocks": (*moe, (KimiDeltaAttention, "forward_fn", kda_forward))}[scope]
 
 
-COMPILE_SCOPES = ("regions", "moe")
+COMPILE_SCOPES = ("regions", "moe", "blocks")
 
 
 def compile_regions(

@@ -106,6 +106,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(HD, d, bias=False)
         # ``model.compile.compile_regions`` swaps in the compiled ones
         self.gates_fn, self.qk_norm_fn, self.out_gate_fn = kda_gates, l2_normalize_qk, kda_output_gate
+        self.forward_fn = kda_forward  # scope "blocks" of ``model.compile``: the whole layer compiled
         self.reset_gate_parameters()
 
     def initial_gate_values(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,36 +163,7 @@ class KimiDeltaAttention(nn.Module):
         state: KDAState | None = None,
         return_state: bool = False,
     ) -> tuple[torch.Tensor, KDAState | None]:
-        B, T, _ = x_BTD.shape
-        H, Dh = self.num_heads, self.head_dim
-        convs = [
-            conv(proj(x_BTD), layout, state_NCW, need_state=return_state)
-            for conv, proj, state_NCW in (
-                (self.q_conv1d, self.q_proj, state.conv_q_NCW if state else None),
-                (self.k_conv1d, self.k_proj, state.conv_k_NCW if state else None),
-                (self.v_conv1d, self.v_proj, state.conv_v_NCW if state else None),
-            )
-        ]
-        (q, conv_q), (k, conv_k), (v, conv_v) = convs
-        q_BTHK, k_BTHK = self.normalize_qk(q.view(B, T, H, Dh), k.view(B, T, H, Dh))
-        v_BTHV = v.view(B, T, H, Dh)
-        g_BTHK, beta_BTH = self.gates(x_BTD)
-        if cu_seqlens is not None and x_BTD.is_cuda:
-            layout.cached("kda_plan", lambda: _prime_kda_plan(B, T, cu_seqlens, layout))
-        o_BTHV, final_NHKV = self._kernel(T, state)(
-            q_BTHK,
-            k_BTHK,
-            v_BTHV,
-            g_BTHK,
-            beta_BTH,
-            scale=Dh**-0.5,
-            initial_state=state.recurrent_NHKV if state else None,
-            output_final_state=return_state,
-            cu_seqlens=cu_seqlens,
-        )
-        y_BTD = self.gated_output(o_BTHV, x_BTD)
-        new_state = KDAState(final_NHKV, conv_q, conv_k, conv_v) if return_state else None
-        return y_BTD, new_state
+        return self.forward_fn(self, x_BTD, layout, cu_seqlens, state, return_state)
 
     def _kernel(self, T: int, state: KDAState | None):
         """Chunked kernel for prefill/training; the step recurrence for decode and for the
@@ -201,6 +173,57 @@ class KimiDeltaAttention(nn.Module):
         if (state is not None and T == 1) or self.gate_kind == "unbounded":
             return fused_recurrent_kda
         return functools.partial(chunk_kda, lower_bound=self.lower_bound)
+
+
+def kda_forward(
+    attn: KimiDeltaAttention,
+    x_BTD: torch.Tensor,
+    layout: SeqLayout,
+    cu_seqlens: torch.Tensor | None,
+    state: KDAState | None,
+    return_state: bool,
+) -> tuple[torch.Tensor, KDAState | None]:
+    """``KimiDeltaAttention.forward``, a function of the module: ``model.compile`` scope "blocks" compiles it
+    once for every KDA layer (projections, q/k norms, gates and gated output in one graph each side of the
+    kernel), while the short convolutions and the kernel, which read the layout's host bounds, run outside
+    any graph (``_short_convs``, ``_kda_kernel``), so the layout never becomes a guard."""
+    B, T, _ = x_BTD.shape
+    H, Dh = attn.num_heads, attn.head_dim
+    x_qkv = (attn.q_proj(x_BTD), attn.k_proj(x_BTD), attn.v_proj(x_BTD))
+    (q, conv_q), (k, conv_k), (v, conv_v) = _short_convs(attn, x_qkv, layout, state, return_state)
+    q_BTHK, k_BTHK = attn.normalize_qk(q.view(B, T, H, Dh), k.view(B, T, H, Dh))
+    g_BTHK, beta_BTH = attn.gates(x_BTD)
+    o_BTHV, final_NHKV = _kda_kernel(
+        attn, q_BTHK, k_BTHK, v.view(B, T, H, Dh), g_BTHK, beta_BTH, layout, cu_seqlens, state, return_state
+    )
+    y_BTD = attn.gated_output(o_BTHV, x_BTD)
+    new_state = KDAState(final_NHKV, conv_q, conv_k, conv_v) if return_state else None
+    return y_BTD, new_state
+
+
+@torch.compiler.disable
+def _short_convs(attn: KimiDeltaAttention, x_qkv, layout: SeqLayout, state: KDAState | None, need_state: bool):
+    """[(y, conv state)] of the q, k and v short convolutions (outside compiled graphs: see ``kda_forward``)."""
+    convs = (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d)
+    states = (state.conv_q_NCW, state.conv_k_NCW, state.conv_v_NCW) if state else (None, None, None)
+    return [conv(x, layout, s, need_state=need_state) for conv, x, s in zip(convs, x_qkv, states)]
+
+
+@torch.compiler.disable
+def _kda_kernel(attn: KimiDeltaAttention, q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, layout: SeqLayout,
+                cu_seqlens, state: KDAState | None, return_state: bool):  # fmt: skip
+    """(o [B, T, H, V], final state or None): the kernel ``attn._kernel`` picks, its chunk plan built once per
+    layout from the host bounds (outside compiled graphs: see ``kda_forward``)."""
+    B, T = q_BTHK.shape[:2]
+    if cu_seqlens is not None and q_BTHK.is_cuda:
+        layout.cached("kda_plan", lambda: _prime_kda_plan(B, T, cu_seqlens, layout))
+    return attn._kernel(T, state)(
+        q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH,
+        scale=attn.head_dim**-0.5,
+        initial_state=state.recurrent_NHKV if state else None,
+        output_final_state=return_state,
+        cu_seqlens=cu_seqlens,
+    )  # fmt: skip
 
 
 def _prime_kda_plan(B: int, T: int, cu_seqlens: torch.Tensor, layout: SeqLayout):

@@ -315,8 +315,9 @@ class LearnerConfig:
     """Regional torch.compile of the element-wise regions (norms, AttnRes mixes, expert GLUs); a region
     whose compilation fails runs eagerly (warned once), so a run never stops on it."""
     compile_scope: str = "regions"
-    """With compile: regions (the element-wise regions alone) or moe (also every MoE block whole: one graph
-    for all MoE layers, its element-wise work fused across the router, permutation and projections)."""
+    """With compile: regions (the element-wise regions alone), moe (also every MoE block whole: one graph
+    for all MoE layers, its element-wise work fused across the router, permutation and projections) or
+    blocks (the MoE blocks and every KDA layer whole, its short convolutions and kernel left outside)."""
     routing_replay: bool = True
     """Replay the rollout's expert choices in the learner forward (R3); gate weights are recomputed."""
     balancer: str = "frozen"

@@ -234,3 +234,28 @@ def test_moe_scope_without_gradient_is_one_graph():
     assert block.failed is None and backend.graphs == 1
     assert torch.equal(e, e_ref)
     torch.testing.assert_close(y, y_ref)
+
+
+def test_blocks_scope_compiles_each_kda_layer_whole_without_layout_guards():
+    """Scope "blocks": every KDA layer's forward is one compiled function (its short convolutions and kernel
+    outside the graph, so the layout of a micro-batch is no guard): micro-batches of other lengths and
+    other sequence counts stop adding graphs after the second, and forward and backward equal eager (fp32)."""
+    from model.kda import kda_forward
+
+    model = _small_model(num_hidden_layers=3, first_k_dense_replace=3).train()  # dense FFNs: KDA blocks alone
+    steps = [[1, 15, 64, 64], [15, 64, 65, 65, 300], [7, 33], [1, 15, 64, 64]]
+    eager = [_packed_step(model, lengths) for lengths in steps]
+    backend = CountingBackend()
+    regions = {r.name: r for r in compile_regions(model, backend=backend, scope="blocks")}
+    graphs = []
+    for (loss_ref, grads_ref), lengths in zip(eager, steps):
+        loss, grads = _packed_step(model, lengths)
+        graphs.append(backend.graphs)
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)
+        for a, b in zip(grads_ref, grads):
+            if a is not None:
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    block = regions["kda_forward"]
+    assert block.failed is None and block.eager is kda_forward
+    assert "kda_gates" not in regions and "l2_normalize_qk" not in regions  # traced inside the block
+    assert graphs[1] > graphs[0] > 0 and graphs[3] == graphs[2] == graphs[1]
