@@ -243,7 +243,7 @@ def cuda_code_paths(bounds: list[list[int]]):
 def build_learner(arch: dict, tokens: int, fast_paths: str, checkpoint: str):
     from bench.learner_mfu import make_learner
 
-    args = SimpleNamespace(checkpoint=checkpoint, compile=False)
+    args = SimpleNamespace(checkpoint=checkpoint, compile=False, compile_scope="regions")
     real_to = torch.nn.Module.to
 
     def to(module, *a, **k):  # fake parameters cannot be swapped (module.to's path for them): already there

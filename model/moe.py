@@ -230,7 +230,8 @@ class SparseMoE(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (y_BTD, experts used [B*T, k])."""
         fn = self.forward_fn
-        if fast.pick("moe", x_BTD.device) != "grouped" or self.experts.dispatch is not None:
+        experts = getattr(self.experts, "get_base_layer", lambda: self.experts)()  # under PEFT's LoRA wrappers
+        if fast.pick("moe", x_BTD.device) != "grouped" or experts.dispatch is not None:
             # the reference loop reads per-expert counts on the host (a graph would be recompiled for every
             # new split of the tokens) and expert parallelism exchanges tokens between ranks: both eager
             fn = sparse_moe_forward
