@@ -585,9 +585,10 @@ class Child:
             [_tokens(p) for p in ps], _params(self.sz.check_gen, temperature=0.0), use_tqdm=False
         )
         self.res["greedy"] = [list(o.outputs[0].token_ids) for o in outs]
-        if self.job["model_kind"] == "ours":  # the prompts' expert routes, for a replayed check against them
-            self.res["check_routes_file"] = save_prompt_routes(llm, ps, Path(self.job["result"]).with_suffix(".routes.npz"))
+        routes_path = Path(self.job["result"]).with_suffix(".routes.npz")
         ref = self.job.get("reference")
+        if ref is None and self.job["model_kind"] == "ours":  # a reference: its prompts' routes, to replay
+            self.res["check_routes_file"] = save_prompt_routes(llm, ps, routes_path)
         if ref is not None:
             mismatch = first_mismatch(self.res["greedy"], ref)
             self.res["check"] = {"equal": mismatch is None, "first_mismatch": mismatch, "prompts": len(ps)}
@@ -595,6 +596,7 @@ class Child:
             routes = self.job.get("reference_routes")
             if routes and (mismatch is not None or self.job.get("check_replay")):
                 self.res["check"]["replayed"] = replayed_check(llm, ps, ref, routes, self.sz.check_gen)
+                self.res["check_routes_file"] = save_prompt_routes(llm, ps, routes_path)
                 self.res["check"]["routes"] = route_differences(self.res["check_routes_file"], routes)
                 log(f"[{self.job['key']}] with the reference's prompt routes replayed: {self.res['check']['replayed']}; "
                     f"prompt routes: {self.res['check']['routes']}")  # fmt: skip
