@@ -150,15 +150,15 @@ def compile_regions(
     blocks = block_kinds(scope)
     inside = {id(sub) for m in model.modules() if isinstance(m, tuple(c for c, _, _ in blocks)) for sub in m.modules()}
     kinds = (*region_kinds(), *extra_kinds)
-    regions: dict[str, CompiledOrEager] = {}
+    regions: dict[Callable, CompiledOrEager] = {}  # by function: two kinds may share an attribute name
     for module in model.modules():
         for cls, attr, fn in (*blocks, *(() if id(module) in inside else kinds)):
             if isinstance(module, cls):
-                if attr not in regions:
+                if fn not in regions:
                     # a block's graph breaks resume in frames whose inputs carry no dynamic marks: there
                     # dynamo's automatic dynamic shapes (dynamic=None) make a new token count symbolic on
                     # its first recompile, where dynamic=False would compile every new count again
                     dynamic = None if (cls, attr, fn) in blocks else False
-                    regions[attr] = CompiledOrEager(fn, fn.__name__, backend, options, dynamic)
-                setattr(module, attr, regions[attr])
+                    regions[fn] = CompiledOrEager(fn, fn.__name__, backend, options, dynamic)
+                setattr(module, attr, regions[fn])
     return list(regions.values())

@@ -259,3 +259,29 @@ def test_blocks_scope_compiles_each_kda_layer_whole_without_layout_guards():
     assert block.failed is None and block.eager is kda_forward
     assert "kda_gates" not in regions and "l2_normalize_qk" not in regions  # traced inside the block
     assert graphs[1] > graphs[0] > 0 and graphs[3] == graphs[2] == graphs[1]
+
+
+def test_blocks_scope_gives_moe_and_kda_layers_each_their_own_function():
+    """Scope "blocks" on a model with both block kinds: the MoE and KDA layers name their compiled block by the
+    same attribute (``forward_fn``), and each must still get its own function (keyed by attribute, every MoE
+    layer called the KDA forward). Both compile without a fallback: the MoE blocks under bf16 autocast (the
+    CPU's grouped GEMM takes bf16 only), the KDA layers in a whole fp32 step with the MoE's reference loop."""
+    from model.kda import kda_forward
+    from model.moe import sparse_moe_forward
+
+    model = _small_model(num_hidden_layers=3).train()
+    ids = torch.randint(0, model.config.vocab_size, (1, 40))
+    with use_fast_paths("moe=loop"):
+        loss_ref, _ = _step(model, ids)
+    regions = {r.name: r for r in compile_regions(model, backend="aot_eager", scope="blocks")}
+    moes = [m for m in model.modules() if type(m).__name__ == "SparseMoE"]
+    kdas = [m for m in model.modules() if type(m).__name__ == "KimiDeltaAttention"]
+    assert moes and kdas
+    assert all(m.forward_fn.eager is sparse_moe_forward for m in moes)
+    assert all(m.forward_fn.eager is kda_forward for m in kdas)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        moes[0](torch.randn(1, 40, model.config.hidden_size))
+    with use_fast_paths("moe=loop"):
+        loss, _ = _step(model, ids)
+    assert regions["sparse_moe_forward"].failed is None and regions["kda_forward"].failed is None
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-5)
