@@ -28,7 +28,13 @@ Tasks of an engine (``name:task+task``):
   pair (``ours_fast_fp32`` against ``ours_eager_fp32``): the compiled regions keep eager's bf16 roundings
   but may sum in another order, which in bf16 can flip a near-tied token of this random-init model (the
   2026-12-02 H200 run, before the roundings were emulated, differed from the first token on); the bf16
-  pair is reported too.
+  pair is reported too. Free routing amplifies last-bit differences at random init (one near-tied top-k
+  set flips, that token's state changes by O(1), more sets flip after it: the fp32 pair on the H200 parted
+  at the first generated token, as the learner and the engine part in bench/rollout_gpu.py), so on a
+  mismatch (or ``--check-replay``) the check runs again with routing taken out: each prompt alone, every
+  position, prompt and generated, routed to the experts the reference chose there (the fast engine is
+  built with ``LONGHORIZON_ROUTE_TABLE=1``: a device table its forward, captured decode graphs included,
+  reads by position), tokens compared with the reference's and logprobs beside them.
 * ``time``: per concurrency N (``--concurrency``): N requests submitted at once, prompt lengths uniform in
   [``--prompt-min``, ``--prompt-max``] random token ids, each generating a length uniform in
   [``--gen-min``, ``--gen-max``] with ``ignore_eos`` (temperature 1, as in RL; fixed seeds, the same
@@ -194,79 +200,89 @@ def check_prompts(sz: Sizes, vocab: int) -> list[list[int]]:
     return rollout_gpu.prompts(sz.check_prompts, sz.prompt_min, sz.prompt_max, vocab, seed=7)
 
 
-def save_prompt_routes(llm, prompts: list[list[int]], path: Path) -> str:
-    """Each prompt's expert routes [P, L, K] as the engine computes them (one prefill per prompt, the model's
-    ``routed_experts_TLK`` rows copied right after that forward: the engine may run further forwards before
-    ``generate`` returns), saved to ``path`` (npz, one array per prompt); returns the path."""
-    routes = {}
+def save_greedy_routes(llm, prompts: list[list[int]], gen: int, path: Path) -> str:
+    """Each prompt alone, ``gen`` greedy tokens: its tokens, their logprobs and the experts of every position
+    the engine's hooks saw ([P + gen, L, K], -1 where none: a forward replayed from a captured graph runs
+    no hooks; the last token is never fed), saved to ``path`` (npz: ``p{i}`` routes, ``t{i}`` tokens,
+    ``l{i}`` logprobs); returns the path."""
+    from route_replay import record_routes, recorded_routes
+
+    saved = {}
     for i, p in enumerate(prompts):
-        llm.collective_rpc(_watch_prefill_routes, args=(len(p),))
-        llm.generate([_tokens(p)], _params(1, temperature=0.0), use_tqdm=False)
-        routes[f"p{i}"] = llm.collective_rpc(_prefill_routes)[0]
-        if routes[f"p{i}"] is None:
-            raise RuntimeError(f"check prompt {i}: no forward of its {len(p)} tokens was seen")
-    np.savez_compressed(path, **routes)
+        llm.collective_rpc(record_routes, args=(len(p) + gen,))
+        try:
+            out = llm.generate([_tokens(p)], _params(gen, temperature=0.0, logprobs=True), use_tqdm=False)[0]
+        finally:
+            saved[f"p{i}"] = llm.collective_rpc(recorded_routes)[0]
+        saved[f"t{i}"], saved[f"l{i}"] = _greedy_with_logprobs(out)
+        if (saved[f"p{i}"][: len(p)] < 0).all():
+            raise RuntimeError(f"check prompt {i}: no forward of its {len(p)} tokens was recorded")
+    np.savez_compressed(path, **saved)
     return str(path)
 
 
-def _watch_prefill_routes(worker, tokens: int) -> bool:
-    """collective_rpc: copy the route buffer's first ``tokens`` rows after the next forward of that many
-    tokens (an eager forward: a replayed CUDA graph runs no hooks; prompts are longer than any graph)."""
-    model = worker.model_runner.get_model()
-    seen: dict = {}
-
-    def hook(mod, args, kwargs, out):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if "routes" not in seen and ids is not None and ids.shape[0] == tokens:
-            seen["routes"] = mod.routed_experts_TLK[:tokens].to("cpu", copy=True).numpy()  # not a view of it
-
-    worker._lh_prefill_routes = (seen, model.register_forward_hook(hook, with_kwargs=True))
-    return True
-
-
-def _prefill_routes(worker) -> np.ndarray | None:
-    """collective_rpc: the routes ``_watch_prefill_routes`` copied (None if none), and its hook removed."""
-    seen, handle = worker._lh_prefill_routes
-    handle.remove()
-    return seen.get("routes")
+def _greedy_with_logprobs(out) -> tuple[np.ndarray, np.ndarray]:
+    c = out.outputs[0]
+    lps = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
+    return np.asarray(c.token_ids, dtype=np.int64), np.asarray(lps, dtype=np.float64)
 
 
 def route_differences(got_file: str, ref_file: str) -> dict:
-    """Where two engines' prompt routes differ: (token, MoE layer) pairs with another expert set (order
-    within the top-k ignored), their count, and the first such pair per prompt. Near-tied top-k scores of a
-    random-init router flip a few pairs between exact implementations that sum in another order; a
-    defect shows up as other sets from the first tokens and layers on."""
-    from route_replay import _other_sets_PL
+    """Where two engines' routes differ, freely routed: (position, MoE layer) pairs with another expert set
+    (order within the top-k ignored; positions both recorded, up to the first other token), their count,
+    and the first such pair per prompt. Near-tied top-k scores of a random-init router flip a few pairs
+    between exact implementations that sum in another order, and the model amplifies each flip; a defect
+    shows up as other sets from the first tokens and layers on."""
+    from route_replay import _first_difference, _other_sets_PL
 
     got, ref = np.load(got_file), np.load(ref_file)
     rows = []
-    for key in ref.files:
-        other_PL = _other_sets_PL(got[key].astype(np.int64), ref[key].astype(np.int64))
+    for key in (k for k in ref.files if k.startswith("p")):
+        i, (a, b) = key[1:], (got[key].astype(np.int64), ref[key].astype(np.int64))
+        first = _first_difference(got[f"t{i}"].tolist(), ref[f"t{i}"].tolist())
+        upto = len(a) - len(got[f"t{i}"]) + (len(got[f"t{i}"]) if first is None else first + 1)
+        other_PL = _other_sets_PL(a[:upto], b[:upto])
         where = np.argwhere(other_PL)
         rows.append({"pairs": int(other_PL.size), "other_sets": int(other_PL.sum()),
                      "first": None if not where.size else [int(where[0][0]), int(where[0][1])]})  # fmt: skip
     return {"prompts": rows, "other_sets": sum(r["other_sets"] for r in rows)}
 
 
-def replayed_check(llm, prompts: list[list[int]], ref_greedy: list[list[int]], ref_routes: str, gen: int) -> dict:
-    """The greedy check again, one prompt at a time, each prompt token routed to the experts the reference
-    engine chose for it (bench/route_replay.py's hooks; generated tokens are routed freely: a captured
-    decode graph runs no hooks). Equal tokens here mean the engines differ only where routing was tied."""
-    from route_replay import install_route_replay, remove_route_replay
+def replayed_check(llm, prompts: list[list[int]], ref_file: str, gen: int) -> dict:
+    """The greedy check with routing taken out: each prompt alone, every position (prompt and generated
+    tokens) routed to the experts the reference engine chose for it, from the model's device route table
+    (the engine was built with ``LONGHORIZON_ROUTE_TABLE=1``; the captured decode graphs read it too).
+    Tokens equal to the reference's single-prompt greedy tokens, max |logprob difference| over the tokens
+    both chose, and whether every recorded prompt position took the replayed experts."""
+    from route_replay import (
+        _first_difference,
+        _other_sets_PL,
+        record_routes,
+        recorded_routes,
+        set_route_table,
+    )
 
-    ref = np.load(ref_routes)
-    got = []
+    ref = np.load(ref_file)
+    rows = []
     for i, p in enumerate(prompts):
-        llm.collective_rpc(install_route_replay, args=(ref[f"p{i}"],))
+        table_PLK = ref[f"p{i}"]
+        llm.collective_rpc(set_route_table, args=(table_PLK,))
+        llm.collective_rpc(record_routes, args=(len(p) + gen,))
         try:
-            out = llm.generate([_tokens(p)], _params(gen, temperature=0.0), use_tqdm=False)
+            out = llm.generate([_tokens(p)], _params(gen, temperature=0.0, logprobs=True), use_tqdm=False)[0]
         finally:
-            fed = llm.collective_rpc(remove_route_replay)[0]
-        got.append(list(out[0].outputs[0].token_ids))
-        if not fed:
-            return {"equal": None, "error": f"prompt {i}: no forward took the replayed routes"}
-    mismatch = first_mismatch(got, ref_greedy)
-    return {"equal": mismatch is None, "first_mismatch": mismatch}
+            seen_PLK = llm.collective_rpc(recorded_routes)[0]
+            llm.collective_rpc(set_route_table, args=(None,))
+        toks, lps = _greedy_with_logprobs(out)
+        first = _first_difference(toks.tolist(), ref[f"t{i}"].tolist())
+        agree = len(toks) if first is None else first
+        applied = bool((seen_PLK[: len(p)] >= 0).all()) and not _other_sets_PL(seen_PLK, table_PLK).any()
+        rows.append({"equal": first is None, "first_mismatch": first, "routes_applied": applied,
+                     "logprob_max_abs": float(np.abs(lps[:agree] - ref[f"l{i}"][:agree]).max(initial=0.0))})  # fmt: skip
+    mismatch = next(({"prompt": i, "position": r["first_mismatch"]} for i, r in enumerate(rows) if not r["equal"]), None)
+    return {"equal": mismatch is None, "first_mismatch": mismatch,
+            "routes_applied": all(r["routes_applied"] for r in rows),
+            "logprob_max_abs": max(r["logprob_max_abs"] for r in rows), "prompts": rows}  # fmt: skip
 
 
 def first_mismatch(got: list[list[int]], ref: list[list[int]]) -> dict | None:
@@ -441,6 +457,8 @@ class Parent:
         if not spec.compile_regions:
             env["LONGHORIZON_COMPILE_BACKEND"] = "none"  # rollout.vllm_model: CUDA graphs, no compiled regions
         env["LONGHORIZON_COMPILE_SCOPE"] = spec.compile_scope
+        if ours_fast and "check" in tasks:  # the replayed check: routes from the model's device table
+            env["LONGHORIZON_ROUTE_TABLE"] = "1"
         if not self.args.warm_caches:  # a cold first call per engine: nothing compiled by an earlier child
             caches = self.tmp / f"cache_{name}"  # a repeat of an engine finds its own first run's caches
             for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):  # fmt: skip
@@ -587,19 +605,20 @@ class Child:
         self.res["greedy"] = [list(o.outputs[0].token_ids) for o in outs]
         routes_path = Path(self.job["result"]).with_suffix(".routes.npz")
         ref = self.job.get("reference")
-        if ref is None and self.job["model_kind"] == "ours":  # a reference: its prompts' routes, to replay
-            self.res["check_routes_file"] = save_prompt_routes(llm, ps, routes_path)
+        gen = self.sz.check_gen
+        if ref is None and self.job["model_kind"] == "ours":  # a reference: each prompt alone, routes recorded
+            self.res["check_routes_file"] = save_greedy_routes(llm, ps, gen, routes_path)
         if ref is not None:
             mismatch = first_mismatch(self.res["greedy"], ref)
             self.res["check"] = {"equal": mismatch is None, "first_mismatch": mismatch, "prompts": len(ps)}
             log(f"[{self.job['key']}] greedy vs eager reference: {'equal' if mismatch is None else mismatch}")
             routes = self.job.get("reference_routes")
             if routes and (mismatch is not None or self.job.get("check_replay")):
-                self.res["check"]["replayed"] = replayed_check(llm, ps, ref, routes, self.sz.check_gen)
-                self.res["check_routes_file"] = save_prompt_routes(llm, ps, routes_path)
+                self.res["check"]["replayed"] = replayed_check(llm, ps, routes, gen)
+                self.res["check_routes_file"] = save_greedy_routes(llm, ps, gen, routes_path)
                 self.res["check"]["routes"] = route_differences(self.res["check_routes_file"], routes)
-                log(f"[{self.job['key']}] with the reference's prompt routes replayed: {self.res['check']['replayed']}; "
-                    f"prompt routes: {self.res['check']['routes']}")  # fmt: skip
+                log(f"[{self.job['key']}] with the reference's routes replayed at every position: "
+                    f"{self.res['check']['replayed']}; free routes: {self.res['check']['routes']}")  # fmt: skip
         self.save()
 
     def time_all(self, llm) -> None:
@@ -679,16 +698,16 @@ def _tokens(ids: list[int]):
     return TokensPrompt(prompt_token_ids=list(ids))
 
 
-def _params(max_tokens: int, temperature: float = 1.0, stepped: bool = False):
+def _params(max_tokens: int, temperature: float = 1.0, stepped: bool = False, logprobs: bool = False):
     """Exactly ``max_tokens`` tokens (``ignore_eos``); ``stepped``: new tokens only per step (DELTA, for
-    ``timed_batch``), else the final output only (``LLM.generate``)."""
+    ``timed_batch``), else the final output only (``LLM.generate``); ``logprobs``: each sampled token's."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     kind = RequestOutputKind.DELTA if stepped else RequestOutputKind.FINAL_ONLY
     return SamplingParams(
         n=1, temperature=temperature, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
-        detokenize=False, output_kind=kind,
+        detokenize=False, output_kind=kind, logprobs=0 if logprobs else None,
     )  # fmt: skip
 
 
@@ -789,6 +808,12 @@ def summarise(res: dict) -> dict:
     }
     bar["first_call_lt_60s"] = None if first is None else first < BAR_FIRST_CALL_S
     bar["greedy_equal_fp32"] = None if check32 is None else check32["equal"]
+    # the same check with routing taken out (every position routed as the reference routed it): what a
+    # random-init model's chaotic routing leaves of the comparison is the fast path's own arithmetic
+    replayed = (check32 or {}).get("replayed")
+    bar["greedy_equal_fp32_routes_replayed"] = (
+        None if not replayed else bool(replayed["equal"] and replayed.get("routes_applied"))
+    )
     return {"fast_engine": name, "check": fast.get("check"), "check_fp32": check32, "ours_fast_over_peer": ratios, "bar": bar,
             "timings": timings}  # fmt: skip
 
@@ -812,7 +837,9 @@ def markdown(res: dict) -> str:
         kv, mem, chk = v.get("kv_cache") or {}, v.get("memory") or {}, v.get("check")
         check = "" if chk is None else ("equal" if chk["equal"] else f"differs: {chk['first_mismatch']}")
         if chk and chk.get("replayed"):
-            check += f"; prompt routes replayed: {'equal' if chk['replayed'].get('equal') else chk['replayed']}"
+            rep = chk["replayed"]
+            check += (f"; routes replayed: {'equal' if rep.get('equal') else rep.get('first_mismatch')}, logprob max abs "
+                      f"{rep.get('logprob_max_abs', float('nan')):.1e}, applied {rep.get('routes_applied')}")  # fmt: skip
             check += f" ({chk['routes']['other_sets']} token-layers with other experts)"
         lines.append(
             f"| {key} | {v.get('enforce_eager')} | {v.get('dtype')} | {_f(v.get('first_call_s'))} | {_f(v.get('engine_init_s'))} | "

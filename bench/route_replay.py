@@ -6,6 +6,11 @@ experts), so the last-bit differences between two attention forms flip a token's
 engines part from there on, whatever the forms do. Replaying one engine's recorded routes in the other
 takes routing out of the comparison: what is left is the attention forms themselves.
 
+Two ways in. A device table inside the model (``LONGHORIZON_ROUTE_TABLE=1`` at engine construction,
+``set_route_table`` below): the forward gathers each token's experts by position, so a compiled engine's
+captured decode graphs take them too; bench/rollout_throughput.py's fast-path check uses it. And Python
+hooks (``install_route_replay``), for an engine built without the table:
+
 Functions sent with ``collective_rpc`` (module level; in-process engines). The replay is by absolute
 position within ONE request per engine call: a hook on the vLLM model keeps the step's ``positions``
 and a hook on the inner ``HybridModel`` passes ``routed_experts`` (the learner's own replay argument,
@@ -18,17 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-
-def routes_at(table_PLK: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
-    """[T, L, K]: the table's rows at ``positions_T``; -1 (route freely) for a position outside the table
-    (a padded token, or one past the recorded ones)."""
-    P = table_PLK.shape[0]
-    if P == 0:
-        return torch.full((positions_T.shape[0], *table_PLK.shape[1:]), -1, dtype=table_PLK.dtype,
-                          device=table_PLK.device)  # fmt: skip
-    inside_T = (positions_T >= 0) & (positions_T < P)
-    rows_TLK = table_PLK[positions_T.clamp(0, P - 1)]
-    return torch.where(inside_T[:, None, None], rows_TLK, torch.full_like(rows_TLK, -1))
+from rollout.vllm_model import routes_at
 
 
 class _Replay:
@@ -79,6 +74,59 @@ def remove_route_replay(worker) -> int:
     replay = getattr(runner, "_lh_route_replay", None)
     runner._lh_route_replay = None
     return 0 if replay is None else replay.remove()
+
+
+def set_route_table(worker, table_PLK: np.ndarray | None) -> bool:
+    """collective_rpc: route position p of the next requests (one per call) with ``table_PLK[p]`` from the
+    model's device table (``rollout.vllm_model``; the engine was built with ``LONGHORIZON_ROUTE_TABLE=1``);
+    None routes freely again."""
+    worker.model_runner.get_model().set_route_table(table_PLK)
+    return True
+
+
+class _Recorder:
+    """Every forward's experts written into a [P, L, K] table at the tokens' positions (rows no forward
+    reached stay -1). Hooks: a forward replayed from a captured CUDA graph records nothing."""
+
+    def __init__(self, model: torch.nn.Module, positions: int) -> None:
+        self.model, self.positions_T = model, None
+        routed = model.routed_experts_TLK
+        self.table_PLK = torch.full((positions, *routed.shape[1:]), -1, dtype=torch.long, device=routed.device)
+        self.handles = [
+            model.register_forward_pre_hook(self._keep_positions, with_kwargs=True),
+            model.register_forward_hook(self._record),
+        ]
+
+    def _keep_positions(self, _mod, args, kwargs):
+        self.positions_T = (kwargs["positions"] if "positions" in kwargs else args[1]).long()
+
+    def _record(self, _mod, _args, _out):
+        pos_T = self.positions_T
+        inside_T = (pos_T >= 0) & (pos_T < self.table_PLK.shape[0])
+        rows_TLK = self.model.routed_experts_TLK[: pos_T.shape[0]].long()
+        self.table_PLK[pos_T[inside_T]] = rows_TLK[inside_T]
+
+    def remove(self) -> np.ndarray:
+        for h in self.handles:
+            h.remove()
+        return self.table_PLK.cpu().numpy()
+
+
+def record_routes(worker, positions: int) -> bool:
+    """collective_rpc: from now on record the experts of positions [0, positions) of the one request the
+    engine runs (its prompt and generated tokens), until ``recorded_routes``."""
+    runner = worker.model_runner
+    recorded_routes(worker)
+    runner._lh_route_recorder = _Recorder(runner.get_model(), positions)
+    return True
+
+
+def recorded_routes(worker) -> np.ndarray | None:
+    """collective_rpc: the [positions, L, K] table ``record_routes`` filled (None if none), hooks off."""
+    runner = worker.model_runner
+    rec = getattr(runner, "_lh_route_recorder", None)
+    runner._lh_route_recorder = None
+    return None if rec is None else rec.remove()
 
 
 # --- the greedy comparison of two engines, free and with one engine's routes replayed in the other ----------

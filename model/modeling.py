@@ -156,8 +156,11 @@ class HybridModel(HybridPreTrainedModel):
         use_cache: bool = False,
         routed_experts: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        replay_checked: bool = False,
     ) -> tuple[torch.Tensor, HybridCache | None, list[torch.Tensor]]:
-        """Returns (final normed hidden states [B, T, D], cache or None, experts used per MoE layer)."""
+        """Returns (final normed hidden states [B, T, D], cache or None, experts used per MoE layer).
+        ``replay_checked``: the caller checked ``routed_experts``' ids already (a device table checked when
+        it was filled): only its shape is checked here, with no host sync."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         x_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -168,7 +171,7 @@ class HybridModel(HybridPreTrainedModel):
             cu_seqlens = layout.cu_seqlens_N1.long()
         if use_cache and past_key_values is None:
             past_key_values = HybridCache.empty(len(self.layers))
-        replay_TMK = self._check_replay(routed_experts, B * T, x_BTD.device)
+        replay_TMK = self._check_replay(routed_experts, B * T, x_BTD.device, replay_checked)
         step = _Step(layout, cu_seqlens, past_key_values, use_cache, replay_TMK, [])
         if self.config.uses_attn_res:
             h_BTD = self._forward_attn_res(x_BTD, step)
@@ -178,7 +181,9 @@ class HybridModel(HybridPreTrainedModel):
             past_key_values.seen_tokens += T
         return self.norm(h_BTD), past_key_values if use_cache else None, step.choices
 
-    def _check_replay(self, routed: torch.Tensor | None, tokens: int, device) -> torch.Tensor | None:
+    def _check_replay(
+        self, routed: torch.Tensor | None, tokens: int, device, ids_checked: bool = False
+    ) -> torch.Tensor | None:
         """Shape and id range checked once for all layers (on the host when given on the CPU)."""
         if routed is None:
             return None
@@ -187,7 +192,8 @@ class HybridModel(HybridPreTrainedModel):
             raise ValueError(
                 f"routed_experts must be [B*T, num_moe_layers, top_k] = {list(want)}, got {list(routed.shape)}"
             )
-        check_replay_ids(routed, self.config.num_experts)
+        if not ids_checked:
+            check_replay_ids(routed, self.config.num_experts)
         return to_device(routed.long(), device)  # host routes: pinned, no host sync
 
     def _attn(self, layer: HybridDecoderLayer, x_BTD, step: _Step) -> torch.Tensor:

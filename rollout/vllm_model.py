@@ -17,6 +17,11 @@ Deviations from a stock vLLM model, on purpose:
   and decode alike), for routing replay; ``rollout.engine_hooks`` maps them to requests and positions.
   A copy into a persistent buffer, not a new tensor per forward, because a replayed CUDA graph runs no
   Python: the copy is part of the graph and refreshes the rows on every replay.
+* With ``LONGHORIZON_ROUTE_TABLE=1`` at construction (checks only, off by default) every forward also
+  routes its tokens by position from a device table of fixed address (``route_table_PLK``, [max_model_len,
+  num MoE layers, top_k], -1 = route freely, the default): a recorded engine's experts for one request,
+  replayed in this one. A gather inside the forward, so captured decode graphs take the routes too (a
+  Python hook would not run on a replay). ``set_route_table`` fills it.
 * vLLM's own torch.compile does not trace this model (it is not a ``support_torch_compile`` model: the
   learner's modules, the paged mixers' metadata reads). With ``enforce_eager=False`` the engine instead
   compiles the learner's element-wise regions (``model.compile``: norms, AttnRes mixes, GLUs, routing,
@@ -39,7 +44,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from model.compile import compile_regions
 from model.config import HybridConfig
 from model.modeling import HybridModel
-from model.moe import stack_expert_weights
+from model.moe import check_replay_ids, stack_expert_weights
 from rollout.vllm_layers import (
     KDAStateLayer,
     MLALatentPagedAttention,
@@ -50,6 +55,18 @@ from rollout.vllm_layers import (
     kda_state_shapes,
 )
 from rollout.vllm_plugin import mla_cache_form, mla_kv_layout
+
+
+def routes_at(table_PLK: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+    """[T, L, K]: the table's rows at ``positions_T``; -1 (route freely) for a position outside the table
+    (a padded token, or one past the recorded ones). Device ops only: safe inside a captured graph."""
+    P = table_PLK.shape[0]
+    if P == 0:
+        return table_PLK.new_full((positions_T.shape[0], *table_PLK.shape[1:]), -1)
+    positions_T = positions_T.long()
+    inside_T = (positions_T >= 0) & (positions_T < P)
+    rows_TLK = table_PLK[positions_T.clamp(0, P - 1)]
+    return torch.where(inside_T[:, None, None], rows_TLK, torch.full_like(rows_TLK, -1))
 
 
 class _PagedHybridModel(HybridModel):
@@ -94,6 +111,10 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         moe_layers, k = len(config.moe_layer_indices), config.num_experts_per_token
         device = self.lm_head.weight.device
         self._routed_TLK = torch.zeros(rows, moe_layers, k, dtype=torch.int16, device=device) if moe_layers else None
+        self.route_table_PLK: torch.Tensor | None = None
+        if os.environ.get("LONGHORIZON_ROUTE_TABLE", "0") == "1" and moe_layers:
+            P = vllm_config.model_config.max_model_len
+            self.route_table_PLK = torch.full((P, moe_layers, k), -1, dtype=torch.long, device=device)
         self.compiled_regions = [] if vllm_config.model_config.enforce_eager else self._compile(vllm_config)
 
     def _compile(self, vllm_config: VllmConfig) -> list:
@@ -119,10 +140,11 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        routed = None if self.route_table_PLK is None else routes_at(self.route_table_PLK, positions)
         if inputs_embeds is not None:
-            h_1TD, _, choices = self.model(inputs_embeds=inputs_embeds[None])
+            h_1TD, _, choices = self.model(inputs_embeds=inputs_embeds[None], routed_experts=routed, replay_checked=True)
         else:
-            h_1TD, _, choices = self.model(input_ids[None])
+            h_1TD, _, choices = self.model(input_ids[None], routed_experts=routed, replay_checked=True)
         if choices:
             self._record_routes(torch.stack(choices, dim=1))
         return h_1TD[0]
@@ -132,6 +154,22 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         if tokens > self._routed_TLK.shape[0]:  # more tokens than the scheduler's step budget: eager runs only
             self._routed_TLK = self._routed_TLK.new_zeros(tokens, *self._routed_TLK.shape[1:])
         self._routed_TLK[:tokens].copy_(routed_TLK)
+
+    def set_route_table(self, table_PLK: torch.Tensor | None) -> None:
+        """Route position p of the next requests (one at a time) with ``table_PLK[p]`` ([P, num MoE layers,
+        top_k] expert ids, -1 rows route freely; positions past P route freely); None clears the table.
+        Checked here, on the host, so the forward never syncs on it."""
+        if self.route_table_PLK is None:
+            raise RuntimeError("this engine has no route table: construct it with LONGHORIZON_ROUTE_TABLE=1")
+        self.route_table_PLK.fill_(-1)
+        if table_PLK is None:
+            return
+        table_PLK = torch.as_tensor(table_PLK).long().cpu()
+        cap, L, K = self.route_table_PLK.shape
+        if table_PLK.ndim != 3 or tuple(table_PLK.shape[1:]) != (L, K) or table_PLK.shape[0] > cap:
+            raise ValueError(f"route table must be [P <= {cap}, {L}, {K}], got {tuple(table_PLK.shape)}")
+        check_replay_ids(table_PLK.reshape(-1, K), self.config.num_experts)
+        self.route_table_PLK[: table_PLK.shape[0]].copy_(table_PLK)
 
     @property
     def routed_experts_TLK(self) -> torch.Tensor | None:

@@ -115,9 +115,13 @@ def test_small_run_end_to_end(bench, tmp_path):
     fast = engines["ours_fast"]
     check = fast["check"]
     assert {k: check[k] for k in ("equal", "first_mismatch", "prompts")} == {"equal": True, "first_mismatch": None, "prompts": 2}
-    # --check-replay: the eager engine's prompt routes replayed in the fast one give its tokens too, and the
-    # two engines' own prompt routes are the same sets (on the CPU both are eager)
-    assert check["replayed"] == {"equal": True, "first_mismatch": None}
+    # --check-replay: the eager engine's routes replayed at every position from the fast one's device table
+    # give its tokens and logprobs too, and the two engines' own routes are the same sets (on the CPU both
+    # are eager)
+    replayed = check["replayed"]
+    assert {k: replayed[k] for k in ("equal", "first_mismatch", "routes_applied")} == {
+        "equal": True, "first_mismatch": None, "routes_applied": True}  # fmt: skip
+    assert replayed["logprob_max_abs"] < 1e-5 and len(replayed["prompts"]) == 2
     assert check["routes"]["other_sets"] == 0 and len(check["routes"]["prompts"]) == 2
     assert all(r["pairs"] > 0 for r in check["routes"]["prompts"])
     assert fast["greedy"] == engines["ours_eager"]["greedy"] and len(fast["greedy"][0]) == 8

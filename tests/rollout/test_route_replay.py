@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from rollout_cases import SMALL_ENGINE
 
 from rollout.worker import TurnRequest
 
@@ -51,3 +52,35 @@ def test_the_engine_takes_the_replayed_routes(bench, session_worker, tiny_ckpt):
     assert all(not r["tokens_equal"] or r["logprob_max_abs"] > 1e-3 for r in forced["rows"])
     free = bench.greedy_forms(_greedy(session_worker, prompts, "after"), ref)
     assert free["all_equal"]  # the hooks are gone: the shared engine routes freely again
+
+
+@pytest.mark.vllm
+def test_the_device_route_table_routes_every_position(bench, tiny_ckpt, monkeypatch):
+    """An engine built with ``LONGHORIZON_ROUTE_TABLE=1`` routes every position of a request (prompt and
+    generated tokens) from its device table: forced other experts are the ones it computes with, a bad table
+    is refused with the problem named, and a cleared table routes freely again (the tokens of before)."""
+    from rollout.worker import RolloutWorker
+
+    path, model = tiny_ckpt
+    monkeypatch.setenv("LONGHORIZON_ROUTE_TABLE", "1")
+    worker = RolloutWorker(dict(model_path=str(path), reuse="session", **SMALL_ENGINE))
+    try:
+        prompt = torch.randint(10, 1000, (41,), generator=torch.Generator().manual_seed(5)).tolist()
+        toks, _, routed, prompt_routed = _greedy(worker, [prompt], "free")["greedy"][0]
+        table_PLK = bench._routes_PLK(toks, routed, prompt_routed)
+        E = model.config.num_experts
+        moved_PLK = np.where(table_PLK >= 0, (table_PLK + 1) % E, table_PLK)
+        worker.llm.collective_rpc(bench.set_route_table, args=(moved_PLK,))
+        got = _greedy(worker, [prompt], "forced")["greedy"][0]
+        got_PLK = bench._routes_PLK(got[0], got[2], got[3])
+        n = len(moved_PLK) - 1  # the last generated token is never fed
+        assert got_PLK.shape == moved_PLK.shape and (got_PLK[:n] >= 0).all()
+        assert not bench._other_sets_PL(got_PLK[:n], moved_PLK[:n]).any()  # every position, decode included
+        with pytest.raises(Exception, match="expert ids must lie in"):
+            worker.llm.collective_rpc(bench.set_route_table, args=(np.full_like(moved_PLK, E),))
+        with pytest.raises(Exception, match="route table must be"):
+            worker.llm.collective_rpc(bench.set_route_table, args=(moved_PLK[:, :1],))
+        worker.llm.collective_rpc(bench.set_route_table, args=(None,))
+        assert _greedy(worker, [prompt], "again")["greedy"][0][0] == toks
+    finally:
+        worker.shutdown()
