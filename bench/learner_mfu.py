@@ -1074,7 +1074,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--checkpoint", default="none", choices=["none", "layer", "ffn", "attention"])
     ap.add_argument("--compile", action="store_true", help="learner.compile (regional torch.compile)")
-    ap.add_argument("--compile-scope", default="regions", help="learner.compile_scope: regions, moe or blocks")
+    ap.add_argument("--compile-scope", default="auto", help="learner.compile_scope: auto (blocks on a GPU), regions, moe or blocks")
     ap.add_argument("--no-peer", dest="peer", action="store_false")
     ap.add_argument("--peer-row", type=int, default=1024, help="the peer's row length (tokens per sequence)")
     ap.add_argument("--no-components", dest="components", action="store_false")

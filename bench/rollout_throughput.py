@@ -114,7 +114,7 @@ class EngineSpec:
     enforce_eager: bool
     compile_regions: bool = True  # ours with enforce_eager=False: its element-wise regions compiled
     dtype: str | None = None  # None: the run's (bf16 on a GPU)
-    compile_scope: str = "regions"  # model.compile's scope (moe: each MoE block compiled whole)
+    compile_scope: str = "auto"  # model.compile's scope: the engine's default (moe on a GPU: each MoE block whole)
 
 
 ENGINES = {
@@ -124,6 +124,7 @@ ENGINES = {
     # the greedy check in fp32: compiled regions round bf16 where eager does (emulated casts) but may sum
     # in another order, enough to flip a near-tied token of a random-init model in bf16, not in fp32
     "ours_fast_fp32": EngineSpec("ours", enforce_eager=False, dtype="float32"),
+    "ours_fast_regions": EngineSpec("ours", enforce_eager=False, compile_scope="regions"),  # the default until 2026-12-02
     "ours_fast_moe": EngineSpec("ours", enforce_eager=False, compile_scope="moe"),
     "ours_fast_moe_fp32": EngineSpec("ours", enforce_eager=False, dtype="float32", compile_scope="moe"),
     "ours_eager_fp32": EngineSpec("ours", enforce_eager=True, dtype="float32"),

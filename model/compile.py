@@ -130,6 +130,17 @@ def block_kinds(scope: str) -> tuple[tuple[type, str, Callable], ...]:
 COMPILE_SCOPES = ("regions", "moe", "blocks")
 
 
+def resolve_compile_scope(scope: str, device: torch.device | str, on_cuda: str) -> str:
+    """``scope``, or for "auto" the one measured fastest on a GPU (``on_cuda``: "blocks" for the learner,
+    "moe" for the engine, bench/RESULTS.md) and "regions" elsewhere: the CPU's grouped GEMM takes bf16
+    only, so an fp32 MoE block compiled whole would fall back to eager there."""
+    if scope == "auto":
+        return on_cuda if torch.device(device).type == "cuda" else "regions"
+    if scope not in COMPILE_SCOPES:
+        raise ValueError(f"compile scope must be auto or one of {COMPILE_SCOPES}, got {scope!r}")
+    return scope
+
+
 def compile_regions(
     model: nn.Module,
     backend: str | Callable = "inductor",

@@ -139,9 +139,10 @@ class Learner:
             _checkpoint_layers(self.base_model, cfg.checkpoint_scope)
         self.compiled_regions = []
         if cfg.compile:  # after the reference copy: no-grad reference passes stay eager
-            from model.compile import compile_regions
+            from model.compile import compile_regions, resolve_compile_scope
 
-            self.compiled_regions = compile_regions(self.base_model, scope=cfg.compile_scope)
+            scope = resolve_compile_scope(cfg.compile_scope, self.device, on_cuda="blocks")
+            self.compiled_regions = compile_regions(self.base_model, scope=scope)
         hidden = self.base_model.config.hidden_size
         self.value_head = nn.Linear(hidden, 1).to(self.device) if (algo.vf_coef or 0) > 0 else None
         self.dist = dist  # rl.parallel.Distributed, or None: a plain single-process learner

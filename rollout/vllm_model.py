@@ -41,7 +41,7 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 
-from model.compile import compile_regions
+from model.compile import compile_regions, resolve_compile_scope
 from model.config import HybridConfig
 from model.modeling import HybridModel
 from model.moe import check_replay_ids, stack_expert_weights
@@ -121,8 +121,9 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         """The compiled element-wise regions, and a warm-up run before each CUDA graph capture (a region
         compiled while a graph is being captured would break the capture). ``LONGHORIZON_COMPILE_BACKEND``:
         the dynamo backend (default inductor; tests take aot_eager: no C++ builds), or none (CUDA graphs of
-        the uncompiled model). ``LONGHORIZON_COMPILE_SCOPE``: ``model.compile``'s scope (default regions; moe
-        compiles each MoE block whole, one graph with its routing, permutation and projections)."""
+        the uncompiled model). ``LONGHORIZON_COMPILE_SCOPE``: ``model.compile``'s scope (default auto: moe on a
+        GPU, each MoE block compiled whole, one graph with its routing, permutation and projections; regions
+        on CPU)."""
         backend = os.environ.get("LONGHORIZON_COMPILE_BACKEND", "inductor")
         if backend == "none":
             return []
@@ -130,7 +131,8 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         # eager reference does, up to the order of reductions (an H200 run without it changed greedy tokens)
         options = {"emulate_precision_casts": True} if backend == "inductor" else None
         extra = ((KDAStateLayer, "decode_inputs_fn", kda_decode_inputs),)
-        regions = compile_regions(self, backend, extra, options, os.environ.get("LONGHORIZON_COMPILE_SCOPE", "regions"))
+        scope = resolve_compile_scope(os.environ.get("LONGHORIZON_COMPILE_SCOPE", "auto"), self.lm_head.weight.device, "moe")
+        regions = compile_regions(self, backend, extra, options, scope)
         cc = vllm_config.compilation_config
         cc.cudagraph_num_of_warmups = max(1, cc.cudagraph_num_of_warmups)
         return regions

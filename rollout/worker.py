@@ -80,7 +80,8 @@ class WorkerConfig:
     gpu_memory_utilization: float | None = None
     # batch sizes vLLM captures CUDA graphs for (enforce_eager=False). None: vLLM's own list (1, 2, 4, then
     # every 8 up to its maximum: 54 graphs for 128 sequences, 27-32 s of a cold start on an H200); a batch
-    # between two sizes runs in the next larger graph
+    # between two sizes runs in the next larger graph. Powers of two to 128 (8 sizes) cut gpu_1b's cold first
+    # call on an H200 from 105 to 79 s (graph capture 27 -> 16 s; decode at 64 sequences 10.7K tokens/s)
     cudagraph_capture_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:

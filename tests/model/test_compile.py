@@ -11,7 +11,7 @@ import pytest
 import torch
 from model_cases import tiny_config
 
-from model.compile import compile_regions
+from model.compile import compile_regions, resolve_compile_scope
 from model.fast import use_fast_paths
 from model.layers import RMSNorm
 from model.modeling import HybridForCausalLM
@@ -218,6 +218,15 @@ def test_moe_scope_graphs_stop_growing_with_micro_batch_sizes():
 def test_unknown_compile_scope_is_named():
     with pytest.raises(ValueError, match="compile scope must be one of"):
         compile_regions(_small_model(), backend="aot_eager", scope="everything")
+    with pytest.raises(ValueError, match="compile scope must be auto or one of"):
+        resolve_compile_scope("everything", "cpu", on_cuda="blocks")
+
+
+def test_auto_scope_is_the_gpu_measured_one_on_cuda_and_regions_elsewhere():
+    assert resolve_compile_scope("auto", "cpu", on_cuda="blocks") == "regions"
+    assert resolve_compile_scope("auto", torch.device("cuda", 0), on_cuda="blocks") == "blocks"
+    assert resolve_compile_scope("auto", "cuda", on_cuda="moe") == "moe"
+    assert resolve_compile_scope("moe", "cpu", on_cuda="blocks") == "moe"
 
 
 def test_moe_scope_without_gradient_is_one_graph():
