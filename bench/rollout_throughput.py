@@ -458,6 +458,8 @@ class Parent:
         if not spec.compile_regions:
             env["LONGHORIZON_COMPILE_BACKEND"] = "none"  # rollout.vllm_model: CUDA graphs, no compiled regions
         env["LONGHORIZON_COMPILE_SCOPE"] = spec.compile_scope
+        if self.args.compile_threads:  # inductor's compile workers in our engines (vLLM pins them to 1)
+            env["LONGHORIZON_COMPILE_THREADS"] = str(self.args.compile_threads)
         if ours_fast and "check" in tasks:  # the replayed check: routes from the model's device table
             env["LONGHORIZON_ROUTE_TABLE"] = "1"
         if not self.args.warm_caches:  # a cold first call per engine: nothing compiled by an earlier child
@@ -893,6 +895,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-gen", type=int, default=32)
     p.add_argument("--capture-sizes", default=None,
                    help="CUDA-graph batch sizes of every engine, e.g. 1,2,4,8,16,32,64,128 (default: vLLM's, 54 graphs)")
+    p.add_argument("--compile-threads", type=int, default=None,
+                   help="inductor compile workers of our fast engines (LONGHORIZON_COMPILE_THREADS; vLLM pins 1)")
     p.add_argument("--check-replay", action="store_true",
                    help="also the replayed-routes check when the free greedy check is equal (it runs on a mismatch)")
     p.add_argument("--max-model-len", type=int, default=4096)

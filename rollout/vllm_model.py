@@ -69,6 +69,25 @@ def routes_at(table_PLK: torch.Tensor, positions_T: torch.Tensor) -> torch.Tenso
     return torch.where(inside_T[:, None, None], rows_TLK, torch.full_like(rows_TLK, -1))
 
 
+def inductor_compile_threads(value: str | None) -> int | None:
+    """Set inductor's compile workers from ``value`` (None: leave them). ``import vllm`` pins them to 1
+    (TORCHINDUCTOR_COMPILE_THREADS, vLLM issues 10480 / 10619), so inductor compiles the regions' Triton
+    kernels one after another: 16 s of an H200 cold start, in a process that has 16 cores. Opt-in until
+    measured; returns the count set."""
+    if value is None or value == "":
+        return None
+    try:
+        threads = int(value)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise ValueError(f"LONGHORIZON_COMPILE_THREADS must be a positive integer, got {value!r}")
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = threads
+    return threads
+
+
 class _PagedHybridModel(HybridModel):
     """The learner's decoder stack with the sequence mixers routed through vLLM's caches."""
 
@@ -123,10 +142,11 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         the dynamo backend (default inductor; tests take aot_eager: no C++ builds), or none (CUDA graphs of
         the uncompiled model). ``LONGHORIZON_COMPILE_SCOPE``: ``model.compile``'s scope (default auto: moe on a
         GPU, each MoE block compiled whole, one graph with its routing, permutation and projections; regions
-        on CPU)."""
+        on CPU). ``LONGHORIZON_COMPILE_THREADS``: inductor's compile workers (``inductor_compile_threads``)."""
         backend = os.environ.get("LONGHORIZON_COMPILE_BACKEND", "inductor")
         if backend == "none":
             return []
+        inductor_compile_threads(os.environ.get("LONGHORIZON_COMPILE_THREADS"))
         # inductor keeps eager's bf16 roundings between the ops it fuses: the fast path computes what the
         # eager reference does, up to the order of reductions (an H200 run without it changed greedy tokens)
         options = {"emulate_precision_casts": True} if backend == "inductor" else None

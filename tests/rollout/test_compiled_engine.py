@@ -60,3 +60,18 @@ def test_compiled_engine_records_the_learners_routes(compiled_worker, tiny_ckpt)
 
 def test_eager_engine_compiles_nothing(session_worker):
     assert _engine_model(session_worker).compiled_regions == []
+
+
+def test_inductor_compile_threads_is_opt_in_and_checked(monkeypatch):
+    """``LONGHORIZON_COMPILE_THREADS`` sets inductor's compile workers (``import vllm`` pins them to 1);
+    unset leaves them, and a value that is not a positive integer is named."""
+    import torch._inductor.config as inductor_config
+
+    from rollout.vllm_model import inductor_compile_threads
+
+    monkeypatch.setattr(inductor_config, "compile_threads", 1)
+    assert inductor_compile_threads(None) is None and inductor_config.compile_threads == 1
+    assert inductor_compile_threads("6") == 6 and inductor_config.compile_threads == 6
+    for bad in ("0", "-2", "many"):
+        with pytest.raises(ValueError, match="LONGHORIZON_COMPILE_THREADS must be a positive integer"):
+            inductor_compile_threads(bad)
