@@ -44,8 +44,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kernels.transfer import to_device
 from rl.config import AlgorithmConfig, LearnerConfig, ModelConfig
-from rl.losses import LossInputs, policy_loss
+from rl.losses import LossInputs, metric_floats, policy_loss_stats
 from rl.types import TrainBatch
 
 
@@ -201,9 +202,9 @@ class Learner:
         from model.fast import pick
 
         model = model if model is not None else self.policy
-        ids_1T = batch.input_ids_T.to(self.device)[None]
+        ids_1T = to_device(batch.input_ids_T, self.device)[None]
         cu_host = batch.cu_seqlens_N1
-        cu = cu_host.to(self.device)
+        cu = to_device(cu_host, self.device)
         # tokens the engine recorded no experts for (-1 rows) are routed freely in the same forward
         routes = batch.routed_experts_TLK if self.cfg.routing_replay else None
         targets_1T = torch.roll(ids_1T, -1, dims=1)
@@ -257,11 +258,11 @@ class Learner:
             with torch.no_grad(), ctx:
                 ref_T = self.forward(mb, model=ref_model if ref_model is not None else self.policy).logprobs_T
         return LossInputs(
-            logprobs_T=fwd.logprobs_T, old_logprobs_T=old_T, rollout_logprobs_T=mb.rollout_logprobs_T.to(dev),
-            advantages_T=mb.advantages_T.to(dev), token_weights_T=mb.token_weights_T.to(dev),
-            loss_mask_T=mb.loss_mask_T.to(dev), seq_ids_T=mb.seq_ids_T.to(dev), ref_logprobs_T=ref_T,
+            logprobs_T=fwd.logprobs_T, old_logprobs_T=old_T, rollout_logprobs_T=to_device(mb.rollout_logprobs_T, dev),
+            advantages_T=to_device(mb.advantages_T, dev), token_weights_T=to_device(mb.token_weights_T, dev),
+            loss_mask_T=to_device(mb.loss_mask_T, dev), seq_ids_T=to_device(mb.seq_ids_T, dev), ref_logprobs_T=ref_T,
             entropy_T=fwd.entropy_T, values_T=fwd.values_T, old_values_T=old_values_T,
-            value_targets_T=mb.value_targets_T.to(dev), value_weights_T=mb.value_weights_T.to(dev),
+            value_targets_T=to_device(mb.value_targets_T, dev), value_weights_T=to_device(mb.value_weights_T, dev),
         )  # fmt: skip
 
     @torch.no_grad()
@@ -298,7 +299,7 @@ class Learner:
         self.policy.train()
         self.optimizer.zero_grad(set_to_none=True)
         need_entropy = True
-        sums: dict[str, float] = defaultdict(float)
+        sums: dict[str, torch.Tensor] = {}  # on the device: read back once, after the optimizer step
         for j, micro in enumerate(micro_batches):
             if micro.padding:
                 self._padding_backward(micro, need_entropy)
@@ -309,15 +310,20 @@ class Learner:
                 old_v = fwd.values_T.detach()
             if mismatch is not None:
                 mismatch.add(
-                    old_T, micro.rollout_logprobs_T.to(self.device), micro.loss_mask_T.to(self.device)
+                    old_T,
+                    to_device(micro.rollout_logprobs_T, self.device),
+                    to_device(micro.loss_mask_T, self.device),
                 )
-            loss, m = policy_loss(self._loss_inputs(micro, fwd, old_T, old_v), self.algo)
+            loss, m = policy_loss_stats(self._loss_inputs(micro, fwd, old_T, old_v), self.algo)
             with self._paths():
                 loss.backward()
             for k, v in m.items():
-                sums[k] = max(sums[k], v) if k.endswith("_max") else sums[k] + v
-        sums["grad_norm"] = float(self._clip_and_step())
-        return dict(sums)
+                if k not in sums:
+                    sums[k] = v
+                else:
+                    sums[k] = torch.maximum(sums[k], v) if k.endswith("_max") else sums[k] + v
+        sums["grad_norm"] = self._clip_and_step().double()
+        return metric_floats(sums)
 
     def _padding_backward(self, micro: TrainBatch, need_entropy: bool = False) -> None:
         """A padding micro-batch's forward and backward: its zero loss weights add exact zeros to every
@@ -329,7 +335,7 @@ class Learner:
             fwd = self.forward(micro, need_entropy=need_entropy)
             old_T = fwd.logprobs_T.detach()
             old_v = fwd.values_T.detach() if fwd.values_T is not None else None
-            loss, _ = policy_loss(self._loss_inputs(micro, fwd, old_T, old_v), self.algo)
+            loss, _ = policy_loss_stats(self._loss_inputs(micro, fwd, old_T, old_v), self.algo)
             with self._paths():
                 loss.backward()
 
@@ -624,18 +630,32 @@ class _MismatchMeter:
     def __init__(self) -> None:
         self.abs_sum = self.kl_sum = self.n = 0.0
         self.abs_max = 0.0
+        self._sums_4: torch.Tensor | None = None  # abs sum, kl sum, tokens, abs max: on the device until read
 
     def add(self, learner_T: torch.Tensor, rollout_T: torch.Tensor, mask_T: torch.Tensor) -> None:
-        d_T = (learner_T.detach() - rollout_T)[mask_T]
-        if d_T.numel() == 0:
-            return
-        self.abs_sum += float(d_T.abs().sum())
-        self.abs_max = max(self.abs_max, float(d_T.abs().max()))
-        self.kl_sum += float((torch.exp(d_T) - d_T - 1).sum())
-        self.n += d_T.numel()
+        """Device ops only (masked, not indexed): no host sync between a micro-batch's forward and backward."""
+        d_T = torch.where(mask_T, learner_T.detach().float() - rollout_T.float(), 0.0)
+        abs_T = d_T.abs()
+        part_4 = torch.stack(
+            [abs_T.sum(), (torch.exp(d_T) - d_T - 1).sum(), mask_T.sum().float(), abs_T.max()]
+        )
+        if self._sums_4 is None:
+            self._sums_4 = part_4
+        else:
+            self._sums_4 = torch.cat(
+                [self._sums_4[:3] + part_4[:3], torch.maximum(self._sums_4[3:], part_4[3:])]
+            )
+
+    def _read(self) -> None:
+        if self._sums_4 is not None:
+            abs_sum, kl_sum, n, abs_max = self._sums_4.tolist()
+            self.abs_sum, self.kl_sum, self.n = self.abs_sum + abs_sum, self.kl_sum + kl_sum, self.n + int(n)
+            self.abs_max = max(self.abs_max, abs_max)
+            self._sums_4 = None
 
     def result(self, dist=None) -> dict[str, float]:
         """The step's values; with ``dist`` (a learner group) over every rank's tokens."""
+        self._read()
         if dist is not None:
             from rl.parallel import gather_objects
 

@@ -135,27 +135,42 @@ def value_loss(inp: LossInputs, clip: float | None) -> torch.Tensor:
 
 def policy_loss(inp: LossInputs, cfg: AlgorithmConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """The objective of the module docstring for one micro-batch; returns (loss, metric sums)."""
+    loss, stats = policy_loss_stats(inp, cfg)
+    return loss, metric_floats(stats)
+
+
+def policy_loss_stats(inp: LossInputs, cfg: AlgorithmConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``policy_loss`` with its metrics as detached 0-dim tensors on the loss's device: nothing is read back
+    to the host between the forward and the backward (the learner reads a step's metrics once, after it)."""
     w_T, mask_T = inp.token_weights_T, inp.loss_mask_T
     ratio_T = torch.exp(log_ratio(inp, cfg.ratio_level))
     pg_T, clipped_T = clipped_pg(ratio_T, inp.advantages_T, cfg)
     tis_T = tis_weights(inp.old_logprobs_T, inp.rollout_logprobs_T, mask_T, cfg.tis_cap)
     per_token_T = tis_T * pg_T
     with torch.no_grad():
-        metrics = {"pg_loss": float((w_T * pg_T).sum()), "clip_frac": float((w_T * clipped_T).sum()),
-                   "ratio_max": float(ratio_T[mask_T].max()) if mask_T.any() else 1.0,
-                   "tis_weight": float((w_T * tis_T).sum())}  # fmt: skip
+        masked_max = torch.where(mask_T, ratio_T, torch.full_like(ratio_T, -torch.inf)).max()
+        metrics = {"pg_loss": (w_T * pg_T).sum(), "clip_frac": (w_T * clipped_T).sum(),
+                   "ratio_max": torch.where(mask_T.any(), masked_max, torch.ones_like(masked_max)),
+                   "tis_weight": (w_T * tis_T).sum()}  # fmt: skip
     if inp.ref_logprobs_T is not None and cfg.kl_coef > 0:
         kl_T = torch.where(mask_T, kl_penalty(inp.logprobs_T, inp.ref_logprobs_T, cfg.kl_estimator), 0.0)
         per_token_T = per_token_T + cfg.kl_coef * kl_T
-        metrics["kl_ref"] = float((w_T * kl_T).detach().sum())
+        metrics["kl_ref"] = (w_T * kl_T).detach().sum()
     if inp.entropy_T is not None:
-        metrics["entropy"] = float((w_T * inp.entropy_T).detach().sum())
+        metrics["entropy"] = (w_T * inp.entropy_T).detach().sum()
         if cfg.entropy_coef > 0:
             per_token_T = per_token_T - cfg.entropy_coef * inp.entropy_T
     loss = (w_T * per_token_T).sum()
     if inp.values_T is not None and (cfg.vf_coef or 0) > 0:
         vl = value_loss(inp, cfg.value_clip)
         loss = loss + cfg.vf_coef * vl
-        metrics["value_loss"] = float(vl.detach())
-    metrics["loss"] = float(loss.detach())
-    return loss, metrics
+        metrics["value_loss"] = vl.detach()
+    metrics["loss"] = loss.detach()
+    return loss, {k: v.double() for k, v in metrics.items()}
+
+
+def metric_floats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """0-dim metric tensors as floats, read back to the host in one copy."""
+    if not stats:
+        return {}
+    return dict(zip(stats, torch.stack(list(stats.values())).tolist()))

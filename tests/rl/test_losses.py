@@ -172,3 +172,52 @@ def test_grpo_equals_clipped_loss_with_group_baseline():
     (g1,) = torch.autograd.grad(loss, lp, retain_graph=True)
     (g2,) = torch.autograd.grad(by_hand, lp)
     assert torch.allclose(g1, g2)
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Ops that read a tensor's values back to the host (a device sync on a GPU): item/bool/float, nonzero,
+    boolean-mask indexing."""
+
+    READS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "index"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._overloadpacket.__name__
+        if name in self.READS and (name != "index" or any(getattr(i, "dtype", None) == torch.bool for i in args[1])):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_loss_stats_and_the_mismatch_meter_read_nothing_back_and_match_the_floats():
+    """Between a micro-batch's forward and backward the learner reads nothing back to the host: the loss's
+    metrics stay 0-dim device tensors (``policy_loss_stats``) and the mismatch meter masks instead of indexing;
+    their values equal ``policy_loss``'s floats and the indexed formulas, an all-masked micro-batch included."""
+    from rl.learner import _MismatchMeter
+    from rl.losses import metric_floats, policy_loss_stats
+
+    inp = inputs([-1.0, -2.5, -0.3, -4.0], [-1.2, -2.0, -0.3, -3.0], [1.0, -2.0, 0.5, 1.5],
+                 mask=[True, True, False, True], rollout=[-1.1, -2.2, -0.5, -3.5])  # fmt: skip
+    c = cfg("dapo", tis_cap=2.0, kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
+    inp.ref_logprobs_T = torch.tensor([-1.0, -2.0, -0.4, -3.8], dtype=torch.float64)
+    inp.entropy_T = torch.tensor([0.5, 1.0, 2.0, 0.1], dtype=torch.float64)
+    meter = _MismatchMeter()
+    reads = _HostReads()
+    with reads:
+        loss, stats = policy_loss_stats(inp, c)
+        for mask in (inp.loss_mask_T, torch.zeros(4, dtype=torch.bool)):
+            meter.add(inp.old_logprobs_T, inp.rollout_logprobs_T, mask)
+    assert reads.seen == []
+    loss_f, floats = policy_loss(inp, c)
+    assert metric_floats(stats) == pytest.approx(floats, rel=1e-12) and float(loss.detach()) == float(loss_f.detach())
+    d_T = (inp.old_logprobs_T - inp.rollout_logprobs_T)[inp.loss_mask_T]
+    got = meter.result()
+    assert got["mismatch/tokens"] == 3
+    assert got["mismatch/logprob_abs_mean"] == pytest.approx(float(d_T.abs().mean()))
+    assert got["mismatch/logprob_abs_max"] == pytest.approx(float(d_T.abs().max()))
+    assert got["mismatch/kl"] == pytest.approx(float((d_T.exp() - d_T - 1).mean()))
+    none = _MismatchMeter()
+    none.add(inp.old_logprobs_T, inp.rollout_logprobs_T, torch.zeros(4, dtype=torch.bool))
+    assert none.result()["mismatch/tokens"] == 0 and none.result()["mismatch/logprob_abs_max"] == 0.0
