@@ -39,6 +39,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,7 +54,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from kernels.kda import kda_decode_step_
 from model.cache import KDAState
 from model.kda import kda_gates
-from model.layers import l2_normalize_qk, seq_layout
+from model.layers import SeqLayout, l2_normalize_qk, seq_layout
 
 
 def kda_state_shapes(config) -> tuple[tuple[int, ...], ...]:
@@ -113,23 +115,25 @@ class KDAStateLayer(nn.Module, MambaBase):
             y_TD[:ndt] = self._decode(x_TD[:ndt], slots[:nd])
         if meta.num_prefills > 0:
             npf, npt = meta.num_prefills, meta.num_prefill_tokens
-            cu = (meta.non_spec_query_start_loc[nd : nd + npf + 1] - ndt).long()
+            cu, layout = _prefill_layout(meta, nd, ndt, npf, npt, x_TD.device)
             has_init = meta.prefill_has_initial_state[:npf]
             y_TD[ndt : ndt + npt] = self._run(
-                x_TD[None, ndt : ndt + npt], slots[nd : nd + npf], cu, has_init
+                x_TD[None, ndt : ndt + npt], slots[nd : nd + npf], cu, has_init, layout
             )[0]
         return y_TD
 
-    def _run(self, x_BTD, slots_N, cu_seqlens, has_init_N) -> torch.Tensor:
-        """One call of the learner's KDA over N sequences whose states live in ``slots_N``."""
+    def _run(self, x_BTD, slots_N, cu_seqlens, has_init_N, layout: SeqLayout | None = None) -> torch.Tensor:
+        """One call of the learner's KDA over N sequences whose states live in ``slots_N`` (``layout``: the
+        step's, shared by the layers; built here when not given)."""
         conv_q, conv_k, conv_v, rec = self.kv_cache
         state = KDAState(rec[slots_N], conv_q[slots_N], conv_k[slots_N], conv_v[slots_N])
-        if has_init_N is not None and not bool(has_init_N.all()):
-            keep = has_init_N.to(torch.bool)
+        if has_init_N is not None:  # a fresh sequence starts from zero state, not from a recycled slot
+            keep_N = has_init_N.to(torch.bool)  # masked on the device: no host read of the flags
             for t in (state.recurrent_NHKV, state.conv_q_NCW, state.conv_k_NCW, state.conv_v_NCW):
-                t[~keep] = 0  # a fresh sequence starts from zero state, not from a recycled slot
+                t.masked_fill_(~keep_N.view(-1, *[1] * (t.ndim - 1)), 0)
         B, T, _ = x_BTD.shape
-        layout = seq_layout(B, T, cu_seqlens, x_BTD.device)
+        if layout is None:
+            layout = seq_layout(B, T, cu_seqlens, x_BTD.device)
         y_BTD, new = self._kda[0](x_BTD, layout, cu_seqlens=cu_seqlens, state=state, return_state=True)
         rec[slots_N] = new.recurrent_NHKV.to(rec.dtype)
         conv_q[slots_N] = new.conv_q_NCW.to(conv_q.dtype)
@@ -166,6 +170,20 @@ class KDAStateLayer(nn.Module, MambaBase):
         if self.w_in is not None:
             return F.linear(x_ND, self.w_in).split(self.in_sizes, dim=-1)
         return tuple(m(x_ND) for m in _input_linears(kda))
+
+
+def _prefill_layout(meta, nd: int, ndt: int, npf: int, npt: int, device) -> tuple[torch.Tensor, SeqLayout]:
+    """The step's prefill offsets and their sequence layout, built once per attention-metadata object: every
+    KDA layer of a cache group gets the same one from vLLM, so the offsets are read back to the host once per
+    group and step (not once per layer) and the KDA kernel's chunk plan, cached on the layout, once too."""
+    cached = getattr(meta, "_lh_prefill_layout", None)
+    if cached is None or cached[0] != (nd, ndt, npf, npt):
+        cu = (meta.non_spec_query_start_loc[nd : nd + npf + 1] - ndt).long()
+        cached = ((nd, ndt, npf, npt), cu, seq_layout(1, npt, cu, device))
+        # a metadata type that takes no new attributes: the layout is built per layer, as before
+        with contextlib.suppress(AttributeError, TypeError):
+            meta._lh_prefill_layout = cached
+    return cached[1], cached[2]
 
 
 def _input_linears(kda: nn.Module) -> list[nn.Module]:

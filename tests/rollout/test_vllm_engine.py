@@ -147,3 +147,29 @@ def test_context_budget_and_bad_requests(worker):
         worker.generate([TurnRequest("d", [5]), TurnRequest("d", [6])])
     with pytest.raises(ValueError, match="at least one"):
         worker.generate([TurnRequest("z", [])])
+
+
+def test_the_prefill_layout_is_built_once_per_step_metadata():
+    """Every KDA layer of a cache group gets the same attention-metadata object for a step: the prefill
+    offsets are read back and the layout (and with it the KDA chunk plan) built once for all of them, and
+    a metadata object of another step, or one that takes no new attributes, gets its own."""
+    from types import SimpleNamespace
+
+    from rollout.vllm_layers import _prefill_layout
+
+    # 2 decodes (1 token each), then prefills of 5 and 3 tokens
+    meta = SimpleNamespace(non_spec_query_start_loc=torch.tensor([0, 1, 2, 7, 10], dtype=torch.int32))
+    cu, layout = _prefill_layout(meta, 2, 2, 2, 8, torch.device("cpu"))
+    assert cu.tolist() == [0, 5, 8] and [(a, b) for _, a, b in layout.bounds] == [(0, 5), (5, 8)]
+    again = _prefill_layout(meta, 2, 2, 2, 8, torch.device("cpu"))
+    assert again[0] is cu and again[1] is layout  # the next layer of the step: no second host read
+    other = SimpleNamespace(non_spec_query_start_loc=torch.tensor([0, 4, 6], dtype=torch.int32))
+    cu2, layout2 = _prefill_layout(other, 0, 0, 2, 6, torch.device("cpu"))
+    assert cu2.tolist() == [0, 4, 6] and layout2 is not layout
+
+    class Slotted:  # a metadata type without a __dict__
+        __slots__ = ("non_spec_query_start_loc",)
+
+    slotted = Slotted()
+    slotted.non_spec_query_start_loc = meta.non_spec_query_start_loc
+    assert _prefill_layout(slotted, 2, 2, 2, 8, torch.device("cpu"))[0].tolist() == [0, 5, 8]
