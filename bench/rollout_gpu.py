@@ -672,7 +672,7 @@ def part_reuse(run: Run) -> None:
         w = runs["session"].worker
         w.end_sessions(list(w.sessions))
         out["decode"] = guarded(lambda: decode_rate(w, a.episodes, gen=a.decode_gen))
-        log(f"decode: {out['decode']}")
+        log(f"decode: { {k: v for k, v in out['decode'].items() if k != 'profile'} }")
     for m in head:
         shutdown_mode(run, runs[m])
     reuse_results(run, runs, out, cfg.turns)  # the bar's pair on disk before anything else starts
@@ -767,7 +767,62 @@ def decode_rate(worker, n: int, gen: int) -> dict:
     dt = time.perf_counter() - t0
     worker.end_sessions([r.session_id for r in reqs])
     toks = sum(len(o.token_ids) for o in outs)
-    return dict(sequences=n, tokens=toks, seconds=dt, tokens_per_s=toks / dt, step_ms=1000 * dt / gen)
+    res = dict(sequences=n, tokens=toks, seconds=dt, tokens_per_s=toks / dt, step_ms=1000 * dt / gen)
+    prof = guarded(lambda: decode_profile(worker, ps, gen))
+    res["profile"] = prof.get("profile", prof.get("error"))  # a failure: its error string
+    res["profiled_step_ms"] = prof.get("step_ms")
+    plain = {
+        v: guarded(lambda v=v: plain_decode(worker, ps, gen, logprobs=v == "logprobs0"))
+        for v in ("logprobs0", "logprobs_none")
+    }
+    res["plain"] = {v: r.get("error", r) for v, r in plain.items()}
+    return res
+
+
+def decode_profile(worker, ps: list[list[int]], gen: int) -> dict:
+    """The same ``worker.generate`` again (fresh sessions) under cProfile: the host side's top 30 by tottime."""
+    import cProfile
+    import io
+    import pstats
+
+    from rollout.worker import TurnRequest
+
+    reqs = [TurnRequest(f"q{i}", p, max_tokens=gen, temperature=0.0) for i, p in enumerate(ps)]
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    try:
+        worker.generate(reqs)
+    finally:
+        prof.disable()
+        dt = time.perf_counter() - t0
+        worker.end_sessions([r.session_id for r in reqs])
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).strip_dirs().sort_stats("tottime").print_stats(30)
+    return dict(profile=buf.getvalue(), step_ms=1000 * dt / gen)
+
+
+def plain_decode(worker, ps: list[list[int]], gen: int, logprobs: bool) -> dict:
+    """The same prompts straight to the worker's vLLM engine (add_request + step, no session bookkeeping),
+    as bench/rollout_throughput.py's ``timed_batch`` drives it: greedy, exactly ``gen`` tokens each."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    eng = worker.llm.llm_engine
+    variant = "lp0" if logprobs else "lpnone"
+    params = SamplingParams(
+        n=1, temperature=0.0, max_tokens=gen, min_tokens=gen, ignore_eos=True, detokenize=False,
+        output_kind=RequestOutputKind.DELTA, logprobs=0 if logprobs else None,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    for i, p in enumerate(ps):
+        eng.add_request(f"plain{i}-{variant}", TokensPrompt(prompt_token_ids=list(p)), params)
+    toks = 0
+    while eng.has_unfinished_requests():
+        toks += sum(len(o.outputs[0].token_ids) for o in eng.step() if o.outputs)
+    dt = time.perf_counter() - t0
+    return dict(tokens=toks, seconds=dt, step_ms=1000 * dt / gen)
 
 
 # --- layers: where engine and learner part, module by module, on one prefill ----------------------------
@@ -1133,7 +1188,10 @@ def markdown(res: dict) -> str:
                 f"{later or float('nan'):.3f} | {speedup or float('nan'):.2f}x |"
             )
         if "decode" in res["reuse"]:
-            lines.append(f"\ndecode: {res['reuse']['decode']}")
+            dec = {k: v for k, v in res["reuse"]["decode"].items() if k != "profile"}
+            lines.append(f"\ndecode: {dec}")
+            if isinstance(res["reuse"]["decode"].get("profile"), str):  # the host's top functions, as text
+                lines += ["", "```", res["reuse"]["decode"]["profile"].strip(), "```"]
         lines.append(f"\nreuse bar: {res['reuse'].get('bar')}; engine start + warm-up s: "
                      f"{res['reuse'].get('engine_start_and_warmup_s')}")  # fmt: skip
     if res.get("skipped"):
