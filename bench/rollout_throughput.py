@@ -425,6 +425,18 @@ class Parent:
     def _runs(self, name: str) -> bool:
         return ENGINES[name].model != "peer" or self.cuda
 
+    def capture_sizes(self) -> list[int] | None:
+        """The CUDA-graph batch sizes of every engine: the list given, None for "vllm" (vLLM's own), by default
+        what ``RolloutWorker`` captures (powers of two up to the engines' max_num_seqs)."""
+        given = self.args.capture_sizes
+        if given == "vllm":
+            return None
+        if given:
+            return [int(n) for n in given.split(",")]
+        from rollout.worker import capture_sizes
+
+        return capture_sizes(max_num_seqs(self.sz))
+
     def reference(self, dtype: str, field: str = "greedy"):
         """The eager engine's greedy tokens in ``dtype`` (``field`` "check_routes_file": the file of its
         prompts' routes), once a ``check`` of it has run."""
@@ -447,7 +459,7 @@ class Parent:
             "reference": self.reference(dtype) if ours_fast else None, "dtype": dtype,
             "reference_routes": self.reference(dtype, "check_routes_file") if ours_fast else None,
             "check_replay": self.args.check_replay,
-            "capture_sizes": [int(n) for n in self.args.capture_sizes.split(",")] if self.args.capture_sizes else None,
+            "capture_sizes": self.capture_sizes(),
             "gpu_util": self.args.gpu_util, "max_num_batched_tokens": self.args.max_num_batched_tokens,
             "attention_backend": backend, "profile_n": self.args.profile_n,
             "result": str(self.tmp / f"{key.replace('#', '_')}.json"),
@@ -552,7 +564,7 @@ class Child:
         sz, job = self.sz, self.job
         kwargs: dict[str, Any] = dict(
             model=job["model"], dtype=job["dtype"], enforce_eager=job["enforce_eager"], seed=job["seed"],
-            max_model_len=sz.max_model_len, max_num_seqs=max([*sz.concurrency, sz.check_prompts, 4]),
+            max_model_len=sz.max_model_len, max_num_seqs=max_num_seqs(sz),
             kv_cache_memory_bytes=sz.kv_bytes, enable_prefix_caching=False,
         )  # fmt: skip
         if self.cuda:
@@ -561,7 +573,7 @@ class Child:
             kwargs["max_num_batched_tokens"] = job["max_num_batched_tokens"]
         if job.get("attention_backend"):
             kwargs["attention_config"] = {"backend": job["attention_backend"]}
-        if job.get("capture_sizes"):  # every engine alike (the peer too)
+        if job.get("capture_sizes") and not job["enforce_eager"]:  # every graphed engine alike (the peer too)
             kwargs["compilation_config"] = {"cudagraph_capture_sizes": job["capture_sizes"]}
         self.res["engine_kwargs"] = kwargs
         return LLM(**kwargs)
@@ -712,6 +724,11 @@ def _params(max_tokens: int, temperature: float = 1.0, stepped: bool = False, lo
         n=1, temperature=temperature, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
         detokenize=False, output_kind=kind, logprobs=0 if logprobs else None,
     )  # fmt: skip
+
+
+def max_num_seqs(sz) -> int:
+    """Every engine's max_num_seqs: the largest batch of the run."""
+    return max([*sz.concurrency, sz.check_prompts, 4])
 
 
 def timed_batch(llm, prompts: list[list[int]], gens: list[int]) -> dict:
@@ -894,7 +911,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-prompts", type=int, default=4)
     p.add_argument("--check-gen", type=int, default=32)
     p.add_argument("--capture-sizes", default=None,
-                   help="CUDA-graph batch sizes of every engine, e.g. 1,2,4,8,16,32,64,128 (default: vLLM's, 54 graphs)")
+                   help="CUDA-graph batch sizes of every engine, e.g. 1,2,4,8,16,32,64,128; 'vllm': vLLM's own (54 "
+                        "graphs for 128); default: RolloutWorker's, powers of two up to the largest batch")
     p.add_argument("--compile-threads", type=int, default=None,
                    help="inductor compile workers of our fast engines (LONGHORIZON_COMPILE_THREADS; vLLM pins 1)")
     p.add_argument("--check-replay", action="store_true",

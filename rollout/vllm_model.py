@@ -69,19 +69,26 @@ def routes_at(table_PLK: torch.Tensor, positions_T: torch.Tensor) -> torch.Tenso
     return torch.where(inside_T[:, None, None], rows_TLK, torch.full_like(rows_TLK, -1))
 
 
-def inductor_compile_threads(value: str | None) -> int | None:
-    """Set inductor's compile workers from ``value`` (None: leave them). ``import vllm`` pins them to 1
-    (TORCHINDUCTOR_COMPILE_THREADS, vLLM issues 10480 / 10619), so inductor compiles the regions' Triton
-    kernels one after another: 16 s of an H200 cold start, in a process that has 16 cores. Opt-in until
-    measured; returns the count set."""
+DEFAULT_COMPILE_THREADS = 8
+
+
+def inductor_compile_threads(value: str | None, on_cuda: bool = False) -> int | None:
+    """Set inductor's compile workers from ``value`` (unset: ``DEFAULT_COMPILE_THREADS`` on a GPU, capped by
+    the cores; left alone on a CPU, where a small machine has no cores to spare). ``import vllm`` pins them
+    to 1 (TORCHINDUCTOR_COMPILE_THREADS, vLLM issues 10480 / 10619), so inductor compiled the regions' Triton
+    kernels one after another: with 8 workers gpu_1b's cold first call on an H200 went 79 -> 48 s (Triton
+    compiles in the process 144 / 26.7 s -> 42 / 9.7 s, bench/RESULTS.md). Returns the count set."""
     if value is None or value == "":
-        return None
-    try:
-        threads = int(value)
-    except ValueError:
-        threads = 0
-    if threads < 1:
-        raise ValueError(f"LONGHORIZON_COMPILE_THREADS must be a positive integer, got {value!r}")
+        if not on_cuda:
+            return None
+        threads = max(1, min(DEFAULT_COMPILE_THREADS, os.cpu_count() or 1))
+    else:
+        try:
+            threads = int(value)
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            raise ValueError(f"LONGHORIZON_COMPILE_THREADS must be a positive integer, got {value!r}")
     import torch._inductor.config as inductor_config
 
     inductor_config.compile_threads = threads
@@ -142,16 +149,17 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         the dynamo backend (default inductor; tests take aot_eager: no C++ builds), or none (CUDA graphs of
         the uncompiled model). ``LONGHORIZON_COMPILE_SCOPE``: ``model.compile``'s scope (default auto: moe on a
         GPU, each MoE block compiled whole, one graph with its routing, permutation and projections; regions
-        on CPU). ``LONGHORIZON_COMPILE_THREADS``: inductor's compile workers (``inductor_compile_threads``)."""
+        on CPU). ``LONGHORIZON_COMPILE_THREADS``: inductor's compile workers (``inductor_compile_threads``: 8 on a GPU)."""
         backend = os.environ.get("LONGHORIZON_COMPILE_BACKEND", "inductor")
         if backend == "none":
             return []
-        inductor_compile_threads(os.environ.get("LONGHORIZON_COMPILE_THREADS"))
+        device = self.lm_head.weight.device
+        inductor_compile_threads(os.environ.get("LONGHORIZON_COMPILE_THREADS"), device.type == "cuda")
         # inductor keeps eager's bf16 roundings between the ops it fuses: the fast path computes what the
         # eager reference does, up to the order of reductions (an H200 run without it changed greedy tokens)
         options = {"emulate_precision_casts": True} if backend == "inductor" else None
         extra = ((KDAStateLayer, "decode_inputs_fn", kda_decode_inputs),)
-        scope = resolve_compile_scope(os.environ.get("LONGHORIZON_COMPILE_SCOPE", "auto"), self.lm_head.weight.device, "moe")
+        scope = resolve_compile_scope(os.environ.get("LONGHORIZON_COMPILE_SCOPE", "auto"), device, "moe")
         regions = compile_regions(self, backend, extra, options, scope)
         cc = vllm_config.compilation_config
         cc.cudagraph_num_of_warmups = max(1, cc.cudagraph_num_of_warmups)

@@ -52,6 +52,14 @@ if TYPE_CHECKING:
 REUSE_MODES = ("session", "prefix_cache", "none")
 
 
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """The default CUDA-graph batch sizes: powers of two below ``max_num_seqs``, and ``max_num_seqs`` itself."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    sizes = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs]
+    return [*sizes, max_num_seqs]
+
+
 @dataclass
 class WorkerConfig:
     model_path: str
@@ -78,10 +86,11 @@ class WorkerConfig:
     # share of the GPU vLLM checks is free at start-up (the KV budget is kv_cache_memory_bytes); lower it
     # for several engines, or an engine beside a learner, on one GPU. None: vLLM's default (0.9)
     gpu_memory_utilization: float | None = None
-    # batch sizes vLLM captures CUDA graphs for (enforce_eager=False). None: vLLM's own list (1, 2, 4, then
-    # every 8 up to its maximum: 54 graphs for 128 sequences, 27-32 s of a cold start on an H200); a batch
-    # between two sizes runs in the next larger graph. Powers of two to 128 (8 sizes) cut gpu_1b's cold first
-    # call on an H200 from 105 to 79 s (graph capture 27 -> 16 s; decode at 64 sequences 10.7K tokens/s)
+    # batch sizes vLLM captures CUDA graphs for (enforce_eager=False). None: powers of two up to max_num_seqs
+    # (``capture_sizes``). vLLM's own list (1, 2, 4, then every 8 up to its maximum: 54 graphs for 128
+    # sequences) made gpu_1b's cold first call on an H200 105 s; 8 powers of two 79 s, and 48 s with the
+    # compile workers of ``rollout.vllm_model.inductor_compile_threads`` (bench/RESULTS.md); a batch between
+    # two sizes runs in the next larger graph. Pass vLLM's list explicitly to get it back.
     cudagraph_capture_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:
@@ -213,8 +222,9 @@ class RolloutWorker:
             kwargs["attention_config"] = {"backend": backend}
         if c.gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
-        if c.cudagraph_capture_sizes:
-            kwargs["compilation_config"] = {"cudagraph_capture_sizes": sorted(set(c.cudagraph_capture_sizes))}
+        if not c.enforce_eager:
+            sizes = c.cudagraph_capture_sizes or capture_sizes(c.max_num_seqs)
+            kwargs["compilation_config"] = {"cudagraph_capture_sizes": sorted(set(sizes))}
         return LLM(**kwargs)
 
     def _resident_budget(self) -> int:

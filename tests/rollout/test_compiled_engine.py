@@ -8,6 +8,8 @@ is held to eager in tests/model/test_compile.py)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import test_vllm_engine as engine_tests
 import torch
@@ -62,16 +64,21 @@ def test_eager_engine_compiles_nothing(session_worker):
     assert _engine_model(session_worker).compiled_regions == []
 
 
-def test_inductor_compile_threads_is_opt_in_and_checked(monkeypatch):
+def test_inductor_compile_threads_default_on_gpu_and_checked(monkeypatch):
     """``LONGHORIZON_COMPILE_THREADS`` sets inductor's compile workers (``import vllm`` pins them to 1);
-    unset leaves them, and a value that is not a positive integer is named."""
+    unset leaves them on a CPU and sets the default (capped by the cores) on a GPU, and a value that is not
+    a positive integer is named."""
     import torch._inductor.config as inductor_config
 
-    from rollout.vllm_model import inductor_compile_threads
+    from rollout.vllm_model import DEFAULT_COMPILE_THREADS, inductor_compile_threads
 
     monkeypatch.setattr(inductor_config, "compile_threads", 1)
     assert inductor_compile_threads(None) is None and inductor_config.compile_threads == 1
     assert inductor_compile_threads("6") == 6 and inductor_config.compile_threads == 6
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert inductor_compile_threads(None, on_cuda=True) == DEFAULT_COMPILE_THREADS == inductor_config.compile_threads
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert inductor_compile_threads("", on_cuda=True) == 2 and inductor_compile_threads("3", on_cuda=True) == 3
     for bad in ("0", "-2", "many"):
         with pytest.raises(ValueError, match="LONGHORIZON_COMPILE_THREADS must be a positive integer"):
             inductor_compile_threads(bad)

@@ -60,3 +60,13 @@ def test_capture_sizes_are_checked_and_name_a_vllm_field(tmp_path):
     for bad in ([], [0, 8], [2.5]):
         with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
             WorkerConfig(model_path=path, cudagraph_capture_sizes=bad)
+
+
+def test_default_capture_sizes_are_powers_of_two_up_to_max_num_seqs():
+    from rollout.worker import capture_sizes
+
+    assert capture_sizes(128) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert capture_sizes(65) == [1, 2, 4, 8, 16, 32, 64, 65]
+    assert capture_sizes(1) == [1] and capture_sizes(3) == [1, 2, 3]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        capture_sizes(0)
