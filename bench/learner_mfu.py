@@ -464,12 +464,14 @@ def component_times(learner, batch, clock: Clock, counts: dict) -> dict:
         out[kind] = {"per_layer_s": per_layer, "layers": counts[kind], "s": per_layer * counts[kind]}
     h = _leaf(cap["head"])
     targets = batch.input_ids_T.to(h.device).roll(-1)[None]
-    head = learner.base_model.lm_head
+    model = learner.base_model
+    head = model.lm_head
+    fns = (model.head_stats_fn, model.head_grad_fn)  # the step's per-chunk math: compiled under learner.compile
 
     def run_head():
         with learner._paths(), learner._autocast():
             if pick("lm_head", h.device) == "chunked":
-                lp, ent = chunked_logprobs_entropy(head, h, targets, with_entropy=True)
+                lp, ent = chunked_logprobs_entropy(head, h, targets, with_entropy=True, fns=fns)
             else:
                 logits = head(h)
                 lp = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0]
