@@ -44,9 +44,10 @@ Tasks of an engine (``name:task+task``):
   sequences end at their own lengths, so the batch thins towards the end); ``overall`` = all generated tokens / wall time. An untimed warm-up batch
   (4 requests of ``--prompt-min`` tokens) runs first.
 
-* ``profile``: one batch of ``PROFILE_N`` requests (``--prompt-min`` tokens, ``PROFILE_GEN`` generated)
-  under ``torch.profiler`` (the engine runs in this process): device time per engine step in the decode
-  phase and the kernels that take it (top 25 by device time, with calls), to say where a decode step goes.
+* ``profile``: one batch of ``--profile-n`` requests (``--prompt-min`` tokens, ``PROFILE_GEN`` generated),
+  its decode steps under ``torch.profiler`` (the prefill runs first, unprofiled; the engine runs in this
+  process): kernel time per decode step and the kernels that take it (top 60 by device time, with calls),
+  to say where a decode step goes.
 
 Per engine also: engine construction time, first-call time (construction to the first finished request,
 compilation and CUDA-graph capture included) and its breakdown (``startup``: vLLM's start-up phases
@@ -665,8 +666,8 @@ class Child:
             self.save()
 
     def profile(self, llm) -> None:
-        """Kernels of one batch's engine steps, the prefill step(s) apart from the decode ones."""
-        from torch.profiler import ProfilerActivity, profile
+        """Kernels of one batch's decode steps (its prefill runs unprofiled first)."""
+        from torch.profiler import ProfilerActivity
 
         sz, vocab = self.sz, self.job["vocab_size"]
         n = self.job.get("profile_n", PROFILE_N)
@@ -674,11 +675,10 @@ class Child:
         ps, gens = [p[: sz.prompt_min] for p in ps], [PROFILE_GEN] * n
         timed_batch(llm, ps, gens)  # warm: the same shapes once unprofiled
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        with profile(activities=acts) as prof:
-            row = timed_batch(llm, ps, gens)
+        prof, row = profiled_decode(llm, ps, gens, acts)
         self.res["profile"] = profile_summary(prof, row, self.cuda)
-        log(f"[{self.job['key']}] profile: {row['steps']} steps, decode {row['decode_s'] * 1e3 / max(row['steps'] - 1, 1):.2f} "
-            f"ms/step wall; top kernel {self.res['profile']['top'][:1]}")  # fmt: skip
+        log(f"[{self.job['key']}] profile: {row['steps']} decode steps of {n} sequences, {row['step_ms']:.2f} ms/step "
+            f"wall (profiled); top kernel {self.res['profile']['top'][:1]}")  # fmt: skip
         self.save()
 
     def memory(self) -> dict:
@@ -694,11 +694,43 @@ class Child:
         }
 
 
-def profile_summary(prof, row: dict, cuda: bool, top: int = 25) -> dict:
-    """The profiled batch: its timing row, device (or CPU) time per engine step, and the top kernels by
-    self device time as [name, ms, calls]."""
+def profiled_decode(llm, prompts: list[list[int]], gens: list[int], activities) -> tuple:
+    """(profiler, row): all requests submitted at once, stepped unprofiled until each has its first token
+    (the prefill), then the remaining steps, all decode, under ``torch.profiler``."""
+    from torch.profiler import profile
+
+    eng = llm.llm_engine
+    t0 = time.perf_counter()
+    for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
+        eng.add_request(f"pd{i}_{len(p)}_{t0}", _tokens(p), _params(g, stepped=True))
+    started: set[str] = set()
+    generated = 0
+    while eng.has_unfinished_requests() and len(started) < len(prompts):
+        for o in eng.step():
+            if o.outputs and o.outputs[0].token_ids:
+                started.add(o.request_id)
+                generated += len(o.outputs[0].token_ids)
+    t1, steps, decoded = time.perf_counter(), 0, 0
+    with profile(activities=activities) as prof:
+        while eng.has_unfinished_requests():
+            decoded += sum(len(o.outputs[0].token_ids) for o in eng.step() if o.outputs)
+            steps += 1
+    decode_s = time.perf_counter() - t1
+    row = dict(sequences=len(prompts), prompt_tokens=sum(len(p) for p in prompts), prefill_s=t1 - t0,
+               generated_tokens=generated + decoded, steps=steps, decode_tokens=decoded, decode_s=decode_s,
+               step_ms=1e3 * decode_s / max(steps, 1))  # fmt: skip
+    return prof, row
+
+
+def profile_summary(prof, row: dict, cuda: bool, top: int = 60) -> dict:
+    """The profiled steps: their timing row, device (or CPU) time per step, and the top entries by self time
+    as [name, ms, calls]. On a GPU only kernels count (the ops that launch them would count them twice)."""
+    from torch.autograd import DeviceType
+
     events = prof.key_averages()
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    if cuda:
+        events = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA] or list(events)
     kernels = sorted(events, key=lambda e: getattr(e, attr, 0.0), reverse=True)
     total_ms = sum(getattr(e, attr, 0.0) for e in events) / 1e3
     return {
@@ -885,8 +917,9 @@ def markdown(res: dict) -> str:
     for key, v in res.get("engines", {}).items():
         prof = v.get("profile")
         if prof:
-            lines += ["", f"profile of {key}: {prof['batch']['steps']} engine steps, {prof['per_step_ms']:.2f} ms of "
-                      "kernel time per step", "", "| kernel | ms | calls |", "|---|---|---|"]  # fmt: skip
+            lines += ["", f"profile of {key}: {prof['batch']['steps']} decode steps of {prof['batch']['sequences']} "
+                      f"sequences, {prof['per_step_ms']:.2f} ms of kernel time per step", "",
+                      "| kernel | ms | calls |", "|---|---|---|"]  # fmt: skip
             lines += [f"| `{name}` | {ms:.2f} | {calls} |" for name, ms, calls in prof["top"]]
     lines += ["", f"check in fp32 ({s.get('fast_engine')}_fp32 vs ours_eager_fp32 greedy): {s.get('check_fp32')}",
               f"check in the run's dtype (ours_fast vs ours_eager greedy): {s.get('check')}", f"bar: {s.get('bar')}"]
