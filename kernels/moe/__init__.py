@@ -390,6 +390,17 @@ def _glu_graph(glu, gu_PI2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return leaf, glu(*leaf.chunk(2, dim=-1))
 
 
+def scale_rows_(x_PN: torch.Tensor, w_P1: torch.Tensor) -> torch.Tensor:
+    """x *= w ([P, N] rows times [P, 1] fp32 weights) in place, fp32 math rounded once to x's dtype: the
+    Triton kernel on CUDA (``triton.scale_rows_triton_``; PyTorch's broadcast mixed-dtype multiply is not
+    vectorised: 6.5 ms of an H200 learner step at 16K tokens), ``mul_`` (the reference) elsewhere."""
+    if x_PN.is_cuda and x_PN.ndim == 2 and x_PN.stride(-1) == 1:
+        from kernels.moe.triton import scale_rows_triton_
+
+        return scale_rows_triton_(x_PN, w_P1.reshape(-1))
+    return x_PN.mul_(w_P1)
+
+
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -420,12 +431,12 @@ class _GluGroupedMMCombine(torch.autograd.Function):
             dw_TK = hq_P.index_select(0, lay.row_of_slot_S).view(lay.tokens, lay.top_k)
         dW = None
         if ctx.needs_input_grad[2]:  # rows w_j g rounded once, as combine's backward gives them
-            dy_PN = g_PN.mul_(w_P) if g_PN.dtype == dt else (g_PN * w_P).to(dt)
+            dy_PN = scale_rows_(g_PN, w_P) if g_PN.dtype == dt else (g_PN * w_P).to(dt)
             dW = grouped_mm_dw(dy_PN, h_PI.detach(), lay.offs_E, ctx.backend)
             del dy_PN
         del g_PN
         dgu = None
         if ctx.needs_input_grad[0]:
-            torch.autograd.backward(h_PI, dq_PI.mul_(w_P))
+            torch.autograd.backward(h_PI, scale_rows_(dq_PI, w_P))
             dgu = leaf.grad
         return dgu, None, dW, dw_TK, None, None

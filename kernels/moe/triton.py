@@ -131,3 +131,30 @@ def grouped_mm_triton(x_SK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Ten
     if x_SK.dtype != w_GNK.dtype:
         raise ValueError(f"x and w must share a dtype, got {x_SK.dtype} and {w_GNK.dtype}")
     return GroupedMMTriton.apply(x_SK, w_GNK, offs_G.to(torch.int32).contiguous())
+
+
+@triton.jit
+def _scale_rows(x_ptr, w_ptr, R, N: tl.constexpr, sx: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    rm = rows < R
+    w = tl.load(w_ptr + rows, mask=rm, other=0.0).to(tl.float32)
+    m = rm[:, None] & (cols < N)[None, :]
+    ptrs = x_ptr + rows[:, None] * sx + cols[None, :]
+    x = tl.load(ptrs, mask=m, other=0.0).to(tl.float32)
+    tl.store(ptrs, (x * w[:, None]).to(x_ptr.dtype.element_ty), mask=m)
+
+
+def scale_rows_triton_(x_PN: torch.Tensor, w_P: torch.Tensor) -> torch.Tensor:
+    """x[p, :] *= w[p] in place, in fp32 and rounded once to x's dtype (what ``x.mul_(w[:, None])`` computes
+    for half x and fp32 w, where PyTorch's broadcast, mixed-dtype kernel is not vectorised). x: [P, N] with a
+    contiguous last dim; w: [P]."""
+    P, N = x_PN.shape
+    if x_PN.stride(-1) != 1 or w_P.shape != (P,):
+        raise ValueError(f"scale_rows: x [P, N] with a contiguous last dim and w [P], got "
+                         f"{tuple(x_PN.shape)} (strides {x_PN.stride()}) and {tuple(w_P.shape)}")  # fmt: skip
+    if x_PN.numel():
+        br, bn = 8, min(256, triton.next_power_of_2(N))
+        grid = (triton.cdiv(P, br), triton.cdiv(N, bn))
+        _scale_rows[grid](x_PN, w_P.contiguous(), P, N=N, sx=x_PN.stride(0), BR=br, BN=bn)
+    return x_PN

@@ -122,6 +122,30 @@ def test_triton_grouped_mm_matches_the_loop_fwd_bwd(monkeypatch, N, K):
     assert_close("dw", want[1], got[1], 1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_scale_rows_equals_the_mixed_dtype_mul(monkeypatch, dtype):
+    """The MoE backward's row scaling: fp32 weights times the rows in fp32, rounded once, as ``mul_`` does (a
+    strided view with a contiguous last dim, a width over one column block, a partial row block). fp32:
+    bit for bit; bf16 within one unit of the last place (the interpreter rounds a bf16 store toward zero,
+    a GPU to nearest)."""
+    mod = _interpreted_triton_module()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    base = torch.randn(19, 300).to(dtype)
+    before = base.clone()
+    x, w = base[:, :260], torch.randn(19, 1)
+    want = x.clone().mul_(w)
+    got = mod.scale_rows_triton_(x, w[:, 0])
+    assert got.data_ptr() == base.data_ptr()
+    if dtype == torch.float32:
+        assert torch.equal(got, want)
+    else:
+        ulp = 2.0 ** (torch.floor(torch.log2(want.float().abs().clamp_min(1e-30))) - 7)
+        assert bool(((got.float() - want.float()).abs() <= ulp).all())
+    assert torch.equal(base[:, 260:], before[:, 260:])  # the columns past the view untouched
+    with pytest.raises(ValueError, match="scale_rows"):
+        mod.scale_rows_triton_(torch.randn(4, 6).t(), torch.randn(6))
+
+
 # ------------------------------------------------------------------------------------------ the expert nodes
 @pytest.mark.parametrize("dtype, ratio", [(torch.float32, 1e-6), (torch.float64, 1e-14)])
 def test_grouped_mm_gradient_products_equal_autograd(dtype, ratio):
