@@ -8,13 +8,6 @@ With t1 = tanh(g / beta), a = beta t1, s = sigmoid(g), t2 = tanh(u / lb), b = lb
 reference evaluates the same products op by op, so the two agree to fp32 rounding (a few ulp),
 and exactly in what they round to bf16 almost everywhere. Inputs: 2-d [R, C] tensors (any row
 stride, contiguous last dim), fp32 / bf16 / fp16; outputs contiguous, in the inputs' dtypes.
-
-The width C and the row strides are compile-time constants (a model has a few GLU widths), so the
-kernel knows whether rows start 16-byte aligned and can load and store whole vectors. As runtime ints
-only Triton's own launcher specialises them (divisibility by 16); an H200 profile of the learner step
-(bench/RESULTS.md, 2026-12-03) had the forward's 30 launches from the compiled MoE blocks at 321 us on
-average against 86 us for its 16 eager launches; a kernel launched from a compiled graph with dynamic
-token counts may get no such hints (not yet confirmed on the GPU).
 """
 
 from __future__ import annotations
@@ -41,8 +34,7 @@ def _tanh(x):
 
 
 @triton.jit
-def _situ_fwd(g_ptr, u_ptr, h_ptr, R, beta, lb, C: tl.constexpr, g_stride: tl.constexpr, u_stride: tl.constexpr,
-              BR: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _situ_fwd(g_ptr, u_ptr, h_ptr, R, C, g_stride, u_stride, beta, lb, BR: tl.constexpr, BLOCK: tl.constexpr):
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)[:, None]
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     m = (rows < R) & (cols < C)
@@ -55,8 +47,8 @@ def _situ_fwd(g_ptr, u_ptr, h_ptr, R, beta, lb, C: tl.constexpr, g_stride: tl.co
 
 
 @triton.jit
-def _situ_bwd(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, R, beta, lb, C: tl.constexpr, g_stride: tl.constexpr,
-              u_stride: tl.constexpr, dh_stride: tl.constexpr, BR: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _situ_bwd(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, R, C, g_stride, u_stride, dh_stride, beta, lb,
+              BR: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)[:, None]
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     m = (rows < R) & (cols < C)
@@ -91,8 +83,7 @@ class SituGLU(torch.autograd.Function):
         h = torch.empty(R, C, device=gate.device, dtype=gate.dtype)
         if h.numel():
             grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C))
-            _situ_fwd[grid](g2, u2, h, R, beta, lb, C=C, g_stride=g2.stride(0), u_stride=u2.stride(0),
-                            BR=BLOCK_R, BLOCK=BLOCK_C)  # fmt: skip
+            _situ_fwd[grid](g2, u2, h, R, C, g2.stride(0), u2.stride(0), beta, lb, BR=BLOCK_R, BLOCK=BLOCK_C)
         ctx.save_for_backward(g2, u2)
         ctx.beta, ctx.lb, ctx.shape = beta, lb, shape
         return h.view(shape)
@@ -106,8 +97,8 @@ class SituGLU(torch.autograd.Function):
         du = torch.empty(R, C, device=u2.device, dtype=u2.dtype)
         if dg.numel():
             grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C))
-            _situ_bwd[grid](g2, u2, dh2, dg, du, R, ctx.beta, ctx.lb, C=C, g_stride=g2.stride(0),
-                            u_stride=u2.stride(0), dh_stride=dh2.stride(0), BR=BLOCK_R, BLOCK=BLOCK_C)  # fmt: skip
+            _situ_bwd[grid](g2, u2, dh2, dg, du, R, C, g2.stride(0), u2.stride(0), dh2.stride(0), ctx.beta, ctx.lb,
+                            BR=BLOCK_R, BLOCK=BLOCK_C)  # fmt: skip
         return dg.view(ctx.shape), du.view(ctx.shape), None, None
 
 
