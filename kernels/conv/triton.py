@@ -11,7 +11,8 @@ is skipped), then ``_conv_bwd`` reads it: dx[r] = sum_j w[K-1-j] dpre[r+j] [pos[
 r + j of the same sequence), and per-block partial sums of dw[K-1-j] = sum_r dpre[r] x[r-j]
 [pos[r] >= j], added on the host side of the launch (a [blocks, C, K] fp32 buffer, then a sum). One
 fused kernel that recomputed dpre for each of the K shifted row sets (K + 1 recomputations of K taps)
-took 284 us a call on the H200 against 37 us for the forward (gpu_1b, 16K tokens, C = 1024).
+took 284 us a call on the H200 against 37 us for the forward (gpu_1b, 16K tokens, C = 1024); the two
+passes take 59 + 102 us (bench/RESULTS.md, 2026-12-03).
 """
 
 from __future__ import annotations
