@@ -1062,6 +1062,17 @@ def markdown(report: Report) -> str:
     return "\n".join(lines)
 
 
+def _fast_paths_arg(spec: str) -> str:
+    """``--fast-paths``, checked when parsed (``model.fast.FastPaths.parse``: "auto", "reference" or "op=choice,...")."""
+    from model.fast import FastPaths
+
+    try:
+        FastPaths.parse(spec)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
@@ -1082,6 +1093,8 @@ def main() -> int:
     ap.add_argument("--no-components", dest="components", action="store_false")
     ap.add_argument("--profile", action="store_true", help="kernel launches and host syncs of one step")
     ap.add_argument("--no-probe", dest="probe", action="store_false", help="skip the per-op probes (auto paths)")
+    ap.add_argument("--fast-paths", default=None, type=_fast_paths_arg,
+                    help="learner.fast_paths for the timed learner, e.g. glu=recompute (skips the probes)")
     ap.add_argument("--memory-breakdown", action="store_true",
                     help="saved-for-backward bytes per layer kind and sub-module (and on a GPU each mode's step peak), first")
     ap.add_argument("--memory-tokens", default="4096,16384", help="micro-batch sizes of the memory breakdown (two or more)")
@@ -1125,7 +1138,11 @@ def main() -> int:
     dev = torch.device("cuda" if cuda else "cpu")
     report.env["fast_paths"] = {op: pick(op, dev) for op in ("moe", "attention", "conv", "lm_head")}
     print(f"[env] {json.dumps(report.env)}", flush=True)
-    fast_paths = probe_ops(report, arch, cuda) if args.probe and not args.skip_check else "auto"
+    if args.fast_paths is not None:  # given: no probe
+        fast_paths = args.fast_paths
+    else:
+        fast_paths = probe_ops(report, arch, cuda) if args.probe and not args.skip_check else "auto"
+    report.env["fast_paths_spec"] = str(fast_paths)
     report.save(args.out)
     device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
     sizes = [int(t) for t in f"{args.tokens},{args.memory_tokens if args.memory_breakdown else ''}".split(",") if t]

@@ -60,6 +60,16 @@ def test_a_wrong_train_step_stops_the_run_before_timing(bench, monkeypatch, tmp_
     assert not report["checks"][-1]["ok"] and report["runs"] == []
 
 
+def test_given_fast_paths_skip_the_probe_and_are_timed(bench, monkeypatch, tmp_path):
+    """``--fast-paths`` (an A/B of one op on the device) is checked like the probe's pick, then timed."""
+    monkeypatch.setattr(bench, "probe_ops", lambda *a: (_ for _ in ()).throw(AssertionError("probed")))
+    assert run(bench, monkeypatch, tmp_path, "--fast-paths", "glu=recompute,moe=loop") == 0
+    report = json.loads((tmp_path / "learner_mfu.json").read_text())
+    assert report["env"]["fast_paths_spec"] == "glu=recompute,moe=loop"
+    assert [r["ok"] for r in report["checks"] if r["kind"] == "train step fast vs reference"] == [True]
+    assert "glu='recompute'" in report["runs"][0]["fast_paths"] and "moe='loop'" in report["runs"][0]["fast_paths"]
+
+
 def test_matmul_parameter_count_counts_active_experts_only(bench):
     from model import HybridConfig
     from model.modeling import HybridForCausalLM
