@@ -51,6 +51,7 @@ from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+from kernels.conv import conv_state_step_
 from kernels.kda import kda_decode_step_
 from model.cache import KDAState
 from model.kda import kda_gates
@@ -106,11 +107,13 @@ class KDAStateLayer(nn.Module, MambaBase):
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         meta = get_forward_context().attn_metadata
         meta = meta.get(self.prefix) if isinstance(meta, dict) else None
-        y_TD = torch.zeros_like(x_TD)
         if meta is None or meta.num_actual_tokens == 0:
-            return y_TD  # profiling / dummy run: the output is not used
+            return torch.zeros_like(x_TD)  # profiling / dummy run: the output is not used
         slots = meta.non_spec_state_indices_tensor.long()
         nd, ndt = meta.num_decodes, meta.num_decode_tokens
+        if meta.num_prefills == 0 and ndt == x_TD.shape[0]:  # a decode step (a captured graph's): no copies
+            return self._decode(x_TD, slots[:nd])
+        y_TD = torch.zeros_like(x_TD)
         if nd > 0:
             y_TD[:ndt] = self._decode(x_TD[:ndt], slots[:nd])
         if meta.num_prefills > 0:
@@ -142,22 +145,23 @@ class KDAStateLayer(nn.Module, MambaBase):
         return y_BTD
 
     def _decode(self, x_ND: torch.Tensor, slots_N: torch.Tensor) -> torch.Tensor:
-        """One token per sequence, states updated in place: the learner's projections, then the step's
-        element-wise work (conv window steps, q/k norms, gates) as one function, ``kda_decode_inputs``
-        (one compiled region when the engine compiles, ``rollout.vllm_model``), our in-place pool step
-        for the delta rule, and the learner's gated output (tests hold this path to the learner's
-        full-sequence logprobs)."""
+        """One token per sequence, states updated in place: the learner's projections, the three conv
+        window steps in vLLM's state slots (``kernels.conv.conv_state_step_``: one Triton launch each on
+        CUDA, no gathers or scatters, padding slots skipped), then the q/k norms and gates as one function,
+        ``kda_decode_inputs`` (one compiled region when the engine compiles, ``rollout.vllm_model``), our
+        in-place pool step for the delta rule, and the learner's gated output (tests hold this path to the
+        learner's full-sequence logprobs)."""
         kda = self._kda[0]
         conv_q, conv_k, conv_v, rec = self.kv_cache
         xq, xk, xv, fa, b, gate = self._input_projections(x_ND)
-        windows = [pool[slots_N] for pool in (conv_q, conv_k, conv_v)]
-        q, k, v, g, beta, *new_windows = self.decode_inputs_fn(
-            xq, xk, xv, *windows, kda.q_conv1d.weight, kda.k_conv1d.weight, kda.v_conv1d.weight,
-            kda.f_b_proj(fa), b, kda.dt_bias, kda.A_log, kda.gate_kind, kda.lower_bound,
-            kda.q_conv1d.activation == "silu",
-        )  # fmt: skip
-        for pool, window in zip((conv_q, conv_k, conv_v), new_windows):
-            pool[slots_N] = window.to(pool.dtype)
+        silu = kda.q_conv1d.activation == "silu"
+        q, k, v = (
+            conv_state_step_(x, pool, slots_N, conv.weight[:, 0], silu)
+            for x, pool, conv in ((xq, conv_q, kda.q_conv1d), (xk, conv_k, kda.k_conv1d), (xv, conv_v, kda.v_conv1d))
+        )
+        q, k, v, g, beta = self.decode_inputs_fn(
+            q, k, v, kda.f_b_proj(fa), b, kda.dt_bias, kda.A_log, kda.gate_kind, kda.lower_bound
+        )
         o_NHV = kda_pool_step_(q, k, v, g, beta, rec, slots_N, kda.head_dim**-0.5)
         if not kda.full_rank_gate:
             gate = kda.g_b_proj(gate)
@@ -210,21 +214,16 @@ def fuse_input_projections(kda: nn.Module) -> tuple[torch.Tensor | None, tuple[i
 
 
 def kda_decode_inputs(
-    xq_NC, xk_NC, xv_NC, win_q_NCW, win_k_NCW, win_v_NCW, w_q_C1K, w_k_C1K, w_v_C1K, zf_NX, b_NH, dt_bias_X,
-    A_log_H, gate_kind: str, lower_bound: float, silu: bool,
+    q_NC, k_NC, v_NC, zf_NX, b_NH, dt_bias_X, A_log_H, gate_kind: str, lower_bound: float,
 ):  # fmt: skip
-    """The element-wise work of one KDA decode step, a function of tensors and constants: the three conv
-    window steps (each returns its output and the next [C, K-1] window), the q/k L2 norms and the gates.
-    Returns (q, k, v [N, H, D] fp32, g [N, H, D] fp32, beta [N, H] fp32, the three new windows); the
-    kernels' conventions are the learner's: unscaled L2-normed q (scale passed), log-space gate g."""
+    """The element-wise work of one KDA decode step after the short convolutions, a function of tensors and
+    constants: the q/k L2 norms and the gates. Returns (q, k, v [N, H, D] fp32, g [N, H, D] fp32, beta [N, H]
+    fp32); the kernels' conventions are the learner's: unscaled L2-normed q (scale passed), log-space gate g."""
     H = A_log_H.shape[0]
-    N = xq_NC.shape[0]
-    q, new_q = _conv_step(xq_NC, win_q_NCW, w_q_C1K, silu)
-    k, new_k = _conv_step(xk_NC, win_k_NCW, w_k_C1K, silu)
-    v, new_v = _conv_step(xv_NC, win_v_NCW, w_v_C1K, silu)
-    q_NHK, k_NHK = l2_normalize_qk(q.view(N, H, -1), k.view(N, H, -1))
+    N = q_NC.shape[0]
+    q_NHK, k_NHK = l2_normalize_qk(q_NC.view(N, H, -1), k_NC.view(N, H, -1))
     g_NHK, beta_NH = kda_gates(zf_NX, b_NH, dt_bias_X, A_log_H, gate_kind, lower_bound)
-    return q_NHK.float(), k_NHK.float(), v.view(N, H, -1).float(), g_NHK, beta_NH, new_q, new_k, new_v
+    return q_NHK.float(), k_NHK.float(), v_NC.view(N, H, -1).float(), g_NHK, beta_NH
 
 
 @torch.no_grad()
@@ -233,15 +232,6 @@ def kda_pool_step_(q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scal
     ``kernels.kda.kda_decode_step_`` (PyTorch on CPU, the Triton step kernel on CUDA, stepping vLLM's
     strided state views in place)."""
     return kda_decode_step_(q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scale=scale)
-
-
-def _conv_step(
-    x_NC: torch.Tensor, window_NCW: torch.Tensor, weight_C1K: torch.Tensor, silu: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv for one new input per sequence: (output [N, C], the next window [N, C, K-1])."""
-    window_NCK = torch.cat([window_NCW.to(x_NC.dtype), x_NC[..., None]], dim=-1)
-    y_NC = (window_NCK * weight_C1K[:, 0, :].to(x_NC.dtype)).sum(-1)
-    return (F.silu(y_NC) if silu else y_NC), window_NCK[..., 1:]
 
 
 class _PagedMLA(nn.Module):

@@ -21,3 +21,21 @@ def causal_conv1d_naive(
         shifted_BTC = F.pad(x_BTC, (0, 0, j, 0))[:, :T]
         y_BTC = y_BTC + shifted_BTC * (pos_BT >= j)[..., None] * w_CK[:, K - 1 - j]
     return F.silu(y_BTC) if activation == "silu" else y_BTC
+
+
+def conv_state_step_naive_(
+    x_NC: torch.Tensor, state_PCW: torch.Tensor, slots_N: torch.Tensor, w_CK: torch.Tensor, silu: bool
+) -> torch.Tensor:
+    """One decode step of the conv for N sequences whose windows (the last K-1 inputs, oldest first) live in
+    ``state_PCW`` at ``slots_N``: y = act(sum_j w[:, j] [window, x][:, j]) [N, C] in x's dtype, and each
+    window shifted in place to end with x. A negative slot is a padding entry (vLLM's PAD_SLOT_ID): its
+    output is zero and no window is touched. Reads the slots on the host (the Triton kernel does not)."""
+    y_NC = torch.zeros_like(x_NC)
+    live_N = (slots_N >= 0).nonzero()[:, 0]
+    if live_N.numel():
+        slots = slots_N[live_N].long()
+        window_NCK = torch.cat([state_PCW[slots].to(x_NC.dtype), x_NC[live_N, :, None]], dim=-1)
+        y = (window_NCK * w_CK.to(x_NC.dtype)).sum(-1)
+        y_NC[live_N] = F.silu(y) if silu else y
+        state_PCW[slots] = window_NCK[..., 1:].to(state_PCW.dtype)
+    return y_NC

@@ -161,3 +161,48 @@ def causal_conv1d_triton(
         x_BTC.reshape(B * T, C).contiguous(), w_CK.contiguous(), pos_R, activation == "silu"
     )
     return y.view(B, T, C)
+
+
+@triton.jit
+def _conv_state_step(x_ptr, w_ptr, state_ptr, slot_ptr, y_ptr, C, sx, s0, s1, s2, K: tl.constexpr,
+                     SILU: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+    """One sequence's decode step over a block of channels: the window read from its state slot, the new
+    input appended, the output written and the window shifted in place (padding slots: zero output)."""
+    n = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cm = c < C
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    x = tl.load(x_ptr + n.to(tl.int64) * sx + c, mask=cm, other=0.0)
+    acc = tl.full([BC], 0.0, dtype=tl.float32)
+    if slot >= 0:
+        base = state_ptr + slot * s0 + c.to(tl.int64) * s1
+        acc = x.to(tl.float32) * tl.load(w_ptr + c * K + (K - 1), mask=cm, other=0.0).to(tl.float32)
+        for j in tl.static_range(K - 1):  # window entry j (oldest first) meets weight column j
+            s = tl.load(base + j * s2, mask=cm, other=0.0)
+            acc += s.to(tl.float32) * tl.load(w_ptr + c * K + j, mask=cm, other=0.0).to(tl.float32)
+        for j in tl.static_range(K - 2):  # shift left: entry j takes entry j + 1, read before it is written
+            tl.store(base + j * s2, tl.load(base + (j + 1) * s2, mask=cm, other=0.0), mask=cm)
+        tl.store(base + (K - 2) * s2, x.to(state_ptr.dtype.element_ty), mask=cm)
+        if SILU:
+            acc = acc * _sigmoid(acc)
+    tl.store(y_ptr + n.to(tl.int64) * C + c, acc.to(y_ptr.dtype.element_ty), mask=cm)
+
+
+def conv_state_step_triton_(
+    x_NC: torch.Tensor, state_PCW: torch.Tensor, slots_N: torch.Tensor, w_CK: torch.Tensor, silu: bool
+) -> torch.Tensor:
+    """``kernels.conv.naive.conv_state_step_naive_`` in one launch, fp32 accumulation, nothing read back to
+    the host (safe inside a captured CUDA graph). x: [N, C] with a contiguous last dim; state: any strides."""
+    N, C = x_NC.shape
+    K = w_CK.shape[1]
+    if K < 2 or tuple(state_PCW.shape[1:]) != (C, K - 1) or slots_N.shape != (N,) or x_NC.stride(-1) != 1:
+        raise ValueError(f"conv_state_step: x [N, C] = {tuple(x_NC.shape)}, state [P, C, K-1] = "
+                         f"{tuple(state_PCW.shape)}, slots [N] = {tuple(slots_N.shape)}, w [C, K] = {tuple(w_CK.shape)}")  # fmt: skip
+    y_NC = torch.empty_like(x_NC)
+    if N:
+        bc = min(256, triton.next_power_of_2(C))
+        s0, s1, s2 = state_PCW.stride()
+        _conv_state_step[(N, triton.cdiv(C, bc))](
+            x_NC, w_CK.contiguous(), state_PCW, slots_N, y_NC, C, x_NC.stride(0), s0, s1, s2, K=K, SILU=silu, BC=bc
+        )
+    return y_NC

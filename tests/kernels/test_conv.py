@@ -96,3 +96,32 @@ def test_short_convolution_module_on_the_kernel_equals_its_taps():
     want = torch.autograd.grad(ref, (x, conv.weight), dy)
     assert_close("dx", want[0], got[0], 1e-6)
     assert_close("dw", want[1], got[1], 1e-6)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("silu", [True, False])
+def test_conv_state_step_matches_reference_and_skips_padding(dtype, tol, silu):
+    """The engine's decode step of the conv: windows in strided state slots (a pool of 6 with room around
+    each [C, K-1] window, as vLLM's pages give them), C = 300 over two channel blocks, a padding slot (-1)
+    whose output is zero and which touches no window (index -1 must not mean the last slot)."""
+    from kernels.conv.naive import conv_state_step_naive_
+
+    torch.manual_seed(0)
+    C, K, P = 300, 4, 6
+    pages = torch.randn(P, C + 5, K + 2).to(dtype)
+    orig = pages.clone()
+    pool_ref = pages[:, 2 : 2 + C, 1:K]  # [P, C, K-1], strided
+    pages_kern = pages.clone()
+    pool_kern = pages_kern[:, 2 : 2 + C, 1:K]
+    slots = torch.tensor([4, -1, 0, 2], dtype=torch.int32)
+    x = torch.randn(4, C).to(dtype)
+    w = torch.randn(C, K)
+    y_ref = conv_state_step_naive_(x, pool_ref, slots, w, silu)
+    y = CONV.conv_state_step_triton_(x, pool_kern, slots, w, silu)
+    assert_close("y", y_ref.float(), y.float(), tol)
+    assert float(y[1].abs().max()) == 0.0 and float(y_ref[1].abs().max()) == 0.0
+    assert torch.equal(pages_kern, pages)  # the shifted windows, and nothing else of the pages, as the reference
+    assert torch.equal(pool_kern[4, :, -1], x[0]) and torch.equal(pool_kern[0, :, -1], x[2])
+    assert torch.equal(pages_kern[[1, 3, 5]], orig[[1, 3, 5]])  # the other slots, the last one (-1) included
+    with pytest.raises(ValueError, match="conv_state_step"):
+        CONV.conv_state_step_triton_(x, pool_kern, slots[:3], w, silu)
