@@ -62,26 +62,17 @@ def _conv_fwd(x_ptr, w_ptr, pos_ptr, y_ptr, R, C, K: tl.constexpr, SILU: tl.cons
 
 
 @triton.jit
-def _dpre(x_ptr, w_ptr, pos_ptr, dy_ptr, r, rm, c, cm, R, C, K: tl.constexpr, SILU: tl.constexpr,
-          BR: tl.constexpr, BC: tl.constexpr):  # fmt: skip
-    """dy * act'(pre) at rows r, fp32 (0 where r is out of range)."""
-    dy = tl.load(dy_ptr + r.to(tl.int64)[:, None] * C + c[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
-    dy = dy.to(tl.float32)
-    if SILU:
-        pre = _pre(x_ptr, w_ptr, pos_ptr, r, rm, c, cm, R, C, K, BR, BC)
-        sig = _sigmoid(pre)
-        dy = dy * sig * (1.0 + pre * (1.0 - sig))
-    return dy
-
-
-@triton.jit
 def _conv_dpre(x_ptr, w_ptr, pos_ptr, dy_ptr, dpre_ptr, R, C, K: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    """dpre = dy * silu'(pre) in fp32 (the activation's case only)."""
+    """dpre = dy * silu'(pre) in fp32, pre recomputed from x (the activation's case only)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     rm, cm = r < R, c < C
-    dpre = _dpre(x_ptr, w_ptr, pos_ptr, dy_ptr, r, rm, c, cm, R, C, K, True, BR, BC)
-    tl.store(dpre_ptr + r.to(tl.int64)[:, None] * C + c[None, :], dpre, mask=rm[:, None] & cm[None, :])
+    offs = r.to(tl.int64)[:, None] * C + c[None, :]
+    m = rm[:, None] & cm[None, :]
+    dy = tl.load(dy_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    pre = _pre(x_ptr, w_ptr, pos_ptr, r, rm, c, cm, R, C, K, BR, BC)
+    sig = _sigmoid(pre)
+    tl.store(dpre_ptr + offs, dy * sig * (1.0 + pre * (1.0 - sig)), mask=m)
 
 
 @triton.jit
