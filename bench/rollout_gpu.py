@@ -803,26 +803,12 @@ def decode_profile(worker, ps: list[list[int]], gen: int) -> dict:
 
 
 def plain_decode(worker, ps: list[list[int]], gen: int, logprobs: bool) -> dict:
-    """The same prompts straight to the worker's vLLM engine (add_request + step, no session bookkeeping),
-    as bench/rollout_throughput.py's ``timed_batch`` drives it: greedy, exactly ``gen`` tokens each."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
+    """The same prompts straight to the worker's vLLM engine (no session bookkeeping), as
+    bench/rollout_throughput.py's ``timed_batch`` drives it: greedy, exactly ``gen`` tokens each."""
+    import rollout_throughput
 
-    eng = worker.llm.llm_engine
-    variant = "lp0" if logprobs else "lpnone"
-    params = SamplingParams(
-        n=1, temperature=0.0, max_tokens=gen, min_tokens=gen, ignore_eos=True, detokenize=False,
-        output_kind=RequestOutputKind.DELTA, logprobs=0 if logprobs else None,
-    )  # fmt: skip
-    t0 = time.perf_counter()
-    for i, p in enumerate(ps):
-        eng.add_request(f"plain{i}-{variant}", TokensPrompt(prompt_token_ids=list(p)), params)
-    toks = 0
-    while eng.has_unfinished_requests():
-        toks += sum(len(o.outputs[0].token_ids) for o in eng.step() if o.outputs)
-    dt = time.perf_counter() - t0
-    return dict(tokens=toks, seconds=dt, step_ms=1000 * dt / gen)
+    row = rollout_throughput.timed_batch(worker.llm, ps, [gen] * len(ps), temperature=0.0, logprobs=logprobs)
+    return dict(tokens=row["generated_tokens"], seconds=row["wall_s"], step_ms=1000 * row["wall_s"] / gen)
 
 
 # --- layers: where engine and learner part, module by module, on one prefill ----------------------------

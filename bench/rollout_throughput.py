@@ -700,9 +700,7 @@ def profiled_decode(llm, prompts: list[list[int]], gens: list[int], activities) 
     from torch.profiler import profile
 
     eng = llm.llm_engine
-    t0 = time.perf_counter()
-    for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
-        eng.add_request(f"pd{i}_{len(p)}_{t0}", _tokens(p), _params(g, stepped=True))
+    t0 = submit(eng, prompts, gens, "pd")
     started: set[str] = set()
     generated = 0
     while eng.has_unfinished_requests() and len(started) < len(prompts):
@@ -763,12 +761,20 @@ def max_num_seqs(sz) -> int:
     return max([*sz.concurrency, sz.check_prompts, 4])
 
 
-def timed_batch(llm, prompts: list[list[int]], gens: list[int]) -> dict:
-    """All requests submitted at once, the engine stepped to the end; each step's new tokens timed."""
-    eng = llm.llm_engine
+def submit(eng, prompts: list[list[int]], gens: list[int], tag: str, **params) -> float:
+    """Every request added to the engine at once (ids unique to this call), each generating exactly its
+    ``gens`` tokens with new tokens per step (``_params``: ``temperature``, ``logprobs``); returns the time."""
     t0 = time.perf_counter()
     for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
-        eng.add_request(f"tp{i}_{len(p)}_{t0}", _tokens(p), _params(g, stepped=True))
+        eng.add_request(f"{tag}{i}_{len(p)}_{t0}", _tokens(p), _params(g, stepped=True, **params))
+    return t0
+
+
+def timed_batch(llm, prompts: list[list[int]], gens: list[int], **params) -> dict:
+    """All requests submitted at once, the engine stepped to the end; each step's new tokens timed.
+    ``params``: ``_params``'s (default: temperature 1, no logprobs)."""
+    eng = llm.llm_engine
+    t0 = submit(eng, prompts, gens, "tp", **params)
     first: dict[str, float] = {}
     steps: list[tuple[float, int]] = []
     while eng.has_unfinished_requests():
