@@ -109,7 +109,9 @@ class KDAStateLayer(nn.Module, MambaBase):
         meta = meta.get(self.prefix) if isinstance(meta, dict) else None
         if meta is None or meta.num_actual_tokens == 0:
             return torch.zeros_like(x_TD)  # profiling / dummy run: the output is not used
-        slots = meta.non_spec_state_indices_tensor.long()
+        # vLLM's int32 slot ids as they are: the decode kernels read either width (one conversion fewer per
+        # layer and step); the prefill indexes the pool with them, as int64
+        slots = meta.non_spec_state_indices_tensor
         nd, ndt = meta.num_decodes, meta.num_decode_tokens
         if meta.num_prefills == 0 and ndt == x_TD.shape[0]:  # a decode step (a captured graph's): no copies
             return self._decode(x_TD, slots[:nd])
@@ -121,7 +123,7 @@ class KDAStateLayer(nn.Module, MambaBase):
             cu, layout = _prefill_layout(meta, nd, ndt, npf, npt, x_TD.device)
             has_init = meta.prefill_has_initial_state[:npf]
             y_TD[ndt : ndt + npt] = self._run(
-                x_TD[None, ndt : ndt + npt], slots[nd : nd + npf], cu, has_init, layout
+                x_TD[None, ndt : ndt + npt], slots[nd : nd + npf].long(), cu, has_init, layout
             )[0]
         return y_TD
 
@@ -253,7 +255,9 @@ class _PagedMLA(nn.Module):
         )
 
     def _pad(self, t: torch.Tensor) -> torch.Tensor:
-        return F.pad(t, (0, self.head_size - t.shape[-1]))
+        """t zero-padded to the head size; t itself when it has that size (``F.pad`` by nothing copies)."""
+        extra = self.head_size - t.shape[-1]
+        return F.pad(t, (0, extra)) if extra else t
 
 
 class MLAPagedAttention(_PagedMLA):

@@ -116,17 +116,19 @@ def kda_decode_step_(
         raise ValueError(
             f"state_pool must be [P, H, K, V] = [P, {H}, {K}, {V}], got {tuple(state_pool.shape)}"
         )
-    idx_N = state_indices.to(device=state_pool.device, dtype=torch.long).reshape(-1)
-    if idx_N.numel() != N:
-        raise ValueError(f"state_indices must hold one slot per sequence ({N}), got {idx_N.numel()}")
+    if state_indices.numel() != N:
+        raise ValueError(f"state_indices must hold one slot per sequence ({N}), got {state_indices.numel()}")
     if state_pool.is_cuda:  # the Triton step; slot checks sync the device, so only in the debug mode
         from kernels.kda.triton import pool_decode_step_triton
         from kernels.kda.triton.common import debug_enabled
 
+        # int32 ids (vLLM's) go in as they are: the kernel widens them, a conversion would be a launch per layer
+        idx_N = state_indices.to(state_pool.device).reshape(-1)
         if debug_enabled():
-            _check_slots(idx_N, P)
+            _check_slots(idx_N.long(), P)
         o = pool_decode_step_triton(q, k, v, g, beta, state_pool, idx_N, scale)
         return o[:, 0] if single else o
+    idx_N = state_indices.to(device=state_pool.device, dtype=torch.long).reshape(-1)
     valid_N = idx_N >= 0
     slots = _check_slots(idx_N, P)
     if single and slots.numel() == N:  # the rollout engine's decode: one token, no padding entries

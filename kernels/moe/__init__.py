@@ -84,28 +84,53 @@ def route_layout(experts_TK: torch.Tensor, num_experts: int, align: int = 1, bui
     return RouteLayout(src_row_P, row_of_slot_S, offs_E, T, k)
 
 
+# Slots x experts up to which ``route_tensors`` ranks the slots by counting (one [E, S] prefix sum) instead of
+# sorting them: a decode step's few hundred slots (gpu_1b: 64 sequences x 8 = 512) took a single-block radix
+# sort of 64-bit keys, 27 us a call on an H200, the third-largest kernel of the step (bench/RESULTS.md); a
+# learner micro-batch (131K slots at 16K tokens) still sorts, which is the cheaper of the two there.
+COUNTING_LAYOUT_MAX = 1 << 20
+
+
 def route_tensors(experts_TK: torch.Tensor, num_experts: int, align: int) -> tuple[torch.Tensor, ...]:
-    """(src_row_P, row_of_slot_S, offs_E) of ``route_layout``, as a function of tensors and ints only."""
+    """(src_row_P, row_of_slot_S, offs_E) of ``route_layout``, as a function of tensors and ints only.
+
+    Slot s of expert e goes to row start_e + rank_s, where start_e is the padded size of the experts before e
+    and rank_s the number of slots of e before s (a stable sort by expert). The rank comes from
+    ``_ranks_by_count`` for up to ``COUNTING_LAYOUT_MAX`` slots x experts, else ``_ranks_by_sort``: the same
+    integers either way."""
     T, k = experts_TK.shape
-    dev = experts_TK.device
     flat_S = experts_TK.reshape(-1).long()
     S = flat_S.numel()
-    # scatter_add, not bincount: CUDA bincount reads the maximum on the host to size its output
-    counts_E = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(
-        0, flat_S, torch.ones_like(flat_S)
-    )
+    ranks = _ranks_by_count if S * num_experts <= COUNTING_LAYOUT_MAX else _ranks_by_sort
+    rank_S, counts_E = ranks(flat_S, num_experts)
     padded_E = (counts_E + align - 1) // align * align
     ends_E = padded_E.cumsum(0)
-    order_S = flat_S.argsort(stable=True)
-    slots_S = torch.arange(S, device=dev)
-    # sorted slot i of expert e sits at row i + (padding rows of the experts before e)
-    pad_E = padded_E - counts_E
-    row_sorted_S = slots_S + (pad_E.cumsum(0) - pad_E)[flat_S[order_S]]
-    row_of_slot_S = torch.empty_like(order_S).scatter_(0, order_S, row_sorted_S)
+    row_of_slot_S = (ends_E - padded_E)[flat_S] + rank_S
     P = S + num_experts * (align - 1)
-    src_row_P = torch.full((P,), T, dtype=torch.long, device=dev)
-    src_row_P.scatter_(0, row_of_slot_S, slots_S // k)
+    src_row_P = torch.full((P,), T, dtype=torch.long, device=flat_S.device)
+    src_row_P.scatter_(0, row_of_slot_S, torch.arange(S, device=flat_S.device) // k)
     return src_row_P, row_of_slot_S, ends_E.to(torch.int32)
+
+
+def _ranks_by_count(flat_S: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rank of each slot among its expert's slots, slots per expert) from the running count of each expert
+    along the slots: a one-hot [E, S] and its prefix sum, element-wise work and one scan (no sort)."""
+    onehot_ES = flat_S[None, :] == torch.arange(num_experts, device=flat_S.device)[:, None]
+    seen_ES = onehot_ES.long().cumsum(1)  # slots of e up to and including s
+    rank_S = seen_ES.gather(0, flat_S[None, :])[0] - 1
+    return rank_S, seen_ES[:, -1]
+
+
+def _ranks_by_sort(flat_S: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_ranks_by_count`` by a stable sort: sorted position minus the slots of the experts before."""
+    # scatter_add, not bincount: CUDA bincount reads the maximum on the host to size its output
+    counts_E = torch.zeros(num_experts, dtype=torch.long, device=flat_S.device).scatter_add_(
+        0, flat_S, torch.ones_like(flat_S)
+    )
+    order_S = flat_S.argsort(stable=True)
+    before_E = counts_E.cumsum(0) - counts_E
+    sorted_rank_S = torch.arange(flat_S.numel(), device=flat_S.device) - before_E[flat_S[order_S]]
+    return torch.empty_like(order_S).scatter_(0, order_S, sorted_rank_S), counts_E
 
 
 def permute(z_TZ: torch.Tensor, layout: RouteLayout) -> torch.Tensor:

@@ -411,9 +411,10 @@ def test_every_intra_feature_block_matches_reference(bkb, bko, monkeypatch):
     _assert_close(got, want, FP32_TOL)
 
 
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("tokens", [None, 3])
 @pytest.mark.parametrize("layout", ["paged", "transposed"])
-def test_pool_decode_step_equals_the_torch_pool_step(tokens, layout):
+def test_pool_decode_step_equals_the_torch_pool_step(tokens, layout, slot_dtype):
     """What `kda_decode_step_` runs on CUDA, against its CPU path: one token ([N, H, K]) or three
     ([N, T, H, K]) per sequence, a padding entry (-1), slots out of order. "paged": fp32 states whose
     slots are contiguous but strided (vLLM keeps the conv states in the same pages), stepped in place
@@ -433,7 +434,7 @@ def test_pool_decode_step_equals_the_torch_pool_step(tokens, layout):
     else:
         pool = (torch.randn(P, H, V, K, generator=gen) * 0.1).transpose(-1, -2)
         assert not MODS["decode"].slot_contiguous_fp32(pool)
-    slots = torch.tensor([3, -1, 0])
+    slots = torch.tensor([3, -1, 0], dtype=slot_dtype)  # vLLM's ids are int32: read as they are
     ref_pool = pool.clone()
     o_ref = kda_decode_step_(q, k, v, g, beta, ref_pool, slots)
     o = MODS["decode"].pool_decode_step_triton(q, k, v, g, beta, pool, slots)

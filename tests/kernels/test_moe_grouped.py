@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels.moe as moe_kernels
 from kernels.glu import situ_glu_reference
 from kernels.moe import (
     combine,
@@ -31,8 +32,10 @@ def _routing(T, k, E, seed=0, skip=()):
     return experts
 
 
+@pytest.mark.parametrize("ranks", ["count", "sort"])
 @pytest.mark.parametrize("align", [1, 4, 8])
-def test_route_layout_sorts_slots_by_expert_and_pads_groups(align):
+def test_route_layout_sorts_slots_by_expert_and_pads_groups(align, ranks, monkeypatch):
+    monkeypatch.setattr(moe_kernels, "COUNTING_LAYOUT_MAX", 1 << 30 if ranks == "count" else 0)
     T, k, E = 37, 3, 8
     experts = _routing(T, k, E, skip=(2,))
     lay = route_layout(experts, E, align)
@@ -55,6 +58,18 @@ def test_route_layout_sorts_slots_by_expert_and_pads_groups(align):
     for e in range(E):
         mine = rows[experts == e]
         assert torch.equal(mine, mine.sort().values)
+
+
+@pytest.mark.parametrize("T, k, E", [(1, 1, 4), (1, 8, 128), (64, 8, 128), (300, 2, 16), (1000, 8, 128)])
+def test_counting_and_sorting_layouts_are_the_same_integers(T, k, E):
+    """Both rankings of ``route_tensors``: the decode steps' counting one and the learner's stable sort."""
+    gen = torch.Generator().manual_seed(T * k + E)
+    experts = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    experts[experts == 3] = 0  # an expert nobody picks (a token may then name 0 twice: the layout does not care)
+    flat = experts.reshape(-1)
+    by_count, by_sort = moe_kernels._ranks_by_count(flat, E), moe_kernels._ranks_by_sort(flat, E)
+    assert all(torch.equal(a, b) for a, b in zip(by_count, by_sort, strict=True))
+    assert by_count[1].sum() == T * k and by_count[1][3] == 0
 
 
 @pytest.mark.parametrize("dtype, ratio", [(torch.float32, 1e-6), (torch.float64, 1e-14)])

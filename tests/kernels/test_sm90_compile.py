@@ -33,6 +33,7 @@ def _import_for_gpu(name: str):
 def _kernels():
     conv = _import_for_gpu("kernels.conv.triton")
     moe = _import_for_gpu("kernels.moe.triton")
+    decode = _import_for_gpu("kernels.kda.triton.decode")
 
     io = {"x_ptr": "*bf16", "w_ptr": "*fp32", "pos_ptr": "*i32"}
     return [
@@ -47,10 +48,17 @@ def _kernels():
                           "K": "constexpr", "BR": "constexpr", "BC": "constexpr"}, {"K": 4, "BR": 64, "BC": 64}),
         (moe._scale_rows, {"x_ptr": "*bf16", "w_ptr": "*fp32", "R": "i32", "N": "constexpr", "sx": "constexpr",
                            "BR": "constexpr", "BN": "constexpr"}, {"N": 512, "sx": 512, "BR": 8, "BN": 256}),
+        # the engine's decode step: vLLM's int32 slot ids read as they are, token rows from n * T
+        (decode._decode_kernel,
+         {**{n: "*fp32" for n in ("q", "k", "v", "g", "beta")}, "o": "*fp32", "h_in": "*fp32", "h_out": "*fp32",
+          "state_indices": "*i32", "cu_seqlens": "*fp32", "scale": "fp32", "stride_slot": "i64", "T": "i32",
+          "H": "i32", "K": "i32", "V": "i32", "BK": "constexpr", "BV": "constexpr", "HAS_H0": "constexpr",
+          "HAS_IDX": "constexpr", "STORE_HT": "constexpr", "VARLEN": "constexpr"},
+         {"BK": 128, "BV": 32, "HAS_H0": True, "HAS_IDX": True, "STORE_HT": True, "VARLEN": False}),
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("index", range(4))
+@pytest.mark.parametrize("index", range(5))
 def test_kernel_compiles_for_sm90(index):
     fn, signature, constexprs = _kernels()[index]
     # keyword order is the kernel's own: the signature must name every parameter

@@ -7,7 +7,7 @@ import torch
 from model_cases import tiny_config
 
 from model.layers import situ_glu
-from model.moe import MoEGate, SparseMoE
+from model.moe import MoEGate, SparseMoE, top_experts
 
 
 def test_router_selects_with_bias_but_weighs_with_unbiased_scores():
@@ -31,6 +31,18 @@ def test_no_renormalize_keeps_raw_scores():
     scores = torch.sigmoid(x @ gate.weight.detach().T)
     torch.testing.assert_close(route.weights_TK, scores.gather(-1, route.experts_TK))
     torch.testing.assert_close(route.experts_TK, scores.topk(2, -1).indices)
+
+
+@pytest.mark.parametrize("T, E, n", [(1, 4, 1), (64, 128, 8), (300, 16, 3), (5, 128, 9)])
+def test_top_experts_is_topk_with_ties_to_the_lower_expert(T, E, n):
+    scores = torch.rand(T, E, generator=torch.Generator().manual_seed(T + E))
+    vals, idx = top_experts(scores, n)
+    ref = scores.topk(n, dim=-1)
+    assert torch.equal(vals, ref.values) and torch.equal(idx, ref.indices)
+    tied = torch.zeros(T, E)
+    tied[:, E // 2 :] = 1.0  # the upper half ties at the top: the lowest ids of it win, in id order
+    vals, idx = top_experts(tied, n)
+    assert torch.equal(idx, torch.arange(E // 2, E // 2 + n).expand(T, n)) and bool((vals == 1).all())
 
 
 def test_replay_uses_given_experts_and_router_still_learns():

@@ -19,13 +19,18 @@ from kernels.kda.triton.common import G_MIN, block_size, debug_enabled, rsum
 
 @triton.jit
 def _decode_kernel(
-    q, k, v, g, beta, o, h_in, h_out, state_indices, cu_seqlens, scale, stride_slot, H, K, V,
+    q, k, v, g, beta, o, h_in, h_out, state_indices, cu_seqlens, scale, stride_slot, T, H, K, V,
     BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, HAS_IDX: tl.constexpr, STORE_HT: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)  # int64 token rows: t * H * K can pass 2^31
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)  # int64 token rows: t * H * K can pass 2^31
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:  # T tokens per sequence (a decode step: 1): no offsets tensor to build per call
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
     slot = i_n.to(tl.int64)
     if HAS_IDX:
         slot = tl.load(state_indices + i_n).to(tl.int64)
@@ -89,10 +94,7 @@ def fused_recurrent_kda_triton(
     if debug_enabled():
         check_gate(g, G_MIN)
     scale = K**-0.5 if scale is None else float(scale)
-    if cu_seqlens is None:
-        cu = torch.arange(0, (B + 1) * T, T, device=q.device, dtype=torch.int32)[: B + 1]
-    else:
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    cu = None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.int32)
     flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta)]
     o = torch.empty(B * T, H, V, device=q.device, dtype=q.dtype)
     if state_indices is not None:
@@ -103,11 +105,15 @@ def fused_recurrent_kda_triton(
         store_ht = output_final_state
         h_out = torch.empty(N, H, K, V, device=q.device, dtype=torch.float32) if store_ht else o
     BK, BV = block_size(K), min(block_size(V), 32)
-    idx = state_indices.to(device=q.device, dtype=torch.int32) if state_indices is not None else cu
+    # int32 or int64 slots on q's device as given (the kernel widens them): a conversion is a launch per layer
+    idx = o
+    if state_indices is not None:
+        idx = state_indices if state_indices.dtype in (torch.int32, torch.int64) else state_indices.long()
+        idx = idx.to(q.device)
     stride_slot = h_in.stride(0) if state_indices is not None else H * K * V
     _decode_kernel[(triton.cdiv(V, BV), N * H)](
-        *flat, o, h_in, h_out, idx, cu, scale, stride_slot, H, K, V, BK=BK, BV=BV,
-        HAS_H0=initial_state is not None, HAS_IDX=state_indices is not None, STORE_HT=store_ht,
+        *flat, o, h_in, h_out, idx, o if cu is None else cu, scale, stride_slot, T, H, K, V, BK=BK, BV=BV,
+        HAS_H0=initial_state is not None, HAS_IDX=state_indices is not None, STORE_HT=store_ht, VARLEN=cu is not None,
     )  # fmt: skip
     final = h_out if (store_ht and (output_final_state or state_indices is not None)) else None
     return o.view(B, T, H, V), final
@@ -134,8 +140,7 @@ def pool_decode_step_triton(q, k, v, g, beta, pool_PHKV, slots_N, scale=None) ->
     if single:
         q, k, v, g, beta = q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None]
     if slot_contiguous_fp32(pool_PHKV):
-        slots = slots_N.to(device=q.device, dtype=torch.int32)
-        o, _ = fused_recurrent_kda_triton(q, k, v, g, beta, scale, pool_PHKV, True, None, slots)
+        o, _ = fused_recurrent_kda_triton(q, k, v, g, beta, scale, pool_PHKV, True, None, slots_N)
     else:
         live_N = slots_N >= 0
         slots = slots_N[live_N].long()
