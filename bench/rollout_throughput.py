@@ -109,6 +109,15 @@ RESERVE_S = {"ours_fast": 150.0, "ours_fast_moe": 150.0, "peer": 300.0}  # the p
 PEER_FALLBACK_BACKEND = "TRITON_MLA"  # the peer's attention backend if vLLM's pick does not start
 
 
+def engine_budget(left: float, reserve: float, own: float) -> float:
+    """Seconds for an engine with ``left`` seconds of the budget and ``reserve`` promised to later engines: what
+    the reserve leaves, but never less than its proportional share ``left * own / (own + reserve)`` (``own``:
+    its own ``RESERVE_S``). A budget short of every reserve is then split in proportion, where taking the
+    reserve whole would leave the first engine too little to finish its first call (a 330 s plan of ours_fast
+    then the peer gave ours 45 s, and its child was killed before its first request)."""
+    return max(MIN_CHILD_S, left - reserve, left * own / (own + reserve) if own + reserve > 0 else left)
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     model: str  # "ours" | "peer": which checkpoint
@@ -419,7 +428,7 @@ class Parent:
         if self.left() - reserve < MIN_CHILD_S and key != name:  # a repeat or a retry: only with budget
             self.skip(key, f"budget: {self.left():.0f} s left, {reserve:.0f} s reserved for later engines")
             return
-        budget = max(MIN_CHILD_S, self.left() - reserve)
+        budget = engine_budget(self.left(), reserve, RESERVE_S.get(name, MIN_CHILD_S))
         self.results["engines"][key] = self.child(key, name, tasks, budget=budget, backend=backend)
         self.save()
 

@@ -79,6 +79,15 @@ def test_budget_shares_and_the_peer_fallback(bench, tmp_path, monkeypatch):
     assert "no MLA backend" in res["engines"]["peer"]["error"] and "peer#triton_mla" in res["engines"]
 
 
+def test_a_short_budget_is_split_in_proportion(bench):
+    """What the reserve leaves when the budget covers it; a budget short of the reserves is split in
+    proportion to them (330 s for ours_fast then the peer: 110 s and 220 s, not 45 s and 300 s)."""
+    assert bench.engine_budget(500.0, 300.0, 150.0) == pytest.approx(200.0)
+    assert bench.engine_budget(330.0, 300.0, 150.0) == pytest.approx(110.0)
+    assert bench.engine_budget(220.0, 0.0, 300.0) == pytest.approx(220.0)  # the last engine: all that is left
+    assert bench.engine_budget(40.0, 300.0, 150.0) == bench.MIN_CHILD_S
+
+
 @pytest.mark.vllm
 def test_a_failing_engine_is_a_result(bench, tmp_path, monkeypatch):
     """A child whose engine cannot start reports its error; the parent goes on to the next engine."""
