@@ -192,8 +192,13 @@ class GLUMLP(GatedActivation, nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self._init_activation(act, situ_betas)
+        # the rollout engine's fused [gate; up] weight, whose rows the two projections' weights are views of
+        # (``rollout.vllm_layers.fuse_feed_forward_inputs``): one GEMM for both; None in training
+        self.gate_up_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            return self.down_proj(self.glu(*F.linear(x, self.gate_up_weight).chunk(2, dim=-1)))
         return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))
 
 

@@ -231,6 +231,9 @@ class SparseMoE(nn.Module):
             else None
         )
         self.latent = bool(latent)
+        # the rollout engine's (fused weight, sizes) of the latent down projection and the shared expert's gate and
+        # up, which all read x (``rollout.vllm_layers.fuse_feed_forward_inputs``): one GEMM; None in training
+        self.fused_input: tuple[torch.Tensor, tuple[int, ...]] | None = None
         # ``model.compile.compile_regions`` with scope "moe" swaps in the compiled one
         self.forward_fn: Callable = sparse_moe_forward
 
@@ -258,11 +261,17 @@ def sparse_moe_forward(
     # one compute-dtype copy of x for the projections below (the shared expert's gate and up then sum
     # their input gradients in that dtype, a bf16 add, where per-Linear casts summed them in fp32)
     xc_TD = cast_once(x_TD)
-    z_TZ = moe.routed_expert_down_proj(xc_TD()) if moe.latent else x_TD
+    shared_TD = None
+    if moe.fused_input is not None:  # the engine: z and the shared expert's gate and up in one GEMM of x
+        w_in, sizes = moe.fused_input
+        z_TZ, g_TI, u_TI = F.linear(xc_TD(), w_in).split(sizes, dim=-1)
+        shared_TD = moe.shared_experts.down_proj(moe.shared_experts.glu(g_TI, u_TI))
+    else:
+        z_TZ = moe.routed_expert_down_proj(xc_TD()) if moe.latent else x_TD
     u_TZ = moe.experts(z_TZ, route)
     y_TD = moe.routed_expert_up_proj(moe.routed_expert_norm(u_TZ)) if moe.latent else u_TZ
     if moe.shared_experts is not None:
-        y_TD = y_TD + moe.shared_experts(xc_TD())
+        y_TD = y_TD + (shared_TD if shared_TD is not None else moe.shared_experts(xc_TD()))
     return y_TD.view(B, T, D), route.experts_TK
 
 

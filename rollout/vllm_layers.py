@@ -20,10 +20,11 @@
     latent (``GatedMLA._attend_absorbed`` in vLLM's pages): ONE KV head with K = [c_kv ; k_pe] and
     V = c_kv, queries [q_nope_h W_UK_h ; q_pe_h], the model's own softmax scale, then W_UV_h per
     head on the latent output. The cache holds 2 * latent_head_size values per token and layer
-    (kv_lora_rank + qk_rope rounded up to a head size, stored twice because vLLM's paged attention
-    keeps separate K and V pages): about 2x the single-latent cache of vLLM's GPU MLA backends
-    (kv_lora_rank + rope, once), but H times fewer KV heads than the expanded form. The latent
-    size must fit a paged-attention head size (at most 512 on CPU): K3's 512 + 64 = 576 does not and
+    (kv_lora_rank + qk_rope rounded up to a head size: a CPU paged-attention size, on CUDA a multiple of
+    32 for vLLM's Triton backend, ``rollout.vllm_plugin.latent_head_size``; stored twice because vLLM's
+    paged attention keeps separate K and V pages): about 2x the single-latent cache of vLLM's GPU MLA
+    backends (kv_lora_rank + rope, once), but H times fewer KV heads than the expanded form. On CPU the
+    latent size must fit a paged-attention head size (at most 512): K3's 512 + 64 = 576 does not and
     is rejected with a ValueError; at that size vLLM's own MLA backends are the route.
 
   Deviation: vLLM's own MLA backends (their own layer class and weight layout) are not used. On a
@@ -198,21 +199,43 @@ def _input_linears(kda: nn.Module) -> list[nn.Module]:
 
 
 def fuse_input_projections(kda: nn.Module) -> tuple[torch.Tensor | None, tuple[int, ...]]:
-    """(fused weight [sum of outputs, d], output sizes) of the six projections a KDA decode step applies to
-    x: one contiguous weight, each nn.Linear's weight a view of its rows, so weight loads and in-place
-    updates (``load_weights``, adapter folds: ``copy_`` into the named parameters) write the fused weight
-    itself and a decode step pays one GEMM instead of six. (None, ()) when a projection is not a plain
-    bias-free nn.Linear (a wrapped one keeps its own call)."""
-    linears = _input_linears(kda)
+    """(fused weight, output sizes) of the six projections a KDA decode step applies to x (``fuse_linears``): a
+    decode step pays one GEMM instead of six."""
+    return fuse_linears(_input_linears(kda))
+
+
+def fuse_linears(linears: list[nn.Module]) -> tuple[torch.Tensor | None, tuple[int, ...]]:
+    """(fused weight [sum of outputs, d], output sizes) of linears that read the same input: one contiguous
+    weight, each nn.Linear's weight a view of its rows, so weight loads and in-place updates (``load_weights``,
+    adapter folds: ``copy_`` into the named parameters) write the fused weight itself and one GEMM computes
+    all the outputs. (None, ()) when one is not a plain bias-free nn.Linear (a wrapped one keeps its own call).
+    Inference only: a parameter made a view of a plain tensor gets no gradient through the fused product."""
     if not all(type(m) is nn.Linear and m.bias is None for m in linears):
         return None, ()
-    w_in = torch.cat([m.weight.detach() for m in linears])
+    w = torch.cat([m.weight.detach() for m in linears])
     start = 0
     for m in linears:
         rows = m.weight.shape[0]
-        m.weight = nn.Parameter(w_in[start : start + rows], requires_grad=m.weight.requires_grad)
+        m.weight = nn.Parameter(w[start : start + rows], requires_grad=m.weight.requires_grad)
         start += rows
-    return w_in, tuple(m.weight.shape[0] for m in linears)
+    return w, tuple(m.weight.shape[0] for m in linears)
+
+
+def fuse_feed_forward_inputs(module: nn.Module) -> None:
+    """The engine's fused input GEMMs of a decoder layer's feed-forward block (``fuse_linears``): a dense GLU's
+    gate and up projections (``GLUMLP.gate_up_weight``), and a latent MoE's down projection into the experts'
+    space with its shared expert's gate and up (``SparseMoE.fused_input``): one GEMM of x where there were
+    two or three, 31 fewer launches a decode step at gpu_1b."""
+    from model.layers import GLUMLP
+    from model.moe import SparseMoE
+
+    if isinstance(module, GLUMLP):
+        w, _ = fuse_linears([module.gate_proj, module.up_proj])
+        module.gate_up_weight = w
+    elif isinstance(module, SparseMoE) and module.latent and module.shared_experts is not None:
+        shared = module.shared_experts
+        w, sizes = fuse_linears([module.routed_expert_down_proj, shared.gate_proj, shared.up_proj])
+        module.fused_input = None if w is None else (w, sizes)
 
 
 def kda_decode_inputs(

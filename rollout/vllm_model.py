@@ -49,6 +49,7 @@ from rollout.vllm_layers import (
     KDAStateLayer,
     MLALatentPagedAttention,
     MLAPagedAttention,
+    fuse_feed_forward_inputs,
     kda_decode_inputs,
     kda_state_copy_funcs,
     kda_state_dtypes,
@@ -129,6 +130,8 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 mixers.append(mla_cls(layer.self_attn, head_size, vllm_config.cache_config, prefix=name))
         self.paged_mixers = nn.ModuleList(mixers)
         self.model.paged_mixers = list(mixers)  # plain list: registered once, under paged_mixers
+        for layer in self.model.layers:
+            fuse_feed_forward_inputs(layer.block_sparse_moe if layer.is_moe else layer.mlp)
         # inference only: MoE routing statistics (balancer input) are a training-time thing, and the
         # router bias stays frozen at the checkpoint's value
         self.eval()

@@ -42,9 +42,23 @@ def padded_head_size(config) -> int:
     return _round_up_head_size(need, "MLA head size")
 
 
-def latent_head_size(config) -> int:
-    """Head size of the latent MLA pages: kv_lora_rank + qk_rope rounded up (V = c_kv fits inside)."""
+# On CUDA the latent form runs on vLLM's Triton attention backend (FlashAttention-3 stops at 256), which takes
+# any head of at least 32 at its own width: no rounding to a CPU size there (gpu_1b: 320, not 512).
+GPU_LATENT_HEAD_MULTIPLE = 32
+
+
+def latent_head_size(config, on_cuda: bool | None = None) -> int:
+    """Head size of the latent MLA pages, kv_lora_rank + qk_rope (V = c_kv fits inside) rounded up: on CUDA to a
+    multiple of ``GPU_LATENT_HEAD_MULTIPLE``, elsewhere to a CPU paged-attention head size. ``on_cuda``: None
+    asks torch (every vLLM process of an engine sees the same answer, so the layout vLLM sizes and the one
+    the model builds agree)."""
     need = int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
+    if on_cuda is None:
+        import torch
+
+        on_cuda = torch.cuda.is_available()
+    if on_cuda:
+        return -(-need // GPU_LATENT_HEAD_MULTIPLE) * GPU_LATENT_HEAD_MULTIPLE
     return _round_up_head_size(need, "MLA latent size (kv_lora_rank + qk_rope_head_dim)")
 
 

@@ -72,13 +72,16 @@ def test_inductor_compile_threads_default_on_gpu_and_checked(monkeypatch):
 
     from rollout.vllm_model import DEFAULT_COMPILE_THREADS, inductor_compile_threads
 
-    monkeypatch.setattr(inductor_config, "compile_threads", 1)
-    assert inductor_compile_threads(None) is None and inductor_config.compile_threads == 1
-    assert inductor_compile_threads("6") == 6 and inductor_config.compile_threads == 6
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    assert inductor_compile_threads(None, on_cuda=True) == DEFAULT_COMPILE_THREADS == inductor_config.compile_threads
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert inductor_compile_threads("", on_cuda=True) == 2 and inductor_compile_threads("3", on_cuda=True) == 3
+    # inductor's own patch, not monkeypatch: undoing a setattr on its config module deleted the key, and every
+    # later inductor compile of the process then failed on the missing setting
+    with inductor_config.patch(compile_threads=1):
+        assert inductor_compile_threads(None) is None and inductor_config.compile_threads == 1
+        assert inductor_compile_threads("6") == 6 and inductor_config.compile_threads == 6
+        monkeypatch.setattr(os, "cpu_count", lambda: 16)
+        assert inductor_compile_threads(None, on_cuda=True) == DEFAULT_COMPILE_THREADS == inductor_config.compile_threads
+        monkeypatch.setattr(os, "cpu_count", lambda: 2)
+        assert inductor_compile_threads("", on_cuda=True) == 2 and inductor_compile_threads("3", on_cuda=True) == 3
+    assert hasattr(inductor_config, "compile_threads")
     for bad in ("0", "-2", "many"):
         with pytest.raises(ValueError, match="LONGHORIZON_COMPILE_THREADS must be a positive integer"):
             inductor_compile_threads(bad)

@@ -144,6 +144,21 @@ def test_unknown_cache_form_and_oversized_latent_are_rejected(sharp_ckpt):
         mla_kv_layout(cfg)
 
 
+def test_latent_head_is_a_cpu_size_on_the_cpu_and_its_own_width_on_cuda():
+    """CPU paged attention takes a fixed list of head sizes; vLLM's Triton backend (the latent form's on CUDA)
+    any multiple of 32, so gpu_1b's 256 + 64 latent is cached 320 wide there, not padded to 512."""
+    from types import SimpleNamespace
+
+    from rollout.vllm_plugin import latent_head_size
+
+    gpu_1b = SimpleNamespace(kv_lora_rank=256, qk_rope_head_dim=64)
+    assert latent_head_size(gpu_1b, on_cuda=False) == 512 and latent_head_size(gpu_1b, on_cuda=True) == 320
+    odd = SimpleNamespace(kv_lora_rank=200, qk_rope_head_dim=24)
+    assert latent_head_size(odd, on_cuda=False) == 224 and latent_head_size(odd, on_cuda=True) == 224
+    k3 = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64)
+    assert latent_head_size(k3, on_cuda=True) == 576  # on the CPU: rejected (above)
+
+
 def test_latent_form_follows_an_in_place_weight_update(latent_worker, sharp_ckpt):
     """W_UK / W_UV are read from kv_b_proj on every call: a weight update must reach the absorbed
     queries and the latent-to-value map (a cached copy would keep the old ones). Runs last: it
