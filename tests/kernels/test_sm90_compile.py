@@ -17,15 +17,23 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 
-def _import_for_gpu(name: str):
-    """``name`` imported afresh without TRITON_INTERPRET (its kernels JIT functions, not interpreted ones),
-    then dropped from sys.modules again so that no other test picks this copy up."""
+def _import_for_gpu(name: str, *deps: str):
+    """``name`` imported afresh without TRITON_INTERPRET (its kernels JIT functions, not interpreted ones), with
+    ``deps`` (modules whose jitted helpers its kernels call) imported afresh first; afterwards sys.modules holds
+    what it held before, so no other test picks these copies up."""
     old = os.environ.pop("TRITON_INTERPRET", None)
-    sys.modules.pop(name, None)
+    saved = {m: sys.modules.pop(m, None) for m in (*deps, name)}
     try:
+        for dep in deps:
+            importlib.import_module(dep)
         return importlib.import_module(name)
     finally:
-        sys.modules.pop(name, None)
+        for m, module in saved.items():
+            sys.modules.pop(m, None)
+            parent, _, child = m.rpartition(".")
+            if module is not None:  # the package's attribute too: the import bound the fresh copy there
+                sys.modules[m] = module
+                setattr(sys.modules[parent], child, module)
         if old is not None:
             os.environ["TRITON_INTERPRET"] = old
 
@@ -33,7 +41,7 @@ def _import_for_gpu(name: str):
 def _kernels():
     conv = _import_for_gpu("kernels.conv.triton")
     moe = _import_for_gpu("kernels.moe.triton")
-    decode = _import_for_gpu("kernels.kda.triton.decode")
+    decode = _import_for_gpu("kernels.kda.triton.decode", "kernels.kda.triton.common")
 
     io = {"x_ptr": "*bf16", "w_ptr": "*fp32", "pos_ptr": "*i32"}
     return [
