@@ -115,10 +115,10 @@ PEER_FALLBACK_BACKEND = "TRITON_MLA"  # the peer's attention backend if vLLM's p
 def engine_budget(left: float, reserve: float, own: float) -> float:
     """Seconds for an engine with ``left`` seconds of the budget and ``reserve`` promised to later engines: what
     the reserve leaves, but never less than its proportional share ``left * own / (own + reserve)`` (``own``:
-    its own ``RESERVE_S``). A budget short of every reserve is then split in proportion, where taking the
+    its own ``RESERVE_S``, or ``MIN_CHILD_S``: never zero). A budget short of every reserve is then split in proportion, where taking the
     reserve whole would leave the first engine too little to finish its first call (a 330 s plan of ours_fast
     then the peer gave ours 45 s, and its child was killed before its first request)."""
-    return max(MIN_CHILD_S, left - reserve, left * own / (own + reserve) if own + reserve > 0 else left)
+    return max(MIN_CHILD_S, left - reserve, left * own / (own + reserve))
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,8 @@ from kernels.conv import conv_state_step_
 from kernels.kda import kda_decode_step_
 from model.cache import KDAState
 from model.kda import kda_gates
-from model.layers import SeqLayout, l2_normalize_qk, seq_layout
+from model.layers import GLUMLP, SeqLayout, l2_normalize_qk, seq_layout
+from model.moe import SparseMoE
 
 
 def kda_state_shapes(config) -> tuple[tuple[int, ...], ...]:
@@ -226,9 +227,6 @@ def fuse_feed_forward_inputs(module: nn.Module) -> None:
     gate and up projections (``GLUMLP.gate_up_weight``), and a latent MoE's down projection into the experts'
     space with its shared expert's gate and up (``SparseMoE.fused_input``): one GEMM of x where there were
     two or three, 31 fewer launches a decode step at gpu_1b."""
-    from model.layers import GLUMLP
-    from model.moe import SparseMoE
-
     if isinstance(module, GLUMLP):
         w, _ = fuse_linears([module.gate_proj, module.up_proj])
         module.gate_up_weight = w

@@ -28,12 +28,14 @@ def _import_for_gpu(name: str, *deps: str):
             importlib.import_module(dep)
         return importlib.import_module(name)
     finally:
-        for m, module in saved.items():
+        for m, module in saved.items():  # the package's attribute too: the import bound the fresh copy there
             sys.modules.pop(m, None)
             parent, _, child = m.rpartition(".")
-            if module is not None:  # the package's attribute too: the import bound the fresh copy there
+            if module is not None:
                 sys.modules[m] = module
                 setattr(sys.modules[parent], child, module)
+            elif parent in sys.modules:  # not imported before: a later import makes its own (interpreted) copy
+                vars(sys.modules[parent]).pop(child, None)
         if old is not None:
             os.environ["TRITON_INTERPRET"] = old
 

@@ -106,10 +106,9 @@ def fused_recurrent_kda_triton(
         h_out = torch.empty(N, H, K, V, device=q.device, dtype=torch.float32) if store_ht else o
     BK, BV = block_size(K), min(block_size(V), 32)
     # int32 or int64 slots on q's device as given (the kernel widens them): a conversion is a launch per layer
-    idx = o
+    idx = o  # not read without state_indices, as cu_seqlens is not without VARLEN
     if state_indices is not None:
-        idx = state_indices if state_indices.dtype in (torch.int32, torch.int64) else state_indices.long()
-        idx = idx.to(q.device)
+        idx = state_indices.to(q.device, None if state_indices.dtype in (torch.int32, torch.int64) else torch.long)
     stride_slot = h_in.stride(0) if state_indices is not None else H * K * V
     _decode_kernel[(triton.cdiv(V, BV), N * H)](
         *flat, o, h_in, h_out, idx, o if cu is None else cu, scale, stride_slot, T, H, K, V, BK=BK, BV=BV,
