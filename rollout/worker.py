@@ -79,7 +79,8 @@ class WorkerConfig:
     policy_version: int = 0
     stall_steps: int = 200  # engine steps without progress before idle sessions are force-closed
     in_process: bool = True  # engine core in this process (fast start; a Ray actor is a process already)
-    mla_cache_form: str | None = None  # "expanded" | "latent" (rollout.vllm_layers); None: the checkpoint's
+    # "auto" | "expanded" | "latent" (rollout.vllm_layers); None: the checkpoint's, else auto (latent on CUDA)
+    mla_cache_form: str | None = None
     # vLLM attention backend name (e.g. "TRITON_ATTN", "FLASH_ATTN"); None: vLLM's pick, except the latent
     # form on CUDA with a head over 256, which takes TRITON_ATTN (see latent_attention_backend)
     attention_backend: str | None = None
@@ -94,12 +95,12 @@ class WorkerConfig:
     cudagraph_capture_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:
-        from rollout.vllm_plugin import MLA_CACHE_FORMS
+        from rollout.vllm_plugin import MLA_CACHE_FORM_CHOICES
 
         if self.reuse not in REUSE_MODES:
             raise ValueError(f"reuse must be one of {REUSE_MODES}, got {self.reuse!r}")
-        if self.mla_cache_form is not None and self.mla_cache_form not in MLA_CACHE_FORMS:
-            raise ValueError(f"mla_cache_form must be one of {MLA_CACHE_FORMS}, got {self.mla_cache_form!r}")
+        if self.mla_cache_form is not None and self.mla_cache_form not in MLA_CACHE_FORM_CHOICES:
+            raise ValueError(f"mla_cache_form must be one of {MLA_CACHE_FORM_CHOICES}, got {self.mla_cache_form!r}")
         sizes = self.cudagraph_capture_sizes
         if sizes is not None and (not sizes or not all(isinstance(n, int) and n > 0 for n in sizes)):
             raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of positive ints, got {sizes!r}")

@@ -133,7 +133,12 @@ def test_unknown_cache_form_and_oversized_latent_are_rejected(sharp_ckpt):
     with pytest.raises(ValueError, match="mla_cache_form"):
         WorkerConfig(model_path=str(path), mla_cache_form="compressed")
     cfg = HybridConfig.from_pretrained(str(path))
-    assert mla_cache_form(cfg) == "expanded"
+    assert mla_cache_form(cfg) == "expanded"  # unset: auto, expanded on the CPU
+    assert mla_cache_form(cfg, on_cuda=True) == "latent"
+    cfg.mla_cache_form = "auto"
+    assert (mla_cache_form(cfg, on_cuda=False), mla_cache_form(cfg, on_cuda=True)) == ("expanded", "latent")
+    cfg.mla_cache_form = "expanded"
+    assert mla_cache_form(cfg, on_cuda=True) == "expanded"
     cfg.mla_cache_form = "dense"
     with pytest.raises(ValueError, match="mla_cache_form"):
         mla_kv_layout(cfg)

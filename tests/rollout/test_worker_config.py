@@ -24,12 +24,13 @@ def test_latent_form_on_cuda_with_a_wide_head_takes_triton_attention(tmp_path, m
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert latent_attention_backend(WorkerConfig(model_path=path, mla_cache_form="latent")) == "TRITON_ATTN"
     assert latent_attention_backend(WorkerConfig(model_path=path, mla_cache_form="expanded")) is None
-    assert latent_attention_backend(WorkerConfig(model_path=path)) is None  # the checkpoint's: expanded
-    # the form can come from the checkpoint's config.json too
-    (tmp_path / "config.json").write_text(
-        json.dumps({"kv_lora_rank": 256, "qk_rope_head_dim": 64, "mla_cache_form": "latent"})
-    )
+    # unset (the checkpoint names no form) and "auto" are the latent form on CUDA
     assert latent_attention_backend(WorkerConfig(model_path=path)) == "TRITON_ATTN"
+    assert latent_attention_backend(WorkerConfig(model_path=path, mla_cache_form="auto")) == "TRITON_ATTN"
+    # the form can come from the checkpoint's config.json too, and the worker's field overrides it
+    expanded = _checkpoint(tmp_path, kv_lora_rank=256, rope=64, form="expanded")
+    assert latent_attention_backend(WorkerConfig(model_path=expanded)) is None
+    assert latent_attention_backend(WorkerConfig(model_path=expanded, mla_cache_form="latent")) == "TRITON_ATTN"
 
 
 def test_narrow_latent_head_and_cpu_keep_vllms_pick(tmp_path, monkeypatch):
