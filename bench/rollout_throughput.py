@@ -510,7 +510,8 @@ class Parent:
         res = _read_json(Path(job["result"]))
         res["process"] = {"status": status, "seconds": round(time.perf_counter() - t0, 1)}
         if status != "exit 0" and "error" not in res:
-            res["error"] = f"child process: {status}"
+            unstarted = "" if "first_call_s" in res else ", before its first request finished"
+            res["error"] = f"child process: {status}{unstarted}"
         log(f"engine {key} done ({status}) in {res['process']['seconds']} s")
         if "startup" in res:
             log(f"engine {key} start-up: {breakdown_line(res)}")
@@ -549,7 +550,7 @@ def _wait(proc: subprocess.Popen, timeout: float) -> str:
                 break
             except subprocess.TimeoutExpired:
                 continue
-        return "killed at the budget"
+        return f"killed at the budget, after {max(1.0, timeout):.0f} s"
 
 
 # --- child: one engine ------------------------------------------------------------------------------
