@@ -447,7 +447,7 @@ class Parent:
 
     def capture_sizes(self) -> list[int] | None:
         """The CUDA-graph batch sizes of every engine: the list given, None for "vllm" (vLLM's own), by default
-        what ``RolloutWorker`` captures (powers of two up to the engines' max_num_seqs)."""
+        what ``RolloutWorker`` captures (powers of two from 2 up to the engines' max_num_seqs)."""
         given = self.args.capture_sizes
         if given == "vllm":
             return None
@@ -979,7 +979,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-gen", type=int, default=32)
     p.add_argument("--capture-sizes", default=None,
                    help="CUDA-graph batch sizes of every engine, e.g. 1,2,4,8,16,32,64,128; 'vllm': vLLM's own (54 "
-                        "graphs for 128); default: RolloutWorker's, powers of two up to the largest batch")
+                        "graphs for 128); default: RolloutWorker's, powers of two from 2 up to the largest batch")
     p.add_argument("--compile-threads", type=int, default=None,
                    help="inductor compile workers of our fast engines (LONGHORIZON_COMPILE_THREADS; vLLM pins 1)")
     p.add_argument("--check-replay", action="store_true",

@@ -53,10 +53,14 @@ REUSE_MODES = ("session", "prefix_cache", "none")
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """The default CUDA-graph batch sizes: powers of two below ``max_num_seqs``, and ``max_num_seqs`` itself."""
+    """The default CUDA-graph batch sizes: powers of two from 2 below ``max_num_seqs``, and ``max_num_seqs``
+    itself. No graph of 1 (unless ``max_num_seqs`` is 1): vLLM runs a one-sequence decode step in the graph
+    of 2, padded, while capturing a graph of 1 token would make dynamo specialise every compiled region on a
+    token count of 1 (its 0/1 rule) and compile each again during start-up (cpu_tiny's no-grad forward:
+    12 graphs for 300, 64, 128 and 32 tokens, 23 once 1 token ran; tests/model/test_compile.py)."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    sizes = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs]
+    sizes = [1 << i for i in range(1, max_num_seqs.bit_length()) if 1 << i < max_num_seqs]
     return [*sizes, max_num_seqs]
 
 
@@ -87,8 +91,8 @@ class WorkerConfig:
     # share of the GPU vLLM checks is free at start-up (the KV budget is kv_cache_memory_bytes); lower it
     # for several engines, or an engine beside a learner, on one GPU. None: vLLM's default (0.9)
     gpu_memory_utilization: float | None = None
-    # batch sizes vLLM captures CUDA graphs for (enforce_eager=False). None: powers of two up to max_num_seqs
-    # (``capture_sizes``). vLLM's own list (1, 2, 4, then every 8 up to its maximum: 54 graphs for 128
+    # batch sizes vLLM captures CUDA graphs for (enforce_eager=False). None: powers of two from 2 up to
+    # max_num_seqs (``capture_sizes``). vLLM's own list (1, 2, 4, then every 8 up to its maximum: 54 graphs for 128
     # sequences) made gpu_1b's cold first call on an H200 105 s; 8 powers of two 79 s, and 48 s with the
     # compile workers of ``rollout.vllm_model.inductor_compile_threads`` (bench/RESULTS.md); a batch between
     # two sizes runs in the next larger graph. Pass vLLM's list explicitly to get it back.

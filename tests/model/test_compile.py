@@ -229,6 +229,26 @@ def test_auto_scope_is_the_gpu_measured_one_on_cuda_and_regions_elsewhere():
     assert resolve_compile_scope("moe", "cpu", on_cuda="blocks") == "moe"
 
 
+def test_a_single_token_compiles_every_region_again():
+    """Dynamo's 0/1 rule: a token count of 1 is specialised, so a no-grad forward of one token compiles the
+    regions over again after any number of longer ones (why the engine captures no CUDA graph of 1:
+    ``rollout.worker.capture_sizes``), and a count of 2 after it compiles nothing new."""
+    model = _small_model(num_hidden_layers=4).eval()
+    backend = CountingBackend()
+    compile_regions(model, backend=backend)
+
+    def graphs_after(T: int) -> int:
+        with torch.no_grad():
+            model(torch.randint(0, model.config.vocab_size, (1, T)))
+        return backend.graphs
+
+    longer = [graphs_after(T) for T in (300, 64, 128, 2)]
+    assert len(set(longer)) == 1 and longer[0] > 0
+    one = graphs_after(1)
+    assert one > 1.5 * longer[0]  # most regions again (cpu_tiny with 4 layers: 12 -> 23)
+    assert graphs_after(2) == graphs_after(1) == one
+
+
 def test_moe_scope_without_gradient_is_one_graph():
     """The engine's and the no-grad logprob passes' MoE block: no autograd node on the way (the GLU combine
     runs its forward math directly), so the whole block is one graph, with the eager outputs."""

@@ -63,11 +63,11 @@ def test_capture_sizes_are_checked_and_name_a_vllm_field(tmp_path):
             WorkerConfig(model_path=path, cudagraph_capture_sizes=bad)
 
 
-def test_default_capture_sizes_are_powers_of_two_up_to_max_num_seqs():
+def test_default_capture_sizes_are_powers_of_two_from_two_up_to_max_num_seqs():
     from rollout.worker import capture_sizes
 
-    assert capture_sizes(128) == [1, 2, 4, 8, 16, 32, 64, 128]
-    assert capture_sizes(65) == [1, 2, 4, 8, 16, 32, 64, 65]
-    assert capture_sizes(1) == [1] and capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(128) == [2, 4, 8, 16, 32, 64, 128]
+    assert capture_sizes(65) == [2, 4, 8, 16, 32, 64, 65]
+    assert capture_sizes(1) == [1] and capture_sizes(2) == [2] and capture_sizes(3) == [2, 3]
     with pytest.raises(ValueError, match="max_num_seqs"):
         capture_sizes(0)
