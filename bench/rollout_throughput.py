@@ -45,7 +45,10 @@ Tasks of an engine (``name:task+task``):
   prefill tok/s = all prompt tokens / time from submission to the last request's first token;
   generated tok/s = tokens generated after that moment / the time from it to the end (the decode phase;
   sequences end at their own lengths, so the batch thins towards the end); ``overall`` = all generated tokens / wall time. An untimed warm-up batch
-  (4 requests of ``--prompt-min`` tokens) runs first.
+  (4 requests of ``--prompt-min`` tokens) runs first, and each batch runs ``--passes`` times (default 2), the
+  last one timed: a first run of a new batch size can still JIT-compile kernels keyed on it (the peer's
+  ``fused_moe_kernel`` and attention kernels logged such compiles inside its timed batches on 2026-12-03);
+  the earlier passes' rates are reported beside (``earlier_passes``).
 
 * ``profile``: one batch of ``--profile-n`` requests (``--prompt-min`` tokens, ``PROFILE_GEN`` generated),
   its decode steps under ``torch.profiler`` (the prefill runs first, unprofiled; the engine runs in this
@@ -154,6 +157,7 @@ ENGINES = {
 TASKS = ("check", "time", "profile")
 FAST_ENGINES = ("ours_fast", "ours_fast_moe")  # the bar's engine: the first of these a run timed
 PROFILE_N, PROFILE_GEN = 8, 32  # the profiled batch: where a decode step's device time goes
+PASS_FIELDS = ("prefill_tok_s", "generated_tok_s", "wall_s")  # what the report keeps of a batch's untimed passes
 # the bar's parts in one 10-minute device call: the fp32 greedy check, then ours and the peer timed (add
 # ours_eager:check to ours_fast's tasks for the bf16 check, ours_graphs:time for graphs without compile)
 DEFAULT_PLAN = "ours_eager_fp32:check,ours_fast_fp32:check,ours_fast:time,peer:time"
@@ -173,17 +177,19 @@ class Sizes:
     max_model_len: int
     kv_bytes: int
     dtype: str
+    passes: int = 2  # runs of each timed batch: the last is timed, the earlier ones warm it (reported beside)
 
 
 def sizes_from_args(args) -> Sizes:
     if args.small:  # CPU plumbing: short requests, a small KV budget, fp32
         return Sizes(concurrency=_ints(args.concurrency or "2,4"), prompt_min=48, prompt_max=96, gen_min=6,
                      gen_max=12, check_prompts=2, check_gen=8, max_model_len=512, kv_bytes=64 << 20,
-                     dtype="float32")  # fmt: skip
+                     dtype="float32", passes=args.passes)  # fmt: skip
     return Sizes(
         concurrency=_ints(args.concurrency or "8,64,128"), prompt_min=args.prompt_min, prompt_max=args.prompt_max,
         gen_min=args.gen_min, gen_max=args.gen_max, check_prompts=args.check_prompts, check_gen=args.check_gen,
         max_model_len=args.max_model_len, kv_bytes=int(args.kv_gib * (1 << 30)), dtype="bfloat16",
+        passes=args.passes,
     )  # fmt: skip
 
 
@@ -676,7 +682,8 @@ class Child:
         timings = self.res.setdefault("timings", {})
         prev: tuple[int, float] | None = None
         for n in sz.concurrency:
-            estimate = prev[1] * n / prev[0] if prev else 0.0  # linear in the request count: conservative
+            # linear in the request count (conservative), for every pass
+            estimate = prev[1] * n / prev[0] * sz.passes if prev else 0.0
             if self.left() < 1.2 * estimate + 5:
                 timings[str(n)] = {
                     "skipped": f"budget: {self.left():.0f} s left, about {estimate:.0f} s needed"
@@ -685,12 +692,14 @@ class Child:
                 self.save()
                 continue
             ps, gens = timed_requests(sz, n, vocab, seed=self.job["seed"])
-            row = timed_batch(llm, ps, gens)
+            runs = [timed_batch(llm, ps, gens) for _ in range(sz.passes)]
+            row = {**runs[-1], "earlier_passes": [{k: r[k] for k in PASS_FIELDS} for r in runs[:-1]]}
             timings[str(n)] = row
             prev = (n, row["wall_s"])
+            earlier = "".join(f", pass {i}: {r['generated_tok_s']:.0f}" for i, r in enumerate(row["earlier_passes"], 1))
             log(f"[{self.job['key']}] N={n}: prefill {row['prefill_tok_s']:.0f} tok/s, generated "
                 f"{row['generated_tok_s']:.0f} tok/s (overall {row['generated_tok_s_overall']:.0f}), "
-                f"wall {row['wall_s']:.1f} s")  # fmt: skip
+                f"wall {row['wall_s']:.1f} s{earlier}")  # fmt: skip
             self.save()
 
     def profile(self, llm) -> None:
@@ -932,16 +941,17 @@ def markdown(res: dict) -> str:
             f"{_f(mem.get('max_allocated_gib'), 2)} | {kv.get('num_blocks')} x {kv.get('block_size')} "
             f"({kv.get('capacity_tokens')}) | {check} | {(v.get('error') or '')[:200]} |"
         )
-    lines += ["", "| engine | N | prompt tokens | generated | prefill tok/s | generated tok/s (decode) | generated tok/s (overall) | wall s |",
-              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += ["", "| engine | N | prompt tokens | generated | prefill tok/s | generated tok/s (decode) | generated tok/s (overall) | wall s | decode tok/s of the earlier passes |",
+              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for key, v in res.get("engines", {}).items():
         for n, row in (v.get("timings") or {}).items():
             if "skipped" in row:
                 lines.append(f"| {key} | {n} | skipped: {row['skipped']} |")
                 continue
+            earlier = ", ".join(f"{r['generated_tok_s']:.0f}" for r in row.get("earlier_passes", [])) or "-"
             lines.append(
                 f"| {key} | {n} | {row['prompt_tokens']} | {row['generated_tokens']} | {row['prefill_tok_s']:.0f} | "
-                f"{row['generated_tok_s']:.0f} | {row['generated_tok_s_overall']:.0f} | {row['wall_s']:.1f} |"
+                f"{row['generated_tok_s']:.0f} | {row['generated_tok_s_overall']:.0f} | {row['wall_s']:.1f} | {earlier} |"
             )
     ratios = s.get("ours_fast_over_peer") or {}
     if ratios:
@@ -994,6 +1004,7 @@ def main(argv: list[str] | None = None) -> int:
         "--peer-backend", default=None, help="the peer's attention backend (vLLM's pick when unset)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--passes", type=int, default=2, help="runs of each timed batch, the last one timed (>= 1)")
     p.add_argument("--profile-n", type=int, default=PROFILE_N, help="sequences of the profiled batch (task profile)")
     p.add_argument("--warm-caches", action="store_true", help="children share vLLM/inductor/Triton caches")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints and caches (deleted by default)")
@@ -1005,6 +1016,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = parse_plan(args.plan or DEFAULT_PLAN)
     except ValueError as e:
         p.error(str(e))
+    if args.passes < 1:
+        p.error(f"--passes must be >= 1, got {args.passes}")
     parent = Parent(args)
     log(f"env {json.dumps(parent.results['env'])}")
     try:

@@ -79,6 +79,11 @@ def test_budget_shares_and_the_peer_fallback(bench, tmp_path, monkeypatch):
     assert "no MLA backend" in res["engines"]["peer"]["error"] and "peer#triton_mla" in res["engines"]
 
 
+def test_passes_below_one_are_refused(bench, tmp_path):
+    with pytest.raises(SystemExit):
+        bench.main(["--small", "--passes", "0", "--out", str(tmp_path)])
+
+
 def test_a_short_budget_is_split_in_proportion(bench):
     """What the reserve leaves when the budget covers it; a budget short of the reserves is split in
     proportion to them (330 s for ours_fast then the peer: 110 s and 220 s, not 45 s and 300 s)."""
@@ -142,6 +147,9 @@ def test_small_run_end_to_end(bench, tmp_path):
             assert row["sequences"] == int(n) and row["prefill_tok_s"] > 0 and row["generated_tok_s"] > 0
             assert sizes["gen_min"] * int(n) <= row["generated_tokens"] <= sizes["gen_max"] * int(n)
             assert row["decode_tokens"] < row["generated_tokens"]
+            # the default two passes: the second timed, the first (it warms the batch size) reported beside
+            (first,) = row["earlier_passes"]
+            assert set(first) == set(bench.PASS_FIELDS) and first["generated_tok_s"] > 0
     # the same requests for every engine: identical prompt and generated token counts
     assert {n: r["prompt_tokens"] for n, r in engines["ours_fast"]["timings"].items()} == {
         n: r["prompt_tokens"] for n, r in engines["ours_eager#2"]["timings"].items()
