@@ -5,8 +5,8 @@ names map 1:1 and every token-wise part (embeddings, norms, Block AttnRes, MoE r
 frozen bias, experts, LM head) runs the learner's code. Only the sequence mixers are swapped for
 vLLM-aware wrappers (``rollout.vllm_layers``): KDA keeps its state in vLLM's recurrent-state pages,
 gated MLA attends over vLLM's paged KV cache in the form the HF config's ``mla_cache_form`` names:
-"expanded" per-head K/V (default) or the "latent" one-head absorbed form (``hf_overrides=
-{"mla_cache_form": "latent"}``, or ``WorkerConfig.mla_cache_form``).
+"expanded" per-head K/V or the "latent" one-head absorbed form (``hf_overrides={"mla_cache_form": ...}``,
+or ``WorkerConfig.mla_cache_form``); unset or "auto": latent on CUDA, expanded on a CPU.
 
 Deviations from a stock vLLM model, on purpose:
 * plain ``torch.nn`` layers instead of vLLM's parallel linears: single-rank only (tensor parallel
