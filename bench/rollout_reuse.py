@@ -145,14 +145,88 @@ class ModeRun:
             }
         )
 
-    def result(self) -> dict:
+    def shutdown(self) -> None:
         self.worker.shutdown()
+
+    def result(self) -> dict:
+        self.shutdown()
         return {
             "mode": self.mode,
             "turns": self.turns,
             "wall_s": sum(x["seconds"] for x in self.turns),
             "tokens": self.tokens,
         }
+
+
+class PlainRun(ModeRun):
+    """The same episodes the way a user of a stock vLLM engine runs them: a plain ``vllm.LLM`` of
+    ``model_dir`` (any model vLLM loads: bench/rollout_gpu.py gives it vLLM's native Kimi Linear, the
+    ``peer`` mode), each turn the whole history submitted again with vLLM's prefix caching on, ``gen`` greedy
+    tokens a turn (``ignore_eos``: every mode's turns the same length). Computed prefill per request: its
+    prompt less the tokens vLLM served from the cache (``num_cached_tokens``). ``engine``: further ``LLM``
+    arguments (dtype, GPU share, ``enforce_eager``, attention config)."""
+
+    def __init__(self, mode: str, model_dir: Path, chunks, args, engine: dict | None = None) -> None:
+        from vllm import LLM, SamplingParams
+
+        self.mode, self.chunks, self.args = mode, chunks, args
+        self.params = SamplingParams(max_tokens=args.gen, temperature=0.0, ignore_eos=True)
+        from rollout.worker import count_in_process_engine
+
+        self.llm = LLM(
+            model=str(model_dir), max_model_len=args.max_model_len, max_num_seqs=max(8, args.episodes + 1),
+            kv_cache_memory_bytes=args.kv_mib << 20, enable_prefix_caching=True, seed=0, **(engine or {}),
+        )  # fmt: skip
+        # in this process (the bench's default), it shares the vLLM groups of the RolloutWorkers here
+        self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        if self.in_process:
+            count_in_process_engine()
+        self.generate([c[0][::-1][:256] for c in chunks])  # warm-up, untimed (see ModeRun)
+        self.reps, self.tokens = [], {}
+
+    def generate(self, prompts: list[list[int]]) -> list:
+        return self.llm.generate([{"prompt_token_ids": p} for p in prompts], self.params, use_tqdm=False)
+
+    def start_repeat(self, rep: int) -> None:
+        self.llm.reset_prefix_cache()
+        self.sids = [f"e{i}r{rep}" for i in range(len(self.chunks))]
+        self.history: list[list[int]] = [[] for _ in self.chunks]
+        self.turns = []
+        self.reps.append(self.turns)
+
+    def turn(self, t: int) -> None:
+        for hist, chunk in zip(self.history, self.chunks):
+            hist.extend(chunk[t])
+        t0 = time.perf_counter()
+        outs = self.generate(self.history)
+        dt = time.perf_counter() - t0
+        full = sum(len(h) for h in self.history)
+        computed = sum(len(o.prompt_token_ids) - (o.num_cached_tokens or 0) for o in outs)
+        for i, (hist, o) in enumerate(zip(self.history, outs)):
+            ids = list(o.outputs[0].token_ids)
+            hist.extend(ids)
+            self.tokens.setdefault(f"e{i}", []).append(ids)
+        new = sum(len(c[t]) for c in self.chunks)
+        self.turns.append(
+            {"turn": t + 1, "new": new, "context": full, "computed": computed, "seconds": dt,
+             "hit_rate": 1 - computed / full}
+        )  # fmt: skip
+
+    def shutdown(self) -> None:
+        import gc
+
+        from rollout.worker import shutdown_in_process_engine
+
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        core = llm.llm_engine.engine_core
+        if self.in_process:
+            shutdown_in_process_engine(core)
+        else:
+            core.shutdown()
+        del llm
+        gc.collect()
 
 
 def run_interleaved(modes: list[str], model_dir: Path, chunks, args) -> dict:

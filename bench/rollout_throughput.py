@@ -343,8 +343,7 @@ def build_checkpoints(tmp: Path, args, sz: Sizes) -> dict[str, Any]:
         config, n_peer = _write_models(tmp, args, dtype, torch.device("cpu"))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    for d in ("ours", "peer"):
-        load_tokenizer().save_pretrained(str(tmp / d))
+    load_tokenizer().save_pretrained(str(tmp / "ours"))
     info = {
         "ours": str(tmp / "ours"),
         "peer": str(tmp / "peer"),
@@ -360,27 +359,13 @@ def build_checkpoints(tmp: Path, args, sz: Sizes) -> dict[str, Any]:
 
 def _write_models(tmp: Path, args, dtype, device) -> tuple[Any, int]:
     """Random-init ours and its Kimi Linear match on ``device``, write both checkpoints in ``dtype``."""
-    import torch
-
-    from model.export import export_kimi_linear, kimi_linear_matched
-    from model.modeling import HybridForCausalLM
-
     with device:
         ours = rollout_gpu.build_model("gpu_1b", args.seed, args.small)
     config = ours.config
     ours.to(dtype).cpu().save_pretrained(str(tmp / "ours"))
     del ours
-    matched = kimi_linear_matched(config)
-    torch.manual_seed(args.seed)
-    with device:
-        peer = HybridForCausalLM(matched).eval()
-    scale = rollout_gpu.ROUTER_LOGIT_STD / (matched.initializer_range * matched.hidden_size**0.5)
-    with torch.no_grad():  # the same router scaling as ours (rollout_gpu.build_model)
-        for name, p in peer.named_parameters():
-            if name.endswith("gate.weight"):
-                p.mul_(scale)
-    export_kimi_linear(peer.cpu().state_dict(), matched, tmp / "peer", dtype=dtype)
-    return config, sum(p.numel() for p in peer.parameters())
+    n_peer = rollout_gpu.write_peer_checkpoint(config, tmp / "peer", args.seed, dtype, device)
+    return config, n_peer
 
 
 class Parent:

@@ -454,22 +454,10 @@ class RolloutWorker:
         gc.collect()
 
     def _shutdown_engine_core(self, engine_core) -> None:
-        """An in-process EngineCore's shutdown tears down the process's vLLM distributed groups, which
-        every other in-process engine here still uses; only the last one alive may do that."""
-        if not self.config.in_process:
+        if self.config.in_process:
+            shutdown_in_process_engine(engine_core)
+        else:
             engine_core.shutdown()
-            return
-        RolloutWorker._live_in_process -= 1
-        if RolloutWorker._live_in_process <= 0:
-            engine_core.shutdown()
-            return
-        import vllm.v1.engine.core as core_mod
-
-        teardown, core_mod.cleanup_dist_env_and_memory = core_mod.cleanup_dist_env_and_memory, lambda: None
-        try:
-            engine_core.shutdown()
-        finally:
-            core_mod.cleanup_dist_env_and_memory = teardown
 
     # --- turns ----------------------------------------------------------------------------------------
     def _start_turn(self, r: TurnRequest, protected: set[str]) -> _Pending | TurnOutput:
@@ -641,6 +629,28 @@ class RolloutWorker:
 
     def config_dict(self) -> dict[str, Any]:
         return asdict(self.config)
+
+
+def count_in_process_engine() -> None:
+    """Count a plain ``vllm.LLM`` built in this process among the in-process engines (``RolloutWorker`` counts
+    its own): it shares their vLLM distributed groups; ``shutdown_in_process_engine`` ends it."""
+    RolloutWorker._live_in_process += 1
+
+
+def shutdown_in_process_engine(engine_core) -> None:
+    """Shut down a counted in-process EngineCore (``count_in_process_engine``). Its shutdown tears down the process's vLLM distributed
+    groups, which every other in-process engine here still uses: only the last one alive may do that."""
+    RolloutWorker._live_in_process -= 1
+    if RolloutWorker._live_in_process <= 0:
+        engine_core.shutdown()
+        return
+    import vllm.v1.engine.core as core_mod
+
+    teardown, core_mod.cleanup_dist_env_and_memory = core_mod.cleanup_dist_env_and_memory, lambda: None
+    try:
+        engine_core.shutdown()
+    finally:
+        core_mod.cleanup_dist_env_and_memory = teardown
 
 
 def latent_attention_backend(c: WorkerConfig) -> str | None:

@@ -152,3 +152,8 @@ def test_reuse_summary_compares_the_turns_both_modes_ran_and_states_the_bar(benc
     assert s["session"]["later_computed_over_new"] == 209 / 200
     assert bench.reuse_bar(s, 3) == dict(complete=True, computed_within_1_1x=True, at_least_3x_vs_none=True)
     assert bench.reuse_bar(s, 8)["complete"] is False and bench.reuse_bar(s, 8)["at_least_3x_vs_none"] is None
+    assert "speedup_vs_peer" not in s["session"]
+    # the stock peer (vLLM's native model, history resubmitted with prefix caching): the engine issue's goal
+    turns["peer"] = rows([100, 150, 200], [1.0, 1.5, 2.0])
+    s = bench.reuse_summary(turns)
+    assert s["session"]["speedup_vs_peer"] == 4.5 / 2.0 and s["prefix_cache"]["speedup_vs_peer"] == 2.5 / 2.0

@@ -1,0 +1,48 @@
+"""bench/rollout_reuse.py's ``PlainRun`` on the CPU: the episodes the way a user of a stock vLLM engine runs
+them (bench/rollout_gpu.py's ``peer`` mode, there with vLLM's native Kimi Linear): the whole history again
+each turn with prefix caching on. Here it drives our tiny model, beside a live ``RolloutWorker`` that must
+survive its shutdown (both share the process's vLLM groups)."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from rollout_cases import SMALL_ENGINE
+
+pytestmark = pytest.mark.vllm
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "rollout_reuse.py"
+
+
+def test_plain_run_resubmits_the_history_and_prefix_caching_serves_it(bench, tiny_ckpt):
+    from rollout.renderer import ChatRenderer
+    from rollout.worker import RolloutWorker, TurnRequest
+
+    path, _ = tiny_ckpt
+    args = SimpleNamespace(episodes=2, turns=3, prompt=160, obs=40, obs_min=20, gen=6, max_model_len=768,
+                           kv_mib=32, block_size=None)  # fmt: skip
+    chunks = bench.episode_chunks(args, ChatRenderer())
+    worker = RolloutWorker(dict(model_path=str(path), **SMALL_ENGINE))
+    try:
+        plain = bench.PlainRun("plain", path, chunks, args)
+        plain.start_repeat(0)
+        for t in range(args.turns):
+            plain.turn(t)
+        plain.shutdown()
+        # the worker's engine still runs after the plain one is gone
+        (out,) = worker.generate([TurnRequest("w", chunks[0][0][:32], max_tokens=3, temperature=0.0)])
+        assert len(out.token_ids) == 3
+    finally:
+        worker.shutdown()
+    rows = plain.turns
+    assert [r["turn"] for r in rows] == [1, 2, 3]
+    assert all(len(ids) == args.gen for ep in plain.tokens.values() for ids in ep)  # ignore_eos: fixed lengths
+    assert rows[0]["computed"] == rows[0]["context"] == rows[0]["new"]  # nothing cached yet (warm-up prompts differ)
+    for prev, r in pairwise(rows):
+        assert r["context"] == prev["context"] + r["new"] + args.episodes * args.gen  # the whole history again
+        # the cache serves what it holds of the history; the rest (new tokens, the last partial block and the
+        # generated tokens before it) is computed
+        assert r["new"] <= r["computed"] < r["context"] and 0 < r["hit_rate"] < 1
