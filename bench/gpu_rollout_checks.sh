@@ -6,8 +6,9 @@
 #             in the latent engine (tokens must be equal); the latent engine against the learner;
 #      reuse  whole-turn reuse at gpu_1b in bf16 with vLLM's CUDA graphs: 64 concurrent 8-turn episodes,
 #             2,048-token first prompt, tool responses of 100-400 tokens, 64 greedy tokens a turn; session
-#             and none first (the bar), decode tok/s at 64 sequences, then stock prefix caching when the
-#             budget holds it (the first thing dropped when time runs short).
+#             and none first (the bar), decode tok/s at 64 sequences, then stock prefix caching and the
+#             peer (vLLM's native Kimi Linear, history resubmitted under prefix caching), each when the
+#             budget holds it (the first things dropped when time runs short).
 #   2. one GRPO step of configs/exp/gpu_colocated.yaml (learner and engine share the GPU, weight_sync=ipc)
 #      on a local Ray cluster, the held-out evals before and after included; its perf/* seconds printed.
 # Usage, with the environment of bench/RESULTS.md ("Rollout on the H200") exported:
