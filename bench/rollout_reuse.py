@@ -169,10 +169,10 @@ class PlainRun(ModeRun):
     def __init__(self, mode: str, model_dir: Path, chunks, args, engine: dict | None = None) -> None:
         from vllm import LLM, SamplingParams
 
-        self.mode, self.chunks, self.args = mode, chunks, args
-        self.params = SamplingParams(max_tokens=args.gen, temperature=0.0, ignore_eos=True)
         from rollout.worker import count_in_process_engine
 
+        self.mode, self.chunks, self.args = mode, chunks, args
+        self.params = SamplingParams(max_tokens=args.gen, temperature=0.0, ignore_eos=True)
         self.llm = LLM(
             model=str(model_dir), max_model_len=args.max_model_len, max_num_seqs=max(8, args.episodes + 1),
             kv_cache_memory_bytes=args.kv_mib << 20, enable_prefix_caching=True, seed=0, **(engine or {}),

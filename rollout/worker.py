@@ -638,8 +638,9 @@ def count_in_process_engine() -> None:
 
 
 def shutdown_in_process_engine(engine_core) -> None:
-    """Shut down a counted in-process EngineCore (``count_in_process_engine``). Its shutdown tears down the process's vLLM distributed
-    groups, which every other in-process engine here still uses: only the last one alive may do that."""
+    """Shut down a counted in-process EngineCore (``count_in_process_engine``). Its shutdown tears down the
+    process's vLLM distributed groups, which every other in-process engine here still uses: only the last one
+    alive may do that."""
     RolloutWorker._live_in_process -= 1
     if RolloutWorker._live_in_process <= 0:
         engine_core.shutdown()
