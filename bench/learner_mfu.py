@@ -31,6 +31,10 @@ step; host dispatch close to the component's time means per-tensor host work (th
 per-expert nn.Linear experts made ~6k parameter tensors before the experts were stacked) and not the device sets it.
 ``bench/op_counts.py`` counts the aten ops per layer kind on the CPU (no GPU needed).
 
+``--also-fast-paths SPEC`` is an A/B within one process (one device call, one host): after each micro-batch
+size it times the same learner on the same batch again with ``SPEC``'s fast paths (e.g. ``glu=recompute``),
+a row of its own; ``SPEC`` passes the same check against the references first.
+
 Results: ``<out>/learner_mfu.json`` (everything) and ``<out>/learner_mfu.md`` (the table), rewritten
 after every part. ``--small`` runs the same plumbing on a CPU with a tiny config (fp32).
 
@@ -399,7 +403,7 @@ def check_fast_vs_reference(report: Report, learner, batches: list, half: bool) 
         else:
             fast_errs.append(_distance(fast, ref, mask))
             rows[-1]["loss_tolerance"] = 1e-5 + 1e-4 * abs(ref["loss"])
-    row = {"kind": "train step fast vs reference", "dtype": "bfloat16" if half else "float32",
+    row = {"kind": "train step fast vs reference", "fast_paths": str(fast_paths), "dtype": "bfloat16" if half else "float32",
            "tokens": [b.num_tokens for b in batches], "batches": rows,
            "reference": rows[0]["reference"], "fast": rows[0]["fast"]}  # fmt: skip
     got = _pooled(fast_errs)
@@ -413,7 +417,7 @@ def check_fast_vs_reference(report: Report, learner, batches: list, half: bool) 
     ok = all(got[k] <= v for k, v in tol.items())
     row.update(ok=ok, measured=got, tolerance=tol)
     report.checks.append(row)
-    print(f"[check] {row['dtype']} {'OK' if ok else 'FAILED'} {json.dumps(got)} tolerance {json.dumps(tol)} "
+    print(f"[check] {fast_paths} {row['dtype']} {'OK' if ok else 'FAILED'} {json.dumps(got)} tolerance {json.dumps(tol)} "
           f"ref {row['reference']} fast {row['fast']}", flush=True)  # fmt: skip
     return ok
 
@@ -872,7 +876,23 @@ def memory_markdown(report: Report) -> str:
 
 
 # ------------------------------------------------------------------------------------------ runs
-def run_ours(report: Report, learner, tokens: int, args, clock: Clock, peak: float, cuda: bool) -> None:
+@contextlib.contextmanager
+def fast_paths_set(learner, spec: str | None):
+    """The learner on ``spec``'s fast paths inside the block (None: as it is)."""
+    from model.fast import FastPaths
+
+    saved = learner.fast_paths
+    if spec is not None:
+        learner.fast_paths = FastPaths.parse(spec)
+    try:
+        yield
+    finally:
+        learner.fast_paths = saved
+
+
+def run_ours(
+    report: Report, learner, tokens: int, args, clock: Clock, peak: float, cuda: bool, impl: str = "ours"
+) -> None:
     config = learner.base_model.config
     lengths = episode_lengths(tokens, np.random.default_rng(tokens))
     batch = make_batch(lengths, config, seed=tokens)
@@ -891,7 +911,7 @@ def run_ours(report: Report, learner, tokens: int, args, clock: Clock, peak: flo
     comps = component_times(learner, batch, clock, counts) if args.components else {}
     prof = profile_step(learner, batch, cuda, args.out / f"profile_{tokens}.txt") if args.profile else {}
     row = {
-        "impl": "ours", "tokens": tokens, "episodes": len(lengths), "lengths_min_max": [min(lengths), max(lengths)],
+        "impl": impl, "tokens": tokens, "episodes": len(lengths), "lengths_min_max": [min(lengths), max(lengths)],
         "step_s": step_s, "tokens_per_s": tokens / step_s, "mfu": 6 * n_mm * tokens / step_s / peak,
         "active_matmul_params": n_mm, "peak_mem_gib": peak_gib, "warmup_s": warm_s, "components": comps,
         "checkpoint": args.checkpoint, "compile": args.compile and args.compile_scope, "fast_paths": str(learner.fast_paths), **prof,
@@ -901,7 +921,7 @@ def run_ours(report: Report, learner, tokens: int, args, clock: Clock, peak: flo
         row["recompile_limit_hits"] = list(RECOMPILE_HITS.messages)
         print(f"[compile] {row['compiled_regions']}; recompile limit hits: {len(RECOMPILE_HITS.messages)}", flush=True)
     report.runs.append(row)
-    print(f"[ours] {tokens} tokens ({len(lengths)} episodes): {step_s * 1e3:.0f} ms/step, "
+    print(f"[{impl}] {tokens} tokens ({len(lengths)} episodes): {step_s * 1e3:.0f} ms/step, "
           f"{row['tokens_per_s']:.0f} tok/s, MFU {row['mfu'] * 100:.1f}%, peak "
           f"{peak_gib if peak_gib is None else round(peak_gib, 1)} GiB, components "
           f"{ {k: round(v['s'] * 1e3, 1) for k, v in comps.items()} } ms", flush=True)  # fmt: skip
@@ -1029,7 +1049,7 @@ def markdown(report: Report) -> str:
         fb = (r.get("host_syncs_fwd_bwd") or {}).get("count")
         ks = f"{r.get('kernels_per_step', '-')} / {r.get('host_syncs_per_step', '-')}"
         ks += f" ({fb} in fwd+bwd)" if fb is not None else ""
-        lines.append(f"| {r['tokens']} | ours | {r['step_s'] * 1e3:.0f} ms | {r['tokens_per_s']:.0f} | "
+        lines.append(f"| {r['tokens']} | {r.get('impl', 'ours')} | {r['step_s'] * 1e3:.0f} ms | {r['tokens_per_s']:.0f} | "
                      f"{r['mfu'] * 100:.1f}% | {mem} | {ms('kda')} | {ms('mla')} | {ms('moe')} | "
                      f"{ms('lm_head_loss')} | {ms('optimizer')} | {ks} | {ratio} |")  # fmt: skip
     for p in report.peer:
@@ -1093,6 +1113,9 @@ def main() -> int:
     ap.add_argument("--no-components", dest="components", action="store_false")
     ap.add_argument("--profile", action="store_true", help="kernel launches and host syncs of one step")
     ap.add_argument("--no-probe", dest="probe", action="store_false", help="skip the per-op probes (auto paths)")
+    ap.add_argument("--also-fast-paths", default=None, type=_fast_paths_arg,
+                    help="an A/B in the same process: check and time ours again on these fast paths after each "
+                         "size, e.g. glu=recompute")  # fmt: skip
     ap.add_argument("--fast-paths", default=None, type=_fast_paths_arg,
                     help="learner.fast_paths for the timed learner, e.g. glu=recompute (skips the probes)")
     ap.add_argument("--memory-breakdown", action="store_true",
@@ -1155,17 +1178,20 @@ def main() -> int:
             else []
         )
         checks += [("bfloat16", args.check_tokens)] if cuda else []
-        for check_dtype, tokens in checks:  # fp32 holds the kernels to the references tightly; bf16 as timed
-            n = args.check_batches if check_dtype == "bfloat16" else 1
-            batches = [make_batch(episode_lengths(tokens, np.random.default_rng(s)), config, seed=s)
-                       for s in range(1, n + 1)]  # fmt: skip
-            ok = check_fast_vs_reference(report, learner, batches, check_dtype == "bfloat16")
-            report.save(args.out)
-            del batches
-            free(cuda)
-            if not ok:
-                print("[check] the fast paths disagree with the references: nothing timed", flush=True)
-                return 1
+        for variant in (None, args.also_fast_paths) if args.also_fast_paths else (None,):
+            for check_dtype, tokens in checks:  # fp32 holds the kernels to the references tightly; bf16 as timed
+                n = args.check_batches if check_dtype == "bfloat16" else 1
+                batches = [make_batch(episode_lengths(tokens, np.random.default_rng(s)), config, seed=s)
+                           for s in range(1, n + 1)]  # fmt: skip
+                with fast_paths_set(learner, variant):
+                    ok = check_fast_vs_reference(report, learner, batches, check_dtype == "bfloat16")
+                report.save(args.out)
+                del batches
+                free(cuda)
+                if not ok:
+                    print(f"[check] the fast paths {variant or ''} disagree with the references: nothing timed",
+                          flush=True)  # fmt: skip
+                    return 1
     if args.memory_breakdown:  # after the check: its step times are timings too
         run_memory_breakdown(report, learner, args, cuda)
     token_sizes = [int(t) for t in args.tokens.split(",") if t]
@@ -1176,6 +1202,9 @@ def main() -> int:
         for attempt in range(2):
             try:
                 run_ours(report, learner, tokens, args, clock, peak, cuda)
+                if args.also_fast_paths:  # the A/B: the same learner, batch and process, other fast paths
+                    with fast_paths_set(learner, args.also_fast_paths):
+                        run_ours(report, learner, tokens, args, clock, peak, cuda, f"ours, {args.also_fast_paths}")
                 break
             except torch.OutOfMemoryError as e:
                 report.notes.append(f"ours at {tokens} tokens, checkpoint={args.checkpoint}: out of memory")
