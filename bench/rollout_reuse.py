@@ -134,16 +134,14 @@ class ModeRun:
             self.context[s] += len(r.token_ids) + len(o.token_ids)
             self.tokens.setdefault(f"{s}", []).append(o.token_ids)
             self.tokens.setdefault(f"e{i}", []).append(o.token_ids)
+        self.record_turn(t, sum(len(r.token_ids) for r in reqs), full, computed, dt)
+
+    def record_turn(self, t: int, new: int, context: int, computed: int, seconds: float) -> None:
+        """Turn ``t``'s row: new tokens, the whole context, the prefill the engine computed, wall seconds."""
         self.turns.append(
-            {
-                "turn": t + 1,
-                "new": sum(len(r.token_ids) for r in reqs),
-                "context": full,
-                "computed": computed,
-                "seconds": dt,
-                "hit_rate": 1 - computed / full,
-            }
-        )
+            {"turn": t + 1, "new": new, "context": context, "computed": computed, "seconds": seconds,
+             "hit_rate": 1 - computed / context}
+        )  # fmt: skip
 
     def shutdown(self) -> None:
         self.worker.shutdown()
@@ -206,25 +204,17 @@ class PlainRun(ModeRun):
             ids = list(o.outputs[0].token_ids)
             hist.extend(ids)
             self.tokens.setdefault(f"e{i}", []).append(ids)
-        new = sum(len(c[t]) for c in self.chunks)
-        self.turns.append(
-            {"turn": t + 1, "new": new, "context": full, "computed": computed, "seconds": dt,
-             "hit_rate": 1 - computed / full}
-        )  # fmt: skip
+        self.record_turn(t, sum(len(c[t]) for c in self.chunks), full, computed, dt)
 
     def shutdown(self) -> None:
         import gc
 
-        from rollout.worker import shutdown_in_process_engine
+        from rollout.worker import shutdown_engine_core
 
         llm, self.llm = self.llm, None
         if llm is None:
             return
-        core = llm.llm_engine.engine_core
-        if self.in_process:
-            shutdown_in_process_engine(core)
-        else:
-            core.shutdown()
+        shutdown_engine_core(llm.llm_engine.engine_core, self.in_process)
         del llm
         gc.collect()
 

@@ -447,17 +447,11 @@ class RolloutWorker:
         if llm is not None:
             engine_core = getattr(llm.llm_engine, "engine_core", None)
             if engine_core is not None and hasattr(engine_core, "shutdown"):
-                self._shutdown_engine_core(engine_core)
+                shutdown_engine_core(engine_core, self.config.in_process)
             del llm
         import gc
 
         gc.collect()
-
-    def _shutdown_engine_core(self, engine_core) -> None:
-        if self.config.in_process:
-            shutdown_in_process_engine(engine_core)
-        else:
-            engine_core.shutdown()
 
     # --- turns ----------------------------------------------------------------------------------------
     def _start_turn(self, r: TurnRequest, protected: set[str]) -> _Pending | TurnOutput:
@@ -633,14 +627,17 @@ class RolloutWorker:
 
 def count_in_process_engine() -> None:
     """Count a plain ``vllm.LLM`` built in this process among the in-process engines (``RolloutWorker`` counts
-    its own): it shares their vLLM distributed groups; ``shutdown_in_process_engine`` ends it."""
+    its own): it shares their vLLM distributed groups; ``shutdown_engine_core`` ends it."""
     RolloutWorker._live_in_process += 1
 
 
-def shutdown_in_process_engine(engine_core) -> None:
-    """Shut down a counted in-process EngineCore (``count_in_process_engine``). Its shutdown tears down the
-    process's vLLM distributed groups, which every other in-process engine here still uses: only the last one
-    alive may do that."""
+def shutdown_engine_core(engine_core, in_process: bool) -> None:
+    """Shut down an engine's EngineCore. An in-process one is counted (``count_in_process_engine``): its
+    shutdown tears down the process's vLLM distributed groups, which every other in-process engine here
+    still uses, so only the last one alive may do that."""
+    if not in_process:
+        engine_core.shutdown()
+        return
     RolloutWorker._live_in_process -= 1
     if RolloutWorker._live_in_process <= 0:
         engine_core.shutdown()
