@@ -46,3 +46,16 @@ def test_plain_run_resubmits_the_history_and_prefix_caching_serves_it(bench, tin
         # the cache serves what it holds of the history; the rest (new tokens, the last partial block and the
         # generated tokens before it) is computed
         assert r["new"] <= r["computed"] < r["context"] and 0 < r["hit_rate"] < 1
+
+
+def test_warm_up_prompts_have_the_first_turns_lengths_and_not_its_prefixes(bench):
+    """Every engine warms up on prompts as long as each episode's first one (the first timed turn then runs
+    no shape for the first time), none of which starts as its episode's prompt does (nothing for the prefix
+    cache to serve)."""
+    from rollout.renderer import ChatRenderer
+
+    args = SimpleNamespace(episodes=3, turns=2, prompt=300, obs=40, obs_min=20, gen=4)
+    chunks = bench.episode_chunks(args, ChatRenderer())
+    warm = bench.warmup_prompts(chunks)
+    assert [len(w) for w in warm] == [len(c[0]) for c in chunks]
+    assert all(w[:16] != c[0][:16] for w, c in zip(warm, chunks))
