@@ -8,7 +8,8 @@ run that exports ``VLLM_LOGGING_LEVEL=WARNING`` still prints only warnings. Seco
 messages vLLM logs at the end of its phases (``PHASES``; the raw timeline is kept as well, since message
 texts move between vLLM versions). Triton JIT compiles are counted by a ``triton.knobs.compilation``
 listener (in this process only: inductor's kernels compiled by its worker processes are not seen; their
-time is inside dynamo's ``compile_times``)."""
+time is inside dynamo's ``compile_times``). Our compiled regions' compiles and seconds, each region by name
+(``model.compile.compile_record``), say which of them a slow start compiled for longest."""
 
 from __future__ import annotations
 
@@ -129,7 +130,9 @@ class StartupProbe(logging.Handler):
         return out
 
     def compile_snapshot(self) -> dict[str, Any]:
-        return {"dynamo": dynamo_compile_times(), "triton_jit": dict(self.triton)}
+        from model.compile import compile_record
+
+        return {"dynamo": dynamo_compile_times(), "triton_jit": dict(self.triton), "regions": compile_record()}
 
 
 def dynamo_compile_times() -> dict[str, float]:
@@ -151,7 +154,9 @@ def breakdown_line(res: dict) -> str:
     comp = (res.get("compile_end") or st.get("compile") or {}).get("dynamo", {})
     dyn = " ".join(f"{label} {comp[k]:.1f}" for label, k in DYNAMO_LINE if isinstance(comp.get(k), float))
     tri = (res.get("compile_end") or st.get("compile") or {}).get("triton_jit", {})
+    regions = (res.get("compile_end") or st.get("compile") or {}).get("regions") or {}
+    top = ", ".join(f"{name} {r['compiles']} x {r['seconds']:.1f} s" for name, r in list(regions.items())[:6])
     return (f"first call {res.get('first_call_s', float('nan')):.1f} s (engine init "
             f"{res.get('engine_init_s', float('nan')):.1f}); vLLM s: {phases or '-'}; dynamo s: {dyn or '-'}; "
             f"Triton JIT: {tri.get('compiles', 0)} compiles {tri.get('compile_s', 0.0):.1f} s, "
-            f"{tri.get('cache_hits', 0)} cache hits")  # fmt: skip
+            f"{tri.get('cache_hits', 0)} cache hits; compiles by region: {top or '-'}")  # fmt: skip

@@ -35,6 +35,8 @@ problem never stops a run, and ``learner.compile=false`` is the switch for debug
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -44,6 +46,68 @@ from torch.utils.checkpoint import _StopRecomputationError
 log = logging.getLogger(__name__)
 
 REGION_RECOMPILE_LIMIT = 64
+OUTSIDE = "(outside the regions)"  # compiles with no region on the stack: lazy backward graphs, others' compiles
+
+
+class CompileRecord:
+    """Dynamo compiles and their wall seconds per compiled region, in this process: which region a slow start
+    spends its compile time in (``compile_record()``; the engine's start-up line in bench/startup_probe.py).
+    Fed by dynamo's compilation callbacks (``torch._dynamo.callback_handler``: the start and end of each
+    outermost frame compile, inductor's codegen and its Triton compiles included), attributed to the region
+    being called at the time; a backward graph compiled lazily in the backward pass, or a compile of code
+    that is not ours, goes to ``OUTSIDE``. Costs a region's call a list lookup and setting the active name."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self.totals: dict[str, list] = {}  # name -> [compiles, seconds]
+        self.warned = False
+
+    @property
+    def active(self) -> str | None:
+        return getattr(self.local, "active", None)
+
+    @active.setter
+    def active(self, name: str | None) -> None:
+        self.local.active = name
+
+    def install(self) -> None:
+        """Listen to dynamo's compiles (again after ``torch._dynamo.reset()``, which drops every callback; a
+        torch without the callbacks records nothing)."""
+        handler = getattr(torch._dynamo, "callback_handler", None)
+        if handler is None:
+            if not self.warned:
+                log.info("torch._dynamo has no callback_handler: compile times per region are not recorded")
+                self.warned = True
+            return
+        if self._start not in handler.start_callbacks:
+            handler.register_start_callback(self._start)
+            handler.register_end_callback(self._end)
+
+    def _start(self, *_) -> None:
+        self.local.started = (self.active or OUTSIDE, time.perf_counter())
+
+    def _end(self, *_) -> None:
+        started = getattr(self.local, "started", None)
+        if started is None:
+            return
+        name, t0 = started
+        self.local.started = None
+        row = self.totals.setdefault(name, [0, 0.0])
+        row[0] += 1
+        row[1] += time.perf_counter() - t0
+
+    def snapshot(self) -> dict[str, dict]:
+        """{region: {"compiles", "seconds"}}, the most seconds first."""
+        rows = sorted(self.totals.items(), key=lambda kv: -kv[1][1])
+        return {name: {"compiles": n, "seconds": round(s, 3)} for name, (n, s) in rows}
+
+
+COMPILES = CompileRecord()
+
+
+def compile_record() -> dict[str, dict]:
+    """Compiles and seconds per compiled region so far in this process (``CompileRecord``)."""
+    return COMPILES.snapshot()
 
 
 def mark_token_dims(args: tuple) -> None:
@@ -69,6 +133,8 @@ class CompiledOrEager:
     def __call__(self, *args):
         if self.failed is None:
             mark_token_dims(args)
+            COMPILES.install()  # a list lookup; dynamo's reset() drops the callbacks
+            outer, COMPILES.active = COMPILES.active, self.name
             try:
                 return self.compiled(*args)
             except _StopRecomputationError:  # checkpoint's early stop of a recomputation: control flow
@@ -76,6 +142,8 @@ class CompiledOrEager:
             except Exception as e:  # a compiler failure of any kind: run the region eagerly instead
                 self.failed = f"{type(e).__name__}: {e}"
                 log.warning("torch.compile of %s failed, running it eagerly: %s", self.name, self.failed)
+            finally:
+                COMPILES.active = outer
         return self.eager(*args)
 
     def graphs(self) -> int | None:
@@ -158,6 +226,7 @@ def compile_regions(
         log.info("dynamo recompile_limit %d -> %d (compiled regions)", torch._dynamo.config.recompile_limit,
                  REGION_RECOMPILE_LIMIT)  # fmt: skip
         torch._dynamo.config.recompile_limit = REGION_RECOMPILE_LIMIT
+    COMPILES.install()
     blocks = block_kinds(scope)
     inside = {id(sub) for m in model.modules() if isinstance(m, tuple(c for c, _, _ in blocks)) for sub in m.modules()}
     kinds = (*region_kinds(), *extra_kinds)

@@ -249,6 +249,35 @@ def test_a_single_token_compiles_every_region_again():
     assert graphs_after(2) == graphs_after(1) == one
 
 
+def test_compile_record_names_the_region_each_compile_was_for():
+    """``compile_record``: every compile of a region is counted under its name (as many as the graphs dynamo
+    holds for it, each with its seconds), and a compile of code outside the regions goes elsewhere."""
+    from model.compile import OUTSIDE, compile_record
+
+    model = _small_model(num_hidden_layers=4).eval()
+    backend = CountingBackend()
+    before = compile_record()
+    regions = compile_regions(model, backend=backend)
+    torch._dynamo.reset()  # drops dynamo's callbacks (an engine's start-up may reset): the regions listen again
+    with torch.no_grad():
+        for T in (300, 64, 1):  # the 1-token forward compiles most regions again (dynamo's 0/1 rule)
+            model(torch.randint(0, model.config.vocab_size, (1, T)))
+        torch.compile(lambda x: x.sin() + 1, backend=backend)(torch.ones(3))  # not a region
+
+    def delta(name: str) -> dict:
+        old = before.get(name, {"compiles": 0, "seconds": 0.0})
+        new = compile_record().get(name, {"compiles": 0, "seconds": 0.0})
+        return {"compiles": new["compiles"] - old["compiles"], "seconds": new["seconds"] - old["seconds"]}
+
+    compiled = [r for r in regions if r.graphs()]
+    assert len(compiled) >= 5 and any(r.graphs() == 2 for r in compiled)
+    for r in compiled:
+        assert delta(r.name)["compiles"] == r.graphs() and delta(r.name)["seconds"] > 0, r.name
+    assert sum(delta(r.name)["compiles"] for r in regions) == backend.graphs - 1
+    assert delta(OUTSIDE)["compiles"] == 1
+    assert list(compile_record().values()) == sorted(compile_record().values(), key=lambda v: -v["seconds"])
+
+
 def test_moe_scope_without_gradient_is_one_graph():
     """The engine's and the no-grad logprob passes' MoE block: no autograd node on the way (the GLU combine
     runs its forward math directly), so the whole block is one graph, with the eager outputs."""

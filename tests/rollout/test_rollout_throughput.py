@@ -125,7 +125,8 @@ def test_small_run_end_to_end(bench, tmp_path):
         # the first call's breakdown: vLLM's INFO records reach the probe (the engine reconfigures logging)
         startup = e["startup"]
         assert startup["vllm_log"] and startup["vllm_phases"].get("init_engine_s", -1) >= 0
-        assert set(e["compile_end"]) == {"dynamo", "triton_jit"}
+        assert set(e["compile_end"]) == {"dynamo", "triton_jit", "regions"}
+        assert e["compile_end"]["regions"] == {}  # eager: none of our regions compiled (each engine its own process)
     fast = engines["ours_fast"]
     check = fast["check"]
     assert {k: check[k] for k in ("equal", "first_mismatch", "prompts")} == {"equal": True, "first_mismatch": None, "prompts": 2}
