@@ -34,7 +34,10 @@ Parts (each a function; ``--parts`` picks a subset, in the order given):
   Session and none run first (the bar's pair), then, each only when the budget holds it, prefix caching
   and the peer: vLLM's native Kimi Linear at the matched size (``write_peer_checkpoint``), the whole history
   submitted each turn with vLLM's prefix caching on, as its users run episodes (the engine issue's goal:
-  session reuse 3x faster than it).
+  session reuse 3x faster than it). ``--engine-process separate`` gives every engine of the part (the peer
+  too) its core in a process of its own, vLLM's default layout: the engine steps while this process
+  handles the last step's outputs, where in this process (the default, as the rollout workers run) the two
+  alternate.
 
 The router weights are scaled so that router logits have a std of about 3 (the rollout tests scale them
 too; a random init's are 0.2-0.6). That does not separate near-tied expert sets: the router runs in fp32
@@ -679,13 +682,14 @@ def part_reuse(run: Run) -> None:
     import rollout_reuse as reuse
 
     from rollout.renderer import ChatRenderer
+    from rollout.worker import set_engine_process
 
     a = run.args
     run.close()  # the correctness engines' memory goes back first
     cfg = SimpleNamespace(
         episodes=a.episodes, turns=a.turns, prompt=a.prompt, obs=a.obs, obs_min=a.obs_min, gen=a.gen,
         max_model_len=a.max_model_len, kv_mib=a.kv_mib, block_size=None, repeats=1,
-        engine=dict(dtype="bfloat16", max_resident_sessions=a.episodes,
+        engine=dict(dtype="bfloat16", max_resident_sessions=a.episodes, in_process=a.engine_process == "in",
                     enforce_eager=not (a.cuda_graphs and run.cuda), **run.gpu_share()),
     )  # fmt: skip
     out = run.results.setdefault("reuse", {"config": {k: v for k, v in vars(cfg).items()}})
@@ -706,7 +710,8 @@ def part_reuse(run: Run) -> None:
         if not run.enough(need, f"reuse engine {mode}"):
             return False
         t0 = time.perf_counter()
-        if mode == "peer":
+        if mode == "peer":  # its engine core where ours run
+            set_engine_process(cfg.engine["in_process"])
             engine = dict(dtype="bfloat16", enforce_eager=cfg.engine["enforce_eager"], **run.gpu_share())
             runs[mode] = reuse.PlainRun(mode, run.peer_checkpoint("gpu_1b"), chunks, cfg, engine)
         else:
@@ -1333,6 +1338,10 @@ def main() -> None:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="reuse part: engines with enforce_eager=False (vLLM's CUDA graphs; checked equal to eager "
                         "by bench/rollout_throughput.py)")  # fmt: skip
+    p.add_argument("--engine-process", choices=("in", "separate"), default="in",
+                   help="reuse part: each engine's core in this process (the workers' default) or in a process "
+                        "of its own (vLLM's default: its scheduler and the model step overlap this process's "
+                        "output handling)")  # fmt: skip
     p.add_argument("--layer-variants", default="single,batch,chunked", help="layers part: request layouts")
     p.add_argument(
         "--layer-chunk", type=int, default=None, help="layers part: max_num_batched_tokens of 'chunked' (256)"

@@ -200,7 +200,7 @@ class RolloutWorker:
 
             torch.set_num_threads(c.num_threads)
             os.environ.setdefault("OMP_NUM_THREADS", str(c.num_threads))
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if c.in_process else "1"
+        set_engine_process(c.in_process)
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # hooks are callables (MP engines)
         from vllm import LLM
 
@@ -623,6 +623,20 @@ class RolloutWorker:
 
     def config_dict(self) -> dict[str, Any]:
         return asdict(self.config)
+
+
+def set_engine_process(in_process: bool) -> None:
+    """Where the next engine built in this process runs its core: here, or in a process of its own. vLLM reads
+    ``VLLM_ENABLE_V1_MULTIPROCESSING`` through ``vllm.envs``, which caches every variable once an engine core
+    has started, so the cache is dropped too: without that, a second engine would silently take the first
+    one's layout (and an in-process engine taken for a separate one would tear down the process's vLLM
+    groups at its shutdown)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    import vllm.envs as vllm_envs
+
+    disable = getattr(vllm_envs, "disable_envs_cache", None)
+    if disable is not None:
+        disable()
 
 
 def count_in_process_engine() -> None:
