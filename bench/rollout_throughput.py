@@ -76,6 +76,12 @@ scaled linearly in the request count) does not fit, and is ended 15 s past its s
 initialises the random weights on the GPU (then frees them; it keeps only its CUDA context) and the
 checkpoints and caches go to a temporary directory, deleted at the end unless ``--keep``.
 
+Engine process (``--engine-process``): by default each engine's core runs in its child process (as the
+rollout workers run it, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the child alternates between the engine's
+step and handling that step's outputs. ``separate`` gives the core a process of its own (vLLM's default
+layout: the core steps on while the child handles outputs), for the time task only; memory is then the
+device's use, and the start-up breakdown and our compile record (in the core's process) stay empty.
+
 Results: ``DIR/rollout_throughput.json`` and ``DIR/rollout_throughput.md``, rewritten after every engine
 (and a child's partial results survive its timeout); progress on stdout, flushed.
 """
@@ -155,6 +161,7 @@ ENGINES = {
     "peer_eager": EngineSpec("peer", enforce_eager=True),
 }
 TASKS = ("check", "time", "profile")
+ENGINE_PROCESSES = ("in", "separate")  # where an engine's core runs: its child process, or a process of its own
 FAST_ENGINES = ("ours_fast", "ours_fast_moe")  # the bar's engine: the first of these a run timed
 PROFILE_N, PROFILE_GEN = 8, 32  # the profiled batch: where a decode step's device time goes
 PASS_FIELDS = ("prefill_tok_s", "generated_tok_s", "wall_s")  # what the report keeps of a batch's untimed passes
@@ -473,11 +480,13 @@ class Parent:
             "capture_sizes": self.capture_sizes(),
             "gpu_util": self.args.gpu_util, "max_num_batched_tokens": self.args.max_num_batched_tokens,
             "attention_backend": backend, "profile_n": self.args.profile_n, "mla_cache_form": spec.mla_cache_form,
+            "engine_process": self.args.engine_process,
             "result": str(self.tmp / f"{key.replace('#', '_')}.json"),
         }  # fmt: skip
         spec_path = self.tmp / f"{key.replace('#', '_')}_spec.json"
         spec_path.write_text(json.dumps(job))
         env = dict(os.environ)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.args.engine_process == "separate" else "0"
         if not spec.compile_regions:
             env["LONGHORIZON_COMPILE_BACKEND"] = "none"  # rollout.vllm_model: CUDA graphs, no compiled regions
         env["LONGHORIZON_COMPILE_SCOPE"] = spec.compile_scope
@@ -557,7 +566,7 @@ class Child:
         self.res: dict[str, Any] = {
             "engine": job["engine"],
             "tasks": job["tasks"],
-            "enforce_eager": job["enforce_eager"], "dtype": job["dtype"],
+            "enforce_eager": job["enforce_eager"], "dtype": job["dtype"], "engine_process": job["engine_process"],
         }
 
     def left(self) -> float:
@@ -708,6 +717,8 @@ class Child:
             return {}
         t = self.torch.cuda
         free, total = t.mem_get_info()
+        if self.job["engine_process"] == "separate":  # the engine allocates in its own process: the device's use
+            return {"device_used_gib": (total - free) / 2**30}
         return {
             "max_allocated_gib": t.max_memory_allocated() / 2**30,
             "max_reserved_gib": t.max_memory_reserved() / 2**30,
@@ -992,6 +1003,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--passes", type=int, default=2, help="runs of each timed batch, the last one timed (>= 1)")
     p.add_argument("--profile-n", type=int, default=PROFILE_N, help="sequences of the profiled batch (task profile)")
     p.add_argument("--warm-caches", action="store_true", help="children share vLLM/inductor/Triton caches")
+    p.add_argument("--engine-process", choices=ENGINE_PROCESSES, default="in",
+                   help="each engine's core in its child process (in), or in a process of its own (separate, "
+                        "vLLM's default: it steps while the child handles outputs); separate times only")  # fmt: skip
     p.add_argument("--keep", action="store_true", help="keep the checkpoints and caches (deleted by default)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -1003,6 +1017,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if args.passes < 1:
         p.error(f"--passes must be >= 1, got {args.passes}")
+    untimed = sorted({f"{name}:{task}" for name, tasks in plan for task in tasks if task != "time"})
+    if args.engine_process == "separate" and untimed:  # they reach into the model, which is not in the child
+        p.error(f"--engine-process separate runs the time task only; the plan also has {', '.join(untimed)}")
     parent = Parent(args)
     log(f"env {json.dumps(parent.results['env'])}")
     try:

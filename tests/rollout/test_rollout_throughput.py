@@ -171,3 +171,17 @@ def test_small_run_end_to_end(bench, tmp_path):
         json.loads(Path(res["checkpoints"]["peer"], "config.json").read_text())["model_type"] == "kimi_linear"
     )
 
+
+
+@pytest.mark.vllm
+def test_a_separate_engine_process_runs_the_time_task_only(bench, tmp_path, capsys):
+    """--engine-process separate: the plan may time, not check or profile (those reach into the model, which
+    then lives in the engine's own process); the timed batches run with the core in a process of its own."""
+    with pytest.raises(SystemExit):
+        bench.main(["--small", "--engine-process", "separate", "--plan", "ours_eager:check+time", "--out", str(tmp_path)])
+    assert "runs the time task only; the plan also has ours_eager:check" in capsys.readouterr().err
+    args = ["--small", "--engine-process", "separate", "--plan", "ours_eager:time", "--concurrency", "2", "--passes", "1"]
+    assert bench.main([*args, "--out", str(tmp_path)]) == 0
+    e = json.loads((tmp_path / "rollout_throughput.json").read_text())["engines"]["ours_eager"]
+    assert e["process"]["status"] == "exit 0" and e["engine_process"] == "separate"
+    assert e["timings"]["2"]["generated_tokens"] > 0 and e["kv_cache"]["capacity_tokens"] > 0
