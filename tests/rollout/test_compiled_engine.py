@@ -52,6 +52,13 @@ def test_compiled_engine_decodes_like_the_learner(compiled_worker, tiny_ckpt):
             "kda_decode_inputs"} <= set(regions)  # fmt: skip
     assert all(r.failed is None for r in regions.values()), {n: r.failed for n, r in regions.items() if r.failed}
     assert regions["kda_decode_inputs"].graphs() >= 1  # decode steps went through the compiled region
+    # the start-up's compile record (bench/startup_probe.py prints it) saw every compile inside the engine
+    from model.compile import compile_record
+
+    record = compile_record()
+    for name, r in regions.items():
+        if r.graphs():
+            assert record.get(name, {}).get("compiles", 0) >= r.graphs(), (name, record.get(name))
 
 
 def test_compiled_engine_records_the_learners_routes(compiled_worker, tiny_ckpt):
