@@ -151,10 +151,11 @@ def breakdown_line(res: dict) -> str:
     """One line for the log: first call, vLLM's phases, dynamo's largest phases, Triton JIT."""
     st = res.get("startup") or {}
     phases = " ".join(f"{k[:-2]} {v:.1f}" for k, v in st.get("vllm_phases", {}).items())
-    comp = (res.get("compile_end") or st.get("compile") or {}).get("dynamo", {})
+    compile_ = res.get("compile_end") or st.get("compile") or {}
+    comp = compile_.get("dynamo", {})
     dyn = " ".join(f"{label} {comp[k]:.1f}" for label, k in DYNAMO_LINE if isinstance(comp.get(k), float))
-    tri = (res.get("compile_end") or st.get("compile") or {}).get("triton_jit", {})
-    regions = (res.get("compile_end") or st.get("compile") or {}).get("regions") or {}
+    tri = compile_.get("triton_jit", {})
+    regions = compile_.get("regions") or {}
     top = ", ".join(f"{name} {r['compiles']} x {r['seconds']:.1f} s" for name, r in list(regions.items())[:6])
     return (f"first call {res.get('first_call_s', float('nan')):.1f} s (engine init "
             f"{res.get('engine_init_s', float('nan')):.1f}); vLLM s: {phases or '-'}; dynamo s: {dyn or '-'}; "

@@ -226,7 +226,6 @@ def compile_regions(
         log.info("dynamo recompile_limit %d -> %d (compiled regions)", torch._dynamo.config.recompile_limit,
                  REGION_RECOMPILE_LIMIT)  # fmt: skip
         torch._dynamo.config.recompile_limit = REGION_RECOMPILE_LIMIT
-    COMPILES.install()
     blocks = block_kinds(scope)
     inside = {id(sub) for m in model.modules() if isinstance(m, tuple(c for c, _, _ in blocks)) for sub in m.modules()}
     kinds = (*region_kinds(), *extra_kinds)
