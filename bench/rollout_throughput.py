@@ -490,6 +490,7 @@ class Parent:
         if not spec.compile_regions:
             env["LONGHORIZON_COMPILE_BACKEND"] = "none"  # rollout.vllm_model: CUDA graphs, no compiled regions
         env["LONGHORIZON_COMPILE_SCOPE"] = spec.compile_scope
+        env.setdefault("TORCH_LOGS", "recompiles")  # why a region compiled again: one line each, into the log
         if self.args.compile_threads:  # inductor's compile workers in our engines (vLLM pins them to 1)
             env["LONGHORIZON_COMPILE_THREADS"] = str(self.args.compile_threads)
         if ours_fast and "check" in tasks:  # the replayed check: routes from the model's device table

@@ -147,6 +147,12 @@ def dynamo_compile_times() -> dict[str, float]:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def _each(region: dict) -> str:
+    """" [frame/compile seconds, ...]" of a region compiled more than once: a recompile or a graph break."""
+    each = region.get("each") or []
+    return f" [{', '.join(f'{cid} {sec:.1f}' for cid, sec in each)}]" if len(each) > 1 else ""
+
+
 def breakdown_line(res: dict) -> str:
     """One line for the log: first call, vLLM's phases, dynamo's largest phases, Triton JIT."""
     st = res.get("startup") or {}
@@ -156,7 +162,7 @@ def breakdown_line(res: dict) -> str:
     dyn = " ".join(f"{label} {comp[k]:.1f}" for label, k in DYNAMO_LINE if isinstance(comp.get(k), float))
     tri = compile_.get("triton_jit", {})
     regions = compile_.get("regions") or {}
-    top = ", ".join(f"{name} {r['compiles']} x {r['seconds']:.1f} s" for name, r in list(regions.items())[:6])
+    top = ", ".join(f"{name} {r['compiles']} x {r['seconds']:.1f} s{_each(r)}" for name, r in list(regions.items())[:6])
     return (f"first call {res.get('first_call_s', float('nan')):.1f} s (engine init "
             f"{res.get('engine_init_s', float('nan')):.1f}); vLLM s: {phases or '-'}; dynamo s: {dyn or '-'}; "
             f"Triton JIT: {tri.get('compiles', 0)} compiles {tri.get('compile_s', 0.0):.1f} s, "

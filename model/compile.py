@@ -59,7 +59,7 @@ class CompileRecord:
 
     def __init__(self) -> None:
         self.local = threading.local()
-        self.totals: dict[str, list] = {}  # name -> [compiles, seconds]
+        self.totals: dict[str, list] = {}  # name -> [compiles, seconds, [(compile id, seconds), ...]]
         self.warned = False
 
     @property
@@ -83,23 +83,28 @@ class CompileRecord:
             handler.register_start_callback(self._start)
             handler.register_end_callback(self._end)
 
-    def _start(self, *_) -> None:
-        self.local.started = (self.active or OUTSIDE, time.perf_counter())
+    def _start(self, args=None, *_) -> None:
+        compile_id = str(getattr(args, "compile_id", "?"))  # "frame/compile of that frame": "3/1" recompiles frame 3
+        self.local.started = (self.active or OUTSIDE, compile_id, time.perf_counter())
 
     def _end(self, *_) -> None:
         started = getattr(self.local, "started", None)
         if started is None:
             return
-        name, t0 = started
+        name, compile_id, t0 = started
         self.local.started = None
-        row = self.totals.setdefault(name, [0, 0.0])
+        seconds = time.perf_counter() - t0
+        row = self.totals.setdefault(name, [0, 0.0, []])
         row[0] += 1
-        row[1] += time.perf_counter() - t0
+        row[1] += seconds
+        row[2].append((compile_id, round(seconds, 3)))
 
     def snapshot(self) -> dict[str, dict]:
-        """{region: {"compiles", "seconds"}}, the most seconds first."""
+        """{region: {"compiles", "seconds", "each": [(dynamo compile id, seconds), ...]}}, the most seconds
+        first. A compile id is "frame/n": n > 0 compiled a frame again (a guard failed: new shapes, another
+        module's attributes), where another frame id is a frame of its own (code after a graph break)."""
         rows = sorted(self.totals.items(), key=lambda kv: -kv[1][1])
-        return {name: {"compiles": n, "seconds": round(s, 3)} for name, (n, s) in rows}
+        return {name: {"compiles": n, "seconds": round(s, 3), "each": list(each)} for name, (n, s, each) in rows}
 
 
 COMPILES = CompileRecord()

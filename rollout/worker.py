@@ -505,6 +505,7 @@ class RolloutWorker:
             max_tokens=max_tokens,
             stop_token_ids=list(r.stop_token_ids),
             logprobs=0,
+            flat_logprobs=True,  # a few flat lists a request, not a dict and a Logprob object a token
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
@@ -699,9 +700,17 @@ def vllm_logs_info() -> bool:
 
 
 def _sampled_logprobs(completion) -> list[float]:
-    if completion.logprobs is None:
+    """The sampled tokens' logprobs of a completion. vLLM's sampler puts the sampled token first at each
+    position, so with ``logprobs=0`` a ``FlatLogprobs`` (``flat_logprobs=True``) holds them at its
+    positions' start indices; a list of {token: Logprob} per position is looked up by token."""
+    lps = completion.logprobs
+    if lps is None:
         return [float("nan")] * len(completion.token_ids)
-    return [float(lp[t].logprob) for lp, t in zip(completion.logprobs, completion.token_ids)]
+    starts = getattr(lps, "start_indices", None)
+    if starts is not None:
+        flat = lps.logprobs
+        return [float(flat[i]) for i in starts]
+    return [float(lp[t].logprob) for lp, t in zip(lps, completion.token_ids)]
 
 
 def _routed_rows(

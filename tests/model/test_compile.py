@@ -273,6 +273,11 @@ def test_compile_record_names_the_region_each_compile_was_for():
     assert len(compiled) >= 5 and any(r.graphs() == 2 for r in compiled)
     for r in compiled:
         assert delta(r.name)["compiles"] == r.graphs() and delta(r.name)["seconds"] > 0, r.name
+        each = compile_record()[r.name]["each"]  # one (frame/compile id, seconds) a compile
+        assert len(each) == compile_record()[r.name]["compiles"], r.name
+        assert all(cid.count("/") == 1 and sec >= 0 for cid, sec in each), each
+    # the 1-token forward compiled frames again: a compile id whose second number counts up
+    assert any(int(cid.split("/")[1]) > 0 for r in compiled for cid, _ in compile_record()[r.name]["each"])
     assert sum(delta(r.name)["compiles"] for r in regions) == backend.graphs - 1
     assert delta(OUTSIDE)["compiles"] == 1
     assert list(compile_record().values()) == sorted(compile_record().values(), key=lambda v: -v["seconds"])

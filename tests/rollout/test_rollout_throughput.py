@@ -185,3 +185,18 @@ def test_a_separate_engine_process_runs_the_time_task_only(bench, tmp_path, caps
     e = json.loads((tmp_path / "rollout_throughput.json").read_text())["engines"]["ours_eager"]
     assert e["process"]["status"] == "exit 0" and e["engine_process"] == "separate"
     assert e["timings"]["2"]["generated_tokens"] > 0 and e["kv_cache"]["capacity_tokens"] > 0
+
+
+def test_startup_line_lists_a_regions_compiles_by_frame():
+    """The start-up line names each region's compiles and, where there were several, which frame each
+    compiled ("frame/n": n > 0 is a recompile), so a slow start tells a recompile from a graph break."""
+    sys.path.insert(0, str(BENCH.parent))
+    import startup_probe
+
+    res = {"first_call_s": 150.0, "engine_init_s": 140.0, "compile_end": {"regions": {
+        "sparse_moe_forward": {"compiles": 2, "seconds": 79.4, "each": [("3/0", 41.0), ("3/1", 38.4)]},
+        "rms_norm": {"compiles": 1, "seconds": 2.7, "each": [("5/0", 2.7)]},
+    }}}  # fmt: skip
+    line = startup_probe.breakdown_line(res)
+    assert "sparse_moe_forward 2 x 79.4 s [3/0 41.0, 3/1 38.4]" in line
+    assert "rms_norm 1 x 2.7 s," not in line and line.endswith("rms_norm 1 x 2.7 s")

@@ -71,3 +71,27 @@ def test_default_capture_sizes_are_powers_of_two_from_two_up_to_max_num_seqs():
     assert capture_sizes(1) == [1] and capture_sizes(2) == [2] and capture_sizes(3) == [2, 3]
     with pytest.raises(ValueError, match="max_num_seqs"):
         capture_sizes(0)
+
+
+def test_sampled_logprobs_read_alike_from_flat_and_per_position_containers():
+    """The worker asks vLLM for flat logprobs; both containers give the sampled tokens' logprobs, the
+    sampled token first at a position even where it is not the most likely one (rank 3 below)."""
+    from types import SimpleNamespace
+
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from rollout.worker import _sampled_logprobs
+
+    tokens = [7, 3, 9]
+    rows = [  # (token ids, logprobs, ranks) of a position, the sampled token first
+        ([7], [-0.5], [1]), ([3, 4], [-2.25, -0.1], [3, 1]), ([9], [-1.0], [1])
+    ]
+    flat, nested = FlatLogprobs(), []
+    for ids, lps, ranks in rows:
+        flat.append_fast(ids, lps, iter(ranks), [None] * len(ids))
+        nested.append({t: Logprob(logprob=lp, rank=r) for t, lp, r in zip(ids, lps, ranks)})
+    want = [-0.5, -2.25, -1.0]
+    assert _sampled_logprobs(SimpleNamespace(logprobs=flat, token_ids=tokens)) == want
+    assert _sampled_logprobs(SimpleNamespace(logprobs=nested, token_ids=tokens)) == want
+    nan = _sampled_logprobs(SimpleNamespace(logprobs=None, token_ids=tokens))
+    assert len(nan) == 3 and all(x != x for x in nan)
