@@ -290,6 +290,9 @@ class GroupedExperts(GatedActivation, nn.Module):
         self._init_activation(act, situ_betas)
         # None: kernels.moe.route_tensors; ``model.compile`` swaps in a compiled one
         self.route_fn: Callable | None = None
+        # slots x experts up to which the route layout ranks slots by counting, not sorting (None:
+        # kernels.moe.COUNTING_LAYOUT_MAX; the engine raises it over its largest step: one path, one compile)
+        self.counting_layout_max: int | None = None
         # None: this module computes every expert; expert parallelism (kernels.moe.ep.ExpertParallel,
         # attached by rl/parallel.py) sends the slots to the ranks holding their experts instead
         self.dispatch: Callable | None = None
@@ -342,7 +345,8 @@ class GroupedExperts(GatedActivation, nn.Module):
         from kernels.moe import glu_grouped_mm_combine, grouped_mm_alignment, permute_grouped_mm, route_layout
 
         dt = compute_dtype(z_TZ)
-        layout = route_layout(route.experts_TK, self.num_experts, grouped_mm_alignment(z_TZ.device, dt), self.route_fn)
+        align = grouped_mm_alignment(z_TZ.device, dt)
+        layout = route_layout(route.experts_TK, self.num_experts, align, self.route_fn, self.counting_layout_max)
         # the weights go in as read (fp32 masters): cast inside, and again in backward rather than kept
         gu_PI2 = permute_grouped_mm(z_TZ.to(dt), layout, w_gu)
         glu = self._glu_rows(z_TZ)

@@ -44,7 +44,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from model.compile import compile_regions, resolve_compile_scope
 from model.config import HybridConfig
 from model.modeling import HybridModel
-from model.moe import check_replay_ids, stack_expert_weights
+from model.moe import GroupedExperts, check_replay_ids, stack_expert_weights
 from rollout.vllm_layers import (
     KDAStateLayer,
     MLALatentPagedAttention,
@@ -96,6 +96,20 @@ def inductor_compile_threads(value: str | None, on_cuda: bool = False) -> int | 
     return threads
 
 
+def counting_layout_over(model: nn.Module, slots: int) -> None:
+    """Rank the route layout's slots by counting (``kernels.moe.route_tensors``) up to ``slots`` slots a step
+    (the scheduler's token budget x top-k) in every grouped MoE of ``model``. Under the default limit a step
+    over 1,024 gpu_1b tokens sorts and a smaller one counts; in a compiled MoE block that choice is a guard,
+    and each side compiles the block (vLLM's profile run on one side, the decode graphs on the other): one
+    path for every step is one compile. The cost is the [E, S] prefix sum of the largest step: 16K tokens x
+    8 x 128 experts, 134 MB of int64 for a moment."""
+    from kernels.moe import COUNTING_LAYOUT_MAX
+
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            m.counting_layout_max = max(COUNTING_LAYOUT_MAX, slots * m.num_experts)
+
+
 class _PagedHybridModel(HybridModel):
     """The learner's decoder stack with the sequence mixers routed through vLLM's caches."""
 
@@ -138,6 +152,7 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         self.requires_grad_(False)
         rows = vllm_config.scheduler_config.max_num_batched_tokens
         moe_layers, k = len(config.moe_layer_indices), config.num_experts_per_token
+        counting_layout_over(self, rows * k)
         device = self.lm_head.weight.device
         self._routed_TLK = torch.zeros(rows, moe_layers, k, dtype=torch.int16, device=device) if moe_layers else None
         self.route_table_PLK: torch.Tensor | None = None

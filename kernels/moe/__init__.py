@@ -69,39 +69,48 @@ class RouteLayout:
         return self.src_row_P.numel()
 
 
-def route_layout(experts_TK: torch.Tensor, num_experts: int, align: int = 1, build=None) -> RouteLayout:
+def route_layout(
+    experts_TK: torch.Tensor, num_experts: int, align: int = 1, build=None, counting_max: int | None = None
+) -> RouteLayout:
     """Sort the slots by expert (stable: equal experts keep token order), groups padded to ``align``.
 
     The buffer has a static size, S + num_experts * (align - 1) rows (S = T * k), so nothing
     depends on the loads on the host; unused tail rows read the zero row and are never gathered.
     ``build``: what computes the index tensors, ``route_tensors`` or a compiled version of it
-    (``model.compile``: about 25 small integer ops in one or two kernels).
+    (``model.compile``: about 25 small integer ops in one or two kernels). ``counting_max``: route_tensors'
+    (None: ``COUNTING_LAYOUT_MAX``).
     """
     if align < 1:
         raise ValueError(f"align must be >= 1, got {align}")
     T, k = experts_TK.shape
-    src_row_P, row_of_slot_S, offs_E = (build or route_tensors)(experts_TK, num_experts, align)
+    limit = COUNTING_LAYOUT_MAX if counting_max is None else counting_max
+    src_row_P, row_of_slot_S, offs_E = (build or route_tensors)(experts_TK, num_experts, align, limit)
     return RouteLayout(src_row_P, row_of_slot_S, offs_E, T, k)
 
 
 # Slots x experts up to which ``route_tensors`` ranks the slots by counting (one [E, S] prefix sum) instead of
 # sorting them: a decode step's few hundred slots (gpu_1b: 64 sequences x 8 = 512) took a single-block radix
 # sort of 64-bit keys, 27 us a call on an H200, the third-largest kernel of the step (bench/RESULTS.md); a
-# learner micro-batch (131K slots at 16K tokens) still sorts, which is the cheaper of the two there.
+# learner micro-batch (131K slots at 16K tokens) still sorts, which is the cheaper of the two there. Under
+# torch.compile the choice is a guard on the token count: a graph takes one path, and a batch across the
+# limit compiles the graph again. The engine raises the limit (a module's ``counting_layout_max``) over every
+# step its scheduler can form, so its compiled MoE block has one path and compiles once.
 COUNTING_LAYOUT_MAX = 1 << 20
 
 
-def route_tensors(experts_TK: torch.Tensor, num_experts: int, align: int) -> tuple[torch.Tensor, ...]:
+def route_tensors(
+    experts_TK: torch.Tensor, num_experts: int, align: int, counting_max: int = COUNTING_LAYOUT_MAX
+) -> tuple[torch.Tensor, ...]:
     """(src_row_P, row_of_slot_S, offs_E) of ``route_layout``, as a function of tensors and ints only.
 
     Slot s of expert e goes to row start_e + rank_s, where start_e is the padded size of the experts before e
     and rank_s the number of slots of e before s (a stable sort by expert). The rank comes from
-    ``_ranks_by_count`` for up to ``COUNTING_LAYOUT_MAX`` slots x experts, else ``_ranks_by_sort``: the same
+    ``_ranks_by_count`` for up to ``counting_max`` slots x experts, else ``_ranks_by_sort``: the same
     integers either way."""
     T, k = experts_TK.shape
     flat_S = experts_TK.reshape(-1).long()
     S = flat_S.numel()
-    ranks = _ranks_by_count if S * num_experts <= COUNTING_LAYOUT_MAX else _ranks_by_sort
+    ranks = _ranks_by_count if S * num_experts <= counting_max else _ranks_by_sort
     rank_S, counts_E = ranks(flat_S, num_experts)
     padded_E = (counts_E + align - 1) // align * align
     ends_E = padded_E.cumsum(0)

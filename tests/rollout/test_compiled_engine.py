@@ -92,3 +92,48 @@ def test_inductor_compile_threads_default_on_gpu_and_checked(monkeypatch):
     for bad in ("0", "-2", "many"):
         with pytest.raises(ValueError, match="LONGHORIZON_COMPILE_THREADS must be a positive integer"):
             inductor_compile_threads(bad)
+
+
+def test_engine_counts_routes_over_its_largest_step(compiled_worker):
+    """Every grouped MoE of the engine ranks its route layout by counting up to the scheduler's token budget
+    (``counting_layout_over``): no step it can form crosses to the sorting path."""
+    from model.moe import GroupedExperts
+
+    model = _engine_model(compiled_worker)
+    rows = compiled_worker.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    grouped = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    k = model.config.num_experts_per_token
+    assert grouped and all(m.counting_layout_max >= rows * k * m.num_experts for m in grouped)
+
+
+def test_one_route_path_compiles_the_moe_block_once(monkeypatch):
+    """A compiled MoE block across step sizes on both sides of the counting limit: two compiles (the choice
+    is a guard on the token count), one once ``counting_layout_over`` covers the largest step. bf16: the
+    grouped GEMM traces on the CPU only in bf16."""
+    import kernels.moe as moe_kernels
+    from model.compile import compile_regions
+    from model.config import HybridConfig
+    from model.modeling import HybridForCausalLM
+    from rollout.vllm_model import counting_layout_over
+
+    config = HybridConfig.from_yaml(os.path.join(os.path.dirname(__file__), "../../configs/model/cpu_tiny.yaml"))
+    k, E = config.num_experts_per_token, config.num_experts
+    monkeypatch.setattr(moe_kernels, "COUNTING_LAYOUT_MAX", 40 * k * E)  # steps over 40 tokens sort
+    torch.manual_seed(0)
+
+    def compiles(raise_limit: bool) -> int:
+        torch._dynamo.reset()
+        model = HybridForCausalLM(config).eval().to(torch.bfloat16)
+        if raise_limit:
+            counting_layout_over(model, 200 * k)
+        graphs = []
+        compile_regions(model, lambda gm, ex: graphs.append(1) or gm.forward, scope="moe")
+        with torch.inference_mode():
+            for T in (160, 24, 8):  # a large step first, as vLLM's profile run, then decode-sized ones
+                model(torch.randint(0, config.vocab_size, (1, T)))
+        block = next(m for m in model.modules() if type(m).__name__ == "SparseMoE").forward_fn
+        assert block.failed is None, block.failed
+        return block.graphs()
+
+    assert compiles(raise_limit=False) == 2
+    assert compiles(raise_limit=True) == 1
