@@ -96,18 +96,22 @@ def inductor_compile_threads(value: str | None, on_cuda: bool = False) -> int | 
     return threads
 
 
+COUNTING_LAYOUT_ENGINE_MAX = 1 << 25  # slots x experts: 32K tokens a step at top-8 of 128 experts
+
+
 def counting_layout_over(model: nn.Module, slots: int) -> None:
     """Rank the route layout's slots by counting (``kernels.moe.route_tensors``) up to ``slots`` slots a step
     (the scheduler's token budget x top-k) in every grouped MoE of ``model``. Under the default limit a step
     over 1,024 gpu_1b tokens sorts and a smaller one counts; in a compiled MoE block that choice is a guard,
     and each side compiles the block (vLLM's profile run on one side, the decode graphs on the other): one
     path for every step is one compile. The cost is the [E, S] prefix sum of the largest step: 16K tokens x
-    8 x 128 experts, 134 MB of int64 for a moment."""
+    8 x 128 experts (vLLM's default budget on an H200), 134 MB of int64 for a moment; a budget past
+    ``COUNTING_LAYOUT_ENGINE_MAX`` (268 MB) keeps sorting its large steps, at the price of the second compile."""
     from kernels.moe import COUNTING_LAYOUT_MAX
 
     for m in model.modules():
         if isinstance(m, GroupedExperts):
-            m.counting_layout_max = max(COUNTING_LAYOUT_MAX, slots * m.num_experts)
+            m.counting_layout_max = max(COUNTING_LAYOUT_MAX, min(slots * m.num_experts, COUNTING_LAYOUT_ENGINE_MAX))
 
 
 class _PagedHybridModel(HybridModel):

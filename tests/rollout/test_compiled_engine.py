@@ -137,3 +137,5 @@ def test_one_route_path_compiles_the_moe_block_once(monkeypatch):
 
     assert compiles(raise_limit=False) == 2
     assert compiles(raise_limit=True) == 1
+    monkeypatch.setattr("rollout.vllm_model.COUNTING_LAYOUT_ENGINE_MAX", 100 * k * E)  # a budget past the cap
+    assert compiles(raise_limit=True) == 2  # the 160-token step sorts again
