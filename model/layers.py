@@ -193,7 +193,7 @@ class GLUMLP(GatedActivation, nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self._init_activation(act, situ_betas)
         # the rollout engine's fused [gate; up] weight, whose rows the two projections' weights are views of
-        # (``rollout.vllm_layers.fuse_feed_forward_inputs``): one GEMM for both; None in training
+        # (``model.serving.fuse_feed_forward_inputs``): one GEMM for both; None in training
         self.gate_up_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -87,9 +87,30 @@ def top_experts(biased_TE: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Te
     """The n largest scores of each row and their experts, in descending order, ties to the lower expert id:
     one stable sort of the E scores. On CUDA that is one kernel (a block sort of 128 scores: 4 us for a decode
     batch on an H200), where ``topk`` runs a selection and then sorts what it selected (11 us, once per MoE layer
-    and step); the experts are the top-k's but for exact ties, whose order this fixes."""
-    vals_TE, idx_TE = biased_TE.sort(dim=-1, descending=True, stable=True)
+    and step); the experts are the top-k's but for exact ties, whose order this fixes. Under ``torch.compile``
+    the sort is the opaque op ``sort_expert_scores``, the same kernel (no gradient flows here: the scores are
+    detached)."""
+    sort = sort_expert_scores if torch.compiler.is_compiling() else _sort_desc
+    vals_TE, idx_TE = sort(biased_TE)
     return vals_TE[:, :n], idx_TE[:, :n]
+
+
+def _sort_desc(scores_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    vals_TE, idx_TE = scores_TE.sort(dim=-1, descending=True, stable=True)
+    return vals_TE, idx_TE
+
+
+@torch.library.custom_op("longhorizon::sort_expert_scores", mutates_args=())
+def sort_expert_scores(scores_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's scores sorted descending, stable, and their expert ids, as an op inductor calls rather than
+    generates: it lowers the sort of a row of 128 scores into a Triton bitonic sort whose compile took 30 s
+    of the engine's 44 s MoE block compile on an H200 (bench/moe_compile.py); eager's kernel runs instead."""
+    return _sort_desc(scores_TE)
+
+
+@sort_expert_scores.register_fake
+def _(scores_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(scores_TE), torch.empty_like(scores_TE, dtype=torch.long)
 
 
 @dataclass
@@ -232,7 +253,7 @@ class SparseMoE(nn.Module):
         )
         self.latent = bool(latent)
         # the rollout engine's (fused weight, sizes) of the latent down projection and the shared expert's gate and
-        # up, which all read x (``rollout.vllm_layers.fuse_feed_forward_inputs``): one GEMM; None in training
+        # up, which all read x (``model.serving.fuse_feed_forward_inputs``): one GEMM; None in training
         self.fused_input: tuple[torch.Tensor, tuple[int, ...]] | None = None
         # ``model.compile.compile_regions`` with scope "moe" swaps in the compiled one
         self.forward_fn: Callable = sparse_moe_forward

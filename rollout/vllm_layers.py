@@ -57,8 +57,8 @@ from kernels.conv import conv_state_step_
 from kernels.kda import kda_decode_step_
 from model.cache import KDAState
 from model.kda import kda_gates
-from model.layers import GLUMLP, SeqLayout, l2_normalize_qk, seq_layout
-from model.moe import SparseMoE
+from model.layers import SeqLayout, l2_normalize_qk, seq_layout
+from model.serving import fuse_linears
 
 
 def kda_state_shapes(config) -> tuple[tuple[int, ...], ...]:
@@ -204,37 +204,6 @@ def fuse_input_projections(kda: nn.Module) -> tuple[torch.Tensor | None, tuple[i
     """(fused weight, output sizes) of the six projections a KDA decode step applies to x (``fuse_linears``): a
     decode step pays one GEMM instead of six."""
     return fuse_linears(_input_linears(kda))
-
-
-def fuse_linears(linears: list[nn.Module]) -> tuple[torch.Tensor | None, tuple[int, ...]]:
-    """(fused weight [sum of outputs, d], output sizes) of linears that read the same input: one contiguous
-    weight, each nn.Linear's weight a view of its rows, so weight loads and in-place updates (``load_weights``,
-    adapter folds: ``copy_`` into the named parameters) write the fused weight itself and one GEMM computes
-    all the outputs. (None, ()) when one is not a plain bias-free nn.Linear (a wrapped one keeps its own call).
-    Inference only: a parameter made a view of a plain tensor gets no gradient through the fused product."""
-    if not all(type(m) is nn.Linear and m.bias is None for m in linears):
-        return None, ()
-    w = torch.cat([m.weight.detach() for m in linears])
-    start = 0
-    for m in linears:
-        rows = m.weight.shape[0]
-        m.weight = nn.Parameter(w[start : start + rows], requires_grad=m.weight.requires_grad)
-        start += rows
-    return w, tuple(m.weight.shape[0] for m in linears)
-
-
-def fuse_feed_forward_inputs(module: nn.Module) -> None:
-    """The engine's fused input GEMMs of a decoder layer's feed-forward block (``fuse_linears``): a dense GLU's
-    gate and up projections (``GLUMLP.gate_up_weight``), and a latent MoE's down projection into the experts'
-    space with its shared expert's gate and up (``SparseMoE.fused_input``): one GEMM of x where there were
-    two or three, 31 fewer launches a decode step at gpu_1b."""
-    if isinstance(module, GLUMLP):
-        w, _ = fuse_linears([module.gate_proj, module.up_proj])
-        module.gate_up_weight = w
-    elif isinstance(module, SparseMoE) and module.latent and module.shared_experts is not None:
-        shared = module.shared_experts
-        w, sizes = fuse_linears([module.routed_expert_down_proj, shared.gate_proj, shared.up_proj])
-        module.fused_input = None if w is None else (w, sizes)
 
 
 def kda_decode_inputs(

@@ -44,12 +44,12 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from model.compile import compile_regions, resolve_compile_scope
 from model.config import HybridConfig
 from model.modeling import HybridModel
-from model.moe import GroupedExperts, check_replay_ids, stack_expert_weights
+from model.moe import check_replay_ids, stack_expert_weights
+from model.serving import inductor_compile_threads, prepare_for_serving
 from rollout.vllm_layers import (
     KDAStateLayer,
     MLALatentPagedAttention,
     MLAPagedAttention,
-    fuse_feed_forward_inputs,
     kda_decode_inputs,
     kda_state_copy_funcs,
     kda_state_dtypes,
@@ -68,50 +68,6 @@ def routes_at(table_PLK: torch.Tensor, positions_T: torch.Tensor) -> torch.Tenso
     inside_T = (positions_T >= 0) & (positions_T < P)
     rows_TLK = table_PLK[positions_T.clamp(0, P - 1)]
     return torch.where(inside_T[:, None, None], rows_TLK, torch.full_like(rows_TLK, -1))
-
-
-DEFAULT_COMPILE_THREADS = 8
-
-
-def inductor_compile_threads(value: str | None, on_cuda: bool = False) -> int | None:
-    """Set inductor's compile workers from ``value`` (unset: ``DEFAULT_COMPILE_THREADS`` on a GPU, capped by
-    the cores; left alone on a CPU, where a small machine has no cores to spare). ``import vllm`` pins them
-    to 1 (TORCHINDUCTOR_COMPILE_THREADS, vLLM issues 10480 / 10619), so inductor compiled the regions' Triton
-    kernels one after another: with 8 workers gpu_1b's cold first call on an H200 went 79 -> 48 s (Triton
-    compiles in the process 144 / 26.7 s -> 42 / 9.7 s, bench/RESULTS.md). Returns the count set."""
-    if value is None or value == "":
-        if not on_cuda:
-            return None
-        threads = max(1, min(DEFAULT_COMPILE_THREADS, os.cpu_count() or 1))
-    else:
-        try:
-            threads = int(value)
-        except ValueError:
-            threads = 0
-        if threads < 1:
-            raise ValueError(f"LONGHORIZON_COMPILE_THREADS must be a positive integer, got {value!r}")
-    import torch._inductor.config as inductor_config
-
-    inductor_config.compile_threads = threads
-    return threads
-
-
-COUNTING_LAYOUT_ENGINE_MAX = 1 << 25  # slots x experts: 32K tokens a step at top-8 of 128 experts
-
-
-def counting_layout_over(model: nn.Module, slots: int) -> None:
-    """Rank the route layout's slots by counting (``kernels.moe.route_tensors``) up to ``slots`` slots a step
-    (the scheduler's token budget x top-k) in every grouped MoE of ``model``. Under the default limit a step
-    over 1,024 gpu_1b tokens sorts and a smaller one counts; in a compiled MoE block that choice is a guard,
-    and each side compiles the block (vLLM's profile run on one side, the decode graphs on the other): one
-    path for every step is one compile. The cost is the [E, S] prefix sum of the largest step: 16K tokens x
-    8 x 128 experts (vLLM's default budget on an H200), 134 MB of int64 for a moment; a budget past
-    ``COUNTING_LAYOUT_ENGINE_MAX`` (268 MB) keeps sorting its large steps, at the price of the second compile."""
-    from kernels.moe import COUNTING_LAYOUT_MAX
-
-    for m in model.modules():
-        if isinstance(m, GroupedExperts):
-            m.counting_layout_max = max(COUNTING_LAYOUT_MAX, min(slots * m.num_experts, COUNTING_LAYOUT_ENGINE_MAX))
 
 
 class _PagedHybridModel(HybridModel):
@@ -148,15 +104,11 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 mixers.append(mla_cls(layer.self_attn, head_size, vllm_config.cache_config, prefix=name))
         self.paged_mixers = nn.ModuleList(mixers)
         self.model.paged_mixers = list(mixers)  # plain list: registered once, under paged_mixers
-        for layer in self.model.layers:
-            fuse_feed_forward_inputs(layer.block_sparse_moe if layer.is_moe else layer.mlp)
         # inference only: MoE routing statistics (balancer input) are a training-time thing, and the
         # router bias stays frozen at the checkpoint's value
-        self.eval()
-        self.requires_grad_(False)
         rows = vllm_config.scheduler_config.max_num_batched_tokens
+        prepare_for_serving(self, rows)
         moe_layers, k = len(config.moe_layer_indices), config.num_experts_per_token
-        counting_layout_over(self, rows * k)
         device = self.lm_head.weight.device
         self._routed_TLK = torch.zeros(rows, moe_layers, k, dtype=torch.int16, device=device) if moe_layers else None
         self.route_table_PLK: torch.Tensor | None = None

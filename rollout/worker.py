@@ -94,7 +94,7 @@ class WorkerConfig:
     # batch sizes vLLM captures CUDA graphs for (enforce_eager=False). None: powers of two from 2 up to
     # max_num_seqs (``capture_sizes``). vLLM's own list (1, 2, 4, then every 8 up to its maximum: 54 graphs for 128
     # sequences) made gpu_1b's cold first call on an H200 105 s; 8 powers of two 79 s, and 48 s with the
-    # compile workers of ``rollout.vllm_model.inductor_compile_threads`` (bench/RESULTS.md); a batch between
+    # compile workers of ``model.serving.inductor_compile_threads`` (bench/RESULTS.md); a batch between
     # two sizes runs in the next larger graph. Pass vLLM's list explicitly to get it back.
     cudagraph_capture_sizes: list[int] | None = None
 

@@ -77,7 +77,7 @@ def test_inductor_compile_threads_default_on_gpu_and_checked(monkeypatch):
     a positive integer is named."""
     import torch._inductor.config as inductor_config
 
-    from rollout.vllm_model import DEFAULT_COMPILE_THREADS, inductor_compile_threads
+    from model.serving import DEFAULT_COMPILE_THREADS, inductor_compile_threads
 
     # inductor's own patch, not monkeypatch: undoing a setattr on its config module deleted the key, and every
     # later inductor compile of the process then failed on the missing setting
@@ -114,7 +114,7 @@ def test_one_route_path_compiles_the_moe_block_once(monkeypatch):
     from model.compile import compile_regions
     from model.config import HybridConfig
     from model.modeling import HybridForCausalLM
-    from rollout.vllm_model import counting_layout_over
+    from model.serving import counting_layout_over
 
     config = HybridConfig.from_yaml(os.path.join(os.path.dirname(__file__), "../../configs/model/cpu_tiny.yaml"))
     k, E = config.num_experts_per_token, config.num_experts
@@ -137,5 +137,5 @@ def test_one_route_path_compiles_the_moe_block_once(monkeypatch):
 
     assert compiles(raise_limit=False) == 2
     assert compiles(raise_limit=True) == 1
-    monkeypatch.setattr("rollout.vllm_model.COUNTING_LAYOUT_ENGINE_MAX", 100 * k * E)  # a budget past the cap
+    monkeypatch.setattr("model.serving.COUNTING_LAYOUT_ENGINE_MAX", 100 * k * E)  # a budget past the cap
     assert compiles(raise_limit=True) == 2  # the 160-token step sorts again

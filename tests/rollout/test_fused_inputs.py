@@ -1,4 +1,4 @@
-"""The engine's fused input GEMMs (``rollout.vllm_layers.fuse_feed_forward_inputs``): a dense GLU's gate and up,
+"""The engine's fused input GEMMs (``model.serving.fuse_feed_forward_inputs``): a dense GLU's gate and up,
 and a latent MoE's down projection with its shared expert's gate and up, each as one GEMM of x. The outputs
 equal the unfused modules', and the named weights stay views of the fused one, so an in-place weight update
 (what ``load_weights`` and adapter folds do) reaches the fused product."""
@@ -13,10 +13,9 @@ from rollout_cases import TINY
 
 from model.config import HybridConfig
 from model.layers import GLUMLP
+from model.modeling import HybridForCausalLM
 from model.moe import SparseMoE
-from rollout.vllm_layers import fuse_feed_forward_inputs
-
-pytestmark = pytest.mark.vllm
+from model.serving import fuse_feed_forward_inputs, prepare_for_serving
 
 
 def tiny_config(**overrides) -> HybridConfig:
@@ -56,3 +55,26 @@ def test_unfusable_modules_keep_their_own_calls():
     mlp.up_proj = torch.nn.Linear(64, 96, bias=True)  # a bias: not a plain projection
     fuse_feed_forward_inputs(mlp)
     assert mlp.gate_up_weight is None
+
+
+def test_prepared_model_computes_what_the_model_does():
+    """``prepare_for_serving``: eval, no gradients, every feed-forward block's inputs fused, the route layout
+    counted over the largest step; the logits stay the model's."""
+    from kernels.moe import COUNTING_LAYOUT_MAX
+    from model.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    config = tiny_config(routed_expert_hidden_size=32, num_shared_experts=1)
+    model = HybridForCausalLM(config).eval()
+    served = copy.deepcopy(model)
+    prepare_for_serving(served, max_step_tokens=4096)
+    assert not served.training and not any(p.requires_grad for p in served.parameters())
+    layers = served.model.layers
+    assert all((layer.block_sparse_moe.fused_input if layer.is_moe else layer.mlp.gate_up_weight) is not None
+               for layer in layers)  # fmt: skip
+    grouped = [m for m in served.modules() if isinstance(m, GroupedExperts)]
+    assert grouped and all(m.counting_layout_max == max(COUNTING_LAYOUT_MAX, 4096 * config.num_experts_per_token
+                                                        * m.num_experts) for m in grouped)  # fmt: skip
+    ids = torch.randint(0, config.vocab_size, (1, 29))
+    with torch.no_grad():
+        torch.testing.assert_close(served(ids)[0], model(ids)[0], rtol=1e-5, atol=1e-5)
