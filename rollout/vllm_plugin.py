@@ -4,14 +4,18 @@ vLLM process (main, engine core, workers).
 It registers the HF config under its ``model_type``, a model-arch convertor that tells vLLM the KV
 head size and head count of our MLA layers *as we store them* (``mla_kv_layout``: per the config's
 ``mla_cache_form``, "expanded" per-head K/V or one "latent" KV head, padded to a CPU-supported head
-size; see ``rollout.vllm_layers``), and the model class, lazily by string so the plugin stays
-import-light. vLLM sizes the attention block from this layout so that one block holds a KDA state page.
+size; see ``rollout.vllm_layers``), and the model class. vLLM sizes the attention block from this layout
+so that one block holds a KDA state page.
+
+The class is registered itself, imported when vLLM loads the plugin, not as a "module:Class" string: vLLM
+inspects a string-registered class in a fresh Python subprocess whenever its cache (VLLM_CACHE_ROOT/modelinfos)
+has no entry for the module's current source, which cost 11 s on a 2-core CPU and 20 s of an engine's
+first call on the H200. Importing this module stays light; ``register`` pulls in vLLM and the model.
 """
 
 from __future__ import annotations
 
 ARCHITECTURE = "HybridForCausalLM"
-MODEL_CLASS = "rollout.vllm_model:VllmHybridForCausalLM"
 # CPU_ATTN head sizes (vllm/v1/attention/backends/cpu_attn.py); we pad MLA heads up to one of these.
 CPU_ATTN_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
@@ -100,4 +104,6 @@ def register() -> None:
 
     _register_arch_convertor(HybridConfig.model_type)
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
+        from rollout.vllm_model import VllmHybridForCausalLM  # the class: no inspection subprocess
+
+        ModelRegistry.register_model(ARCHITECTURE, VllmHybridForCausalLM)

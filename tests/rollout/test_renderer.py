@@ -108,3 +108,21 @@ def test_package_is_import_light_and_plugin_registers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "64"  # 48 rounded up to a CPU paged-attention head size
+
+
+@pytest.mark.vllm
+def test_plugin_registers_the_model_class_itself():
+    """Registered as a class, vLLM inspects the model in this process: a "module:Class" string is inspected
+    in a fresh Python subprocess whenever vLLM's model-info cache misses (11 s on a 2-core CPU)."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.registry import _LazyRegisteredModel
+
+    from rollout.vllm_model import VllmHybridForCausalLM
+    from rollout.vllm_plugin import ARCHITECTURE, register
+
+    register()
+    registered = ModelRegistry.models[ARCHITECTURE]
+    assert not isinstance(registered, _LazyRegisteredModel)
+    assert registered.load_model_cls() is VllmHybridForCausalLM
+    info = registered.inspect_model_cls()
+    assert info.is_hybrid and info.has_inner_state
