@@ -89,6 +89,8 @@ Results: ``DIR/rollout_throughput.json`` and ``DIR/rollout_throughput.md``, rewr
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import json
 import os
 import shutil
@@ -164,7 +166,7 @@ TASKS = ("check", "time", "profile")
 ENGINE_PROCESSES = ("in", "separate")  # where an engine's core runs: its child process, or a process of its own
 FAST_ENGINES = ("ours_fast", "ours_fast_moe")  # the bar's engine: the first of these a run timed
 PROFILE_N, PROFILE_GEN = 8, 32  # the profiled batch: where a decode step's device time goes
-PASS_FIELDS = ("prefill_tok_s", "generated_tok_s", "wall_s")  # what the report keeps of a batch's untimed passes
+PASS_FIELDS = ("prefill_tok_s", "generated_tok_s", "wall_s", "decode_steps")  # what the report keeps of a batch's untimed passes
 # the bar's parts in one 10-minute device call: the fp32 greedy check, then ours and the peer timed (add
 # ours_eager:check to ours_fast's tasks for the bf16 check, ours_graphs:time for graphs without compile)
 DEFAULT_PLAN = "ours_eager_fp32:check,ours_fast_fp32:check,ours_fast:time,peer:time"
@@ -694,7 +696,8 @@ class Child:
             earlier = "".join(f", pass {i}: {r['generated_tok_s']:.0f}" for i, r in enumerate(row["earlier_passes"], 1))
             log(f"[{self.job['key']}] N={n}: prefill {row['prefill_tok_s']:.0f} tok/s, generated "
                 f"{row['generated_tok_s']:.0f} tok/s (overall {row['generated_tok_s_overall']:.0f}), "
-                f"wall {row['wall_s']:.1f} s{earlier}")  # fmt: skip
+                f"wall {row['wall_s']:.1f} s{earlier}; decode steps {[r['decode_steps'] for r in runs]}, "
+                f"gc {row['gc']}")  # fmt: skip
             self.save()
 
     def profile(self, llm) -> None:
@@ -804,22 +807,65 @@ def submit(eng, prompts: list[list[int]], gens: list[int], tag: str, **params) -
     return t0
 
 
+class GcPauses:
+    """The garbage collector's pauses while open (``gc.callbacks``): count, seconds, the longest, and those of
+    full (generation 2) collections, which walk every tracked object of the process."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self.longest, self.full_s, self._t = 0, 0.0, 0.0, 0.0, 0.0
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._t
+        self.count, self.seconds, self.longest = self.count + 1, self.seconds + pause, max(self.longest, pause)
+        if info.get("generation") == 2:
+            self.full_s += pause
+
+    def summary(self) -> dict:
+        return {"count": self.count, "s": round(self.seconds, 4), "longest_s": round(self.longest, 4),
+                "full_s": round(self.full_s, 4)}  # fmt: skip
+
+
+def step_stats(times: list[float]) -> dict:
+    """Median and longest of the steps ending at ``times`` (each from the one before), and the stalls: steps
+    over 3x the median, with the time they took beyond it. Says whether a slow batch was slow throughout or
+    held up by a few long steps (a compile, a collection, another process)."""
+    if len(times) < 2:
+        return {"steps": len(times)}
+    ms = sorted((b - a) * 1e3 for a, b in itertools.pairwise(times))
+    median = ms[len(ms) // 2]
+    stalls = [m for m in ms if m > 3 * median]
+    return {"steps": len(times), "median_ms": round(median, 3), "max_ms": round(ms[-1], 3),
+            "stalls": len(stalls), "stall_extra_s": round(sum(m - median for m in stalls) / 1e3, 4)}  # fmt: skip
+
+
 def timed_batch(llm, prompts: list[list[int]], gens: list[int], **params) -> dict:
     """All requests submitted at once, the engine stepped to the end; each step's new tokens timed.
-    ``params``: ``_params``'s (default: temperature 1, no logprobs)."""
+    ``params``: ``_params``'s (default: temperature 1, no logprobs). Also the decode phase's step times
+    (``step_stats``) and the garbage collector's pauses over the batch (``GcPauses``)."""
     eng = llm.llm_engine
     t0 = submit(eng, prompts, gens, "tp", **params)
     first: dict[str, float] = {}
     steps: list[tuple[float, int]] = []
-    while eng.has_unfinished_requests():
-        outs = eng.step()
-        t, new = time.perf_counter(), 0
-        for o in outs:
-            n = len(o.outputs[0].token_ids) if o.outputs else 0
-            new += n
-            if n and o.request_id not in first:
-                first[o.request_id] = t
-        steps.append((t, new))
+    with GcPauses() as gc_pauses:
+        while eng.has_unfinished_requests():
+            outs = eng.step()
+            t, new = time.perf_counter(), 0
+            for o in outs:
+                n = len(o.outputs[0].token_ids) if o.outputs else 0
+                new += n
+                if n and o.request_id not in first:
+                    first[o.request_id] = t
+            steps.append((t, new))
     t_end = time.perf_counter()
     generated = sum(n for _, n in steps)
     if len(first) != len(prompts) or generated != sum(gens):
@@ -836,6 +882,7 @@ def timed_batch(llm, prompts: list[list[int]], gens: list[int], **params) -> dic
         decode_s=decode_s, decode_tokens=after, generated_tok_s=after / decode_s,
         generated_tok_s_overall=generated / (t_end - t0),
         ttft_mean_s=sum(first.values()) / len(first) - t0,
+        decode_steps=step_stats([t for t, _ in steps if t >= t_last_first]), gc=gc_pauses.summary(),
     )  # fmt: skip
 
 

@@ -27,6 +27,17 @@ def test_plan_parser(bench):
         bench.parse_plan("peer:timing")
 
 
+def test_step_stats_tell_stalls_from_a_slow_batch(bench):
+    """Step times from the steps' end times: the median, the longest, and the steps over 3x the median with
+    what they took beyond it (a batch held up by one long step against one slow throughout)."""
+    even = [i * 0.005 for i in range(11)]  # ten steps of 5 ms
+    assert bench.step_stats(even) == {"steps": 11, "median_ms": 5.0, "max_ms": 5.0, "stalls": 0, "stall_extra_s": 0.0}
+    stalled = [*even, even[-1] + 0.505]  # and one of 505 ms: 0.5 s beyond the median
+    got = bench.step_stats(stalled)
+    assert (got["median_ms"], got["max_ms"], got["stalls"], got["stall_extra_s"]) == (5.0, 505.0, 1, 0.5)
+    assert bench.step_stats([1.0]) == {"steps": 1}
+
+
 def test_first_mismatch(bench):
     assert bench.first_mismatch([[1, 2, 3], [4]], [[1, 2, 3], [4]]) is None
     assert bench.first_mismatch([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]) == {
@@ -148,6 +159,9 @@ def test_small_run_end_to_end(bench, tmp_path):
             assert row["sequences"] == int(n) and row["prefill_tok_s"] > 0 and row["generated_tok_s"] > 0
             assert sizes["gen_min"] * int(n) <= row["generated_tokens"] <= sizes["gen_max"] * int(n)
             assert row["decode_tokens"] < row["generated_tokens"]
+            steps = row["decode_steps"]  # the decode phase's step times and the collector's pauses, per batch
+            assert steps["steps"] >= 2 and 0 < steps["median_ms"] <= steps["max_ms"]
+            assert set(row["gc"]) == {"count", "s", "longest_s", "full_s"} and row["gc"]["s"] >= row["gc"]["full_s"]
             # the default two passes: the second timed, the first (it warms the batch size) reported beside
             (first,) = row["earlier_passes"]
             assert set(first) == set(bench.PASS_FIELDS) and first["generated_tok_s"] > 0
