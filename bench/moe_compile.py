@@ -1,6 +1,6 @@
 """Where the engine's compiled MoE block spends its compile time, and what inductor's options change.
 
-    python bench/moe_compile.py --out DIR [--variants base,threads16,no_pointwise_autotune] [--preset gpu_1b]
+    python bench/moe_compile.py --out DIR [--variants base,triton_gmm,threads16,no_pointwise_autotune] [--preset gpu_1b]
     python bench/moe_compile.py --small --out DIR      # the plumbing on a CPU (cpu_tiny, inductor's C++)
 
 The rollout engine compiles each MoE block whole (``model.compile`` scope "moe": router, routing, the route
@@ -17,7 +17,8 @@ and Triton caches, so each pays a cold compile. Per variant: wall seconds of eac
 the compile), compiles of the block and their seconds (``model.compile.compile_record``), dynamo's compile
 phases, kernels inductor generated, and Triton binaries written to the variant's cache (kernels x the
 configs compiled for each); then the compiled block's time per call at a decode size and a prefill size
-against the eager block, so an option that compiles faster is also seen not to run slower. Results go to
+against the eager block (and, on CUDA, per replay of the compiled call captured in a CUDA graph, as the
+engine's decode steps run it), so an option that compiles faster is also seen not to run slower. Results go to
 ``DIR/moe_compile.json`` (rewritten after each variant) and one line per variant to the log.
 """
 
@@ -36,13 +37,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 ENGINE_OPTIONS = {"emulate_precision_casts": True}  # what rollout.vllm_model compiles with
-# name -> (extra inductor options, compile workers); None workers: the engine's default
-VARIANTS: dict[str, tuple[dict, int | None]] = {
-    "base": ({}, None),
-    "threads16": ({}, 16),
-    "no_pointwise_autotune": ({"triton.autotune_pointwise": False}, None),
-    "no_autotune_t16": ({"triton.autotune_pointwise": False}, 16),
-    "serial": ({}, 1),  # every Triton compile in this process: each kernel's compile seconds (``kernel_compiles``)
+# name -> extra inductor options, compile workers (None: the engine's default), environment of the child
+VARIANTS: dict[str, dict] = {
+    "base": {},
+    "threads16": {"threads": 16},
+    "no_pointwise_autotune": {"options": {"triton.autotune_pointwise": False}},
+    "no_autotune_t16": {"options": {"triton.autotune_pointwise": False}, "threads": 16},
+    "serial": {"threads": 1},  # every Triton compile in this process: each kernel's compile seconds (``kernel_compiles``)
+    # the expert GEMMs on our Triton grouped kernel instead of torch's CUTLASS one (kernels.moe.GROUPED_MM)
+    "triton_gmm": {"env": {"LONGHORIZON_GROUPED_MM": "triton"}},
 }
 STEP_TOKENS = 16384  # vLLM's default token budget on an H200: the profile step
 CAPTURE_SIZES = (128, 64, 32, 16, 8, 4, 2)  # the engine's CUDA-graph sizes, captured largest first
@@ -86,10 +89,11 @@ def child(spec: dict) -> dict:
         for T, n in spec["timed"]:
             x = torch.randn(1, T, D, device=device, dtype=dtype)
             compiled_ms = time_calls(lambda x=x: moe(x, None, True), n, device)
+            graph_ms = time_graph_replays(lambda x=x: moe(x, None, True), n, device)
             moe.forward_fn = eager[0]
             eager_ms = time_calls(lambda x=x: moe(x, None, True), n, device)
             moe.forward_fn = regions[0]
-            out["per_call_ms"][T] = {"compiled": compiled_ms, "eager": eager_ms}
+            out["per_call_ms"][T] = {"compiled": compiled_ms, "eager": eager_ms, "compiled_graph": graph_ms}
     return out
 
 
@@ -145,6 +149,21 @@ def time_calls(fn, n: int, device) -> float:
     return round((time.perf_counter() - t0) / n * 1e3, 4)
 
 
+def time_graph_replays(fn, n: int, device) -> float | None:
+    """Milliseconds per replay of ``fn`` captured in a CUDA graph (the engine's decode steps run so: the
+    block's GPU time without the host's launches); None off CUDA."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    fn()  # warm: nothing may compile inside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_calls(graph.replay, n, device)
+
+
 def inductor_kernel_count() -> int | None:
     try:
         from torch._inductor import metrics
@@ -163,7 +182,7 @@ def count_binaries(cache_dir: str | None) -> int | None:
 
 def run_variant(spec: dict, log) -> dict:
     with tempfile.TemporaryDirectory(prefix="moe_compile_") as tmp:
-        env = dict(os.environ)
+        env = {**os.environ, **spec["env"]}
         env.update(TRITON_CACHE_DIR=f"{tmp}/triton", TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor",
                    TORCH_LOGS=env.get("TORCH_LOGS", "recompiles,graph_breaks"),
                    PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p))  # fmt: skip
@@ -187,7 +206,8 @@ def summary(res: dict) -> str:
         return f"{res['variant']}: failed"
     block = next(iter(res["regions"].values()), {})
     dyn = res["dynamo"]
-    times = ", ".join(f"{ms['compiled']:.3f} / {ms['eager']:.3f} ms at {T}" for T, ms in res["per_call_ms"].items())
+    times = ", ".join(f"{ms['compiled']:.3f} / {ms['eager']:.3f} ms at {T} (in a CUDA graph {ms['compiled_graph']})"
+                      for T, ms in res["per_call_ms"].items())  # fmt: skip
     return (f"{res['variant']}: calls {res['calls'][:3]}...; compile wall {res['compile_wall_s']:.1f} s, block "
             f"{block.get('compiles')} x {block.get('seconds', 0):.1f} s {block.get('each')}; kernels "
             f"{res['kernels_generated']}, Triton binaries {res['triton_binaries']}; dynamo backend "
@@ -226,8 +246,9 @@ def main() -> int:
 
     results = []
     for name in names:
-        options, threads = VARIANTS[name]
-        spec = {"name": name, "options": options, "threads": threads, "preset": args.preset, "small": args.small,
+        variant = VARIANTS[name]
+        spec = {"name": name, "options": variant.get("options", {}), "threads": variant.get("threads"),
+                "env": variant.get("env", {}), "preset": args.preset, "small": args.small,
                 "step_tokens": 256 if args.small else STEP_TOKENS,
                 "capture_sizes": CAPTURE_SIZES[-3:] if args.small else CAPTURE_SIZES,
                 "timed": ((8, 5), (64, 3)) if args.small else TIMED, "timeout_s": args.timeout_s}  # fmt: skip

@@ -34,17 +34,21 @@ the host and loops, which is what this module avoids), and CPU in fp32/bf16/fp16
 in ``triton.py``; the rest (float64, unaligned CPU shapes) the loop in ``naive.py``.
 ``align = grouped_mm_alignment(...)`` pads each group to 16 bytes of rows on CUDA (torchtitan
 pads likewise for the weight-gradient product, whose contraction runs over a group's rows).
+``LONGHORIZON_GROUPED_MM`` (read at import; ``GROUPED_MM_BACKENDS``) names a backend instead of that
+choice, to compare them (bench/moe_compile.py): "triton" runs the Triton kernel on CUDA bf16 too, where
+the CUTLASS kernel reads a decode step's expert weights at about half the H200's bandwidth.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from kernels.moe.naive import grouped_mm_naive, grouped_mm_naive_dw
 
-__all__ = ["RouteLayout", "combine", "combine_reference", "glu_grouped_mm_combine", "grouped_mm", "grouped_mm_alignment",
+__all__ = ["GROUPED_MM_BACKENDS", "RouteLayout", "combine", "combine_reference", "glu_grouped_mm_combine", "grouped_mm", "grouped_mm_alignment",
            "grouped_mm_backend", "grouped_mm_dw", "grouped_mm_dx", "permute", "permute_grouped_mm", "permute_reference",
            "route_layout", "route_tensors", "unpermute"]  # fmt: skip
 
@@ -247,13 +251,26 @@ def _torch_at_least(major: int, minor: int) -> bool:
     return got >= (major, minor)
 
 
+GROUPED_MM_BACKENDS = ("auto", "torch", "triton", "naive")
+GROUPED_MM = os.environ.get("LONGHORIZON_GROUPED_MM", "auto") or "auto"  # "auto": grouped_mm_backend's choice
+
+
 def grouped_mm_backend(x_SK: torch.Tensor, w_GNK: torch.Tensor) -> str:
-    """Which implementation ``grouped_mm`` runs for these operands: "torch", "triton" or "naive"."""
-    if _torch_grouped_mm_ok(x_SK, w_GNK):
-        return "torch"
-    if x_SK.is_cuda and x_SK.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        return "triton"
-    return "naive"
+    """Which implementation ``grouped_mm`` runs for these operands: "torch", "triton" or "naive"; the one
+    ``GROUPED_MM`` names where it is not "auto" (a ValueError where it cannot take these operands)."""
+    usable = {
+        "torch": _torch_grouped_mm_ok(x_SK, w_GNK),
+        "triton": x_SK.is_cuda and x_SK.dtype in (torch.float32, torch.float16, torch.bfloat16),
+        "naive": True,
+    }
+    if GROUPED_MM != "auto":
+        if GROUPED_MM not in GROUPED_MM_BACKENDS:
+            raise ValueError(f"LONGHORIZON_GROUPED_MM must be one of {GROUPED_MM_BACKENDS}, got {GROUPED_MM!r}")
+        if not usable[GROUPED_MM]:
+            raise ValueError(f"LONGHORIZON_GROUPED_MM={GROUPED_MM} cannot run {x_SK.dtype} operands on "
+                             f"{x_SK.device.type} with rows of {x_SK.shape[1]} and {w_GNK.shape[1]}")  # fmt: skip
+        return GROUPED_MM
+    return next(name for name in ("torch", "triton", "naive") if usable[name])
 
 
 def grouped_mm_alignment(device: torch.device, dtype: torch.dtype) -> int:

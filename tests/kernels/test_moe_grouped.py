@@ -102,6 +102,24 @@ def test_torch_grouped_mm_equals_the_loop_and_sum_backward_works():
     assert x.grad.shape == x.shape and float(w.grad[1].abs().max()) == 0.0
 
 
+def test_a_named_backend_is_run_or_refused(monkeypatch):
+    """``LONGHORIZON_GROUPED_MM`` (``GROUPED_MM``) names the backend: the named one runs where it can take the
+    operands, a clear error where it cannot or where the name is unknown."""
+    import kernels.moe as moe_kernels
+
+    x, w = torch.randn(20, 16), torch.randn(3, 8, 16)
+    offs = torch.tensor([5, 5, 20], dtype=torch.int32)
+    monkeypatch.setattr(moe_kernels, "GROUPED_MM", "naive")
+    assert grouped_mm_backend(x, w) == "naive"
+    assert_close("y", grouped_mm_naive(x, w, offs), grouped_mm(x, w, offs), 1e-6)
+    monkeypatch.setattr(moe_kernels, "GROUPED_MM", "triton")
+    with pytest.raises(ValueError, match=r"LONGHORIZON_GROUPED_MM=triton cannot run torch\.float32 operands on cpu"):
+        grouped_mm(x, w, offs)
+    monkeypatch.setattr(moe_kernels, "GROUPED_MM", "cutlass")
+    with pytest.raises(ValueError, match="must be one of"):
+        grouped_mm_backend(x, w)
+
+
 def test_unaligned_or_float64_take_the_loop_and_bad_shapes_are_named():
     assert grouped_mm_backend(torch.randn(4, 6), torch.randn(2, 8, 6)) == "naive"  # 24-byte rows
     assert grouped_mm_backend(torch.randn(4, 8).double(), torch.randn(2, 8, 8).double()) == "naive"
