@@ -54,6 +54,8 @@ Tasks of an engine (``name:task+task``):
   its decode steps under ``torch.profiler`` (the prefill runs first, unprofiled; the engine runs in this
   process): kernel time per decode step and the kernels that take it (top 60 by device time, with calls),
   to say where a decode step goes.
+* ``profile_prefill``: the same for one batch's prefill: ``--profile-n`` requests of the timed prompt lengths,
+  every step until each has its first token profiled (kernel time per prompt token and the top kernels).
 
 Per engine also: engine construction time, first-call time (construction to the first finished request,
 compilation and CUDA-graph capture included) and its breakdown (``startup``: vLLM's start-up phases
@@ -162,7 +164,7 @@ ENGINES = {
     "peer": EngineSpec("peer", enforce_eager=False),
     "peer_eager": EngineSpec("peer", enforce_eager=True),
 }
-TASKS = ("check", "time", "profile")
+TASKS = ("check", "time", "profile", "profile_prefill")
 ENGINE_PROCESSES = ("in", "separate")  # where an engine's core runs: its child process, or a process of its own
 FAST_ENGINES = ("ours_fast", "ours_fast_moe")  # the bar's engine: the first of these a run timed
 PROFILE_N, PROFILE_GEN = 8, 32  # the profiled batch: where a decode step's device time goes
@@ -639,6 +641,8 @@ class Child:
             self.time_all(llm)
         if "profile" in self.job["tasks"]:
             self.profile(llm)
+        if "profile_prefill" in self.job["tasks"]:
+            self.profile_prefill(llm)
         self.res["memory"] = self.memory()
         self.res["compiled_regions"] = compiled_regions(llm)
         self.res["compile_end"] = probe.compile_snapshot()
@@ -716,6 +720,25 @@ class Child:
             f"wall (profiled); top kernel {self.res['profile']['top'][:1]}")  # fmt: skip
         self.save()
 
+    def profile_prefill(self, llm) -> None:
+        """Kernels of one batch's prefill steps: the same batch once unprofiled, then profiled from submission
+        until every request has its first token."""
+        from torch.profiler import ProfilerActivity
+
+        sz, vocab = self.sz, self.job["vocab_size"]
+        n = self.job.get("profile_n", PROFILE_N)
+        ps, _ = timed_requests(sz, n, vocab, seed=11)
+        gens = [2] * n  # the prefill's first token, and one decode step to end each request
+        timed_batch(llm, ps, gens)  # warm: the same shapes once unprofiled
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        prof, row = profiled_prefill(llm, ps, gens, acts)
+        self.res["profile_prefill"] = summary = profile_summary(prof, row, self.cuda)
+        summary["per_token_us"] = 1e3 * summary["device_time_ms"] / max(row["prompt_tokens"], 1)
+        log(f"[{self.job['key']}] prefill profile: {row['prompt_tokens']} prompt tokens of {n} sequences in "
+            f"{row['steps']} steps, {row['prefill_s']:.3f} s (profiled), {summary['per_token_us']:.2f} us of kernel "
+            f"time a token; top kernel {summary['top'][:1]}")  # fmt: skip
+        self.save()
+
     def memory(self) -> dict:
         if not self.cuda:
             return {}
@@ -754,6 +777,27 @@ def profiled_decode(llm, prompts: list[list[int]], gens: list[int], activities) 
     row = dict(sequences=len(prompts), prompt_tokens=sum(len(p) for p in prompts), prefill_s=t1 - t0,
                generated_tokens=generated + decoded, steps=steps, decode_tokens=decoded, decode_s=decode_s,
                step_ms=1e3 * decode_s / max(steps, 1))  # fmt: skip
+    return prof, row
+
+
+def profiled_prefill(llm, prompts: list[list[int]], gens: list[int], activities) -> tuple:
+    """(profiler, row): all requests submitted at once and the steps until each has its first token (the
+    prefill) under ``torch.profiler``; the rest stepped unprofiled."""
+    from torch.profiler import profile
+
+    eng = llm.llm_engine
+    t0 = submit(eng, prompts, gens, "pp")
+    started: set[str] = set()
+    steps = 0
+    with profile(activities=activities) as prof:
+        while eng.has_unfinished_requests() and len(started) < len(prompts):
+            started.update(o.request_id for o in eng.step() if o.outputs and o.outputs[0].token_ids)
+            steps += 1
+    prefill_s = time.perf_counter() - t0
+    while eng.has_unfinished_requests():
+        eng.step()
+    row = dict(sequences=len(prompts), prompt_tokens=sum(len(p) for p in prompts), steps=steps, prefill_s=prefill_s,
+               step_ms=1e3 * prefill_s / max(steps, 1))  # fmt: skip
     return prof, row
 
 
@@ -1007,6 +1051,13 @@ def markdown(res: dict) -> str:
         if prof:
             lines += ["", f"profile of {key}: {prof['batch']['steps']} decode steps of {prof['batch']['sequences']} "
                       f"sequences, {prof['per_step_ms']:.2f} ms of kernel time per step", "",
+                      "| kernel | ms | calls |", "|---|---|---|"]  # fmt: skip
+            lines += [f"| `{name}` | {ms:.2f} | {calls} |" for name, ms, calls in prof["top"]]
+        prof = v.get("profile_prefill")
+        if prof:
+            b = prof["batch"]
+            lines += ["", f"prefill profile of {key}: {b['prompt_tokens']} prompt tokens of {b['sequences']} sequences "
+                      f"in {b['steps']} steps, {prof['per_token_us']:.2f} us of kernel time a token", "",
                       "| kernel | ms | calls |", "|---|---|---|"]  # fmt: skip
             lines += [f"| `{name}` | {ms:.2f} | {calls} |" for name, ms, calls in prof["top"]]
     lines += ["", f"check in fp32 ({s.get('fast_engine')}_fp32 vs ours_eager_fp32 greedy): {s.get('check_fp32')}",

@@ -122,7 +122,7 @@ def test_a_failing_engine_is_a_result(bench, tmp_path, monkeypatch):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_small_run_end_to_end(bench, tmp_path):
-    plan = "ours_eager:check,ours_fast:check+time+profile,peer:time,ours_eager:time"  # every task, both sides
+    plan = "ours_eager:check,ours_fast:check+time+profile+profile_prefill,peer:time,ours_eager:time"  # every task
     assert bench.main(["--small", "--keep", "--check-replay", "--plan", plan, "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "rollout_throughput.json").read_text())
     engines = res["engines"]
@@ -179,7 +179,12 @@ def test_small_run_end_to_end(bench, tmp_path):
     assert prof["batch"]["decode_tokens"] <= bench.PROFILE_N * prof["batch"]["steps"]
     assert prof["per_step_ms"] > 0 and 25 <= len(prof["top"]) <= 60
     assert all(ms >= 0 and calls >= 1 for _, ms, calls in prof["top"])
+    pre = fast["profile_prefill"]  # the prefill task: every step until each request has its first token
+    assert pre["batch"]["sequences"] == bench.PROFILE_N and pre["batch"]["steps"] >= 1
+    assert sizes["prompt_min"] * bench.PROFILE_N <= pre["batch"]["prompt_tokens"] <= sizes["prompt_max"] * bench.PROFILE_N
+    assert pre["per_token_us"] > 0 and pre["top"]
     md = (tmp_path / "rollout_throughput.md").read_text()
+    assert "prefill profile of ours_fast" in md
     assert "| ours_fast | 2 |" in md and "skipped: no GPU" in md and "profile of ours_fast" in md
     assert (
         json.loads(Path(res["checkpoints"]["peer"], "config.json").read_text())["model_type"] == "kimi_linear"
