@@ -5,8 +5,9 @@ function as it is and make a step cheaper.
 * ``counting_layout_over``: every grouped MoE ranks its route layout's slots one way for every step the
   engine can form, so a compiled MoE block compiles once;
 * ``inductor_compile_threads``: inductor's compile workers, which ``import vllm`` pins to one;
-* ``prepare_for_serving``: the three above and eval mode without gradients, what the vLLM model
-  (``rollout.vllm_model``) and bench/moe_compile.py do to the learner's modules.
+* ``prepare_for_serving``: the first two and eval mode without gradients, what the vLLM model
+  (``rollout.vllm_model``) and bench/moe_compile.py do to the learner's modules (the vLLM model sets the
+  compile workers when it compiles).
 """
 
 from __future__ import annotations
