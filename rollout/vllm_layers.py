@@ -167,7 +167,8 @@ class KDAStateLayer(nn.Module, MambaBase):
         q, k, v, g, beta = self.decode_inputs_fn(
             q, k, v, kda.f_b_proj(fa), b, kda.dt_bias, kda.A_log, kda.gate_kind, kda.lower_bound
         )
-        o_NHV = kda_pool_step_(q, k, v, g, beta, rec, slots_N, kda.head_dim**-0.5)
+        # o in the residual stream's dtype, which the gate casts it to first: the prefill's dtype, one compiled gate
+        o_NHV = kda_pool_step_(q, k, v, g, beta, rec, slots_N, kda.head_dim**-0.5, x_ND.dtype)
         if not kda.full_rank_gate:
             gate = kda.g_b_proj(gate)
         return kda.gated_output(o_NHV, x_ND, gate)
@@ -220,11 +221,13 @@ def kda_decode_inputs(
 
 
 @torch.no_grad()
-def kda_pool_step_(q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scale: float) -> torch.Tensor:
+def kda_pool_step_(
+    q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scale: float, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """One KDA decode step for N sequences whose states live in ``pool_PHKV`` at ``slots_N``, in place:
     ``kernels.kda.kda_decode_step_`` (PyTorch on CPU, the Triton step kernel on CUDA, stepping vLLM's
     strided state views in place)."""
-    return kda_decode_step_(q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scale=scale)
+    return kda_decode_step_(q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scale=scale, out_dtype=out_dtype)
 
 
 class _PagedMLA(nn.Module):

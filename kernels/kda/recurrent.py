@@ -95,13 +95,16 @@ def kda_decode_step_(
     state_pool: torch.Tensor,
     state_indices: torch.Tensor,
     scale: float | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Advance N sequences whose states live in ``state_pool`` [P, H, K, V], in place.
 
     q, k, g [N, T, H, K], v [N, T, H, V], beta [N, T, H]: T new tokens for each of N
     sequences (or [N, H, K] etc. for one token each). ``state_indices`` [N] names each
     sequence's slot; a negative index is a padding entry (vLLM's PAD_SLOT_ID): its output is
-    zero and no slot is touched. Returns o shaped like v.
+    zero and no slot is touched. Returns o shaped like v, in ``out_dtype`` (default v's): the rollout engine
+    asks for its residual stream's dtype, which the output gate casts o to first, so a bf16 engine's decode
+    and prefill give the gate the same dtype (one compiled gate, not two) and no cast is launched.
 
     CUDA tensors run the Triton step kernel (``kernels.kda.triton.pool_decode_step_triton``); there
     the slot checks (range, duplicates) would sync the device, so they run only in the debug mode
@@ -126,21 +129,22 @@ def kda_decode_step_(
         idx_N = state_indices.to(state_pool.device).reshape(-1)
         if debug_enabled():
             _check_slots(idx_N.long(), P)
-        o = pool_decode_step_triton(q, k, v, g, beta, state_pool, idx_N, scale)
+        o = pool_decode_step_triton(q, k, v, g, beta, state_pool, idx_N, scale, out_dtype)
         return o[:, 0] if single else o
     idx_N = state_indices.to(device=state_pool.device, dtype=torch.long).reshape(-1)
     valid_N = idx_N >= 0
     slots = _check_slots(idx_N, P)
     if single and slots.numel() == N:  # the rollout engine's decode: one token, no padding entries
         _check_inputs(q, k, v, g, beta, None, None)  # the generic path checks inside fused_recurrent_kda
-        return _pool_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state_pool, slots, scale)
-    o = torch.zeros_like(v)
+        o = _pool_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state_pool, slots, scale)
+        return o.to(out_dtype or o.dtype)
+    o = torch.zeros_like(v, dtype=out_dtype or v.dtype)
     if slots.numel():
         sel = valid_N.to(q.device)
         o_sel, state = fused_recurrent_kda(
             q[sel], k[sel], v[sel], g[sel], beta[sel], scale, state_pool[slots], output_final_state=True
         )
-        o[sel] = o_sel
+        o[sel] = o_sel.to(o.dtype)
         state_pool[slots] = state.to(state_pool.dtype)
     return o[:, 0] if single else o
 

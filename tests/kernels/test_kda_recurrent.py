@@ -118,3 +118,21 @@ def test_pool_decode_one_token_fast_path_equals_generic_path(dtype):
     assert torch.equal(o_fast, o_generic[:N])
     assert torch.equal(fast_pool, generic_pool)
     assert torch.equal(fast_pool[[1, 3, 5]], pool[[1, 3, 5]])
+
+
+def test_pool_decode_output_in_the_asked_dtype_is_the_rounded_output():
+    """``out_dtype``: o comes back in that dtype, equal to the default output rounded to it, on both the
+    one-token path and the generic (padded) one; the states are what they are without it."""
+    gen = torch.Generator().manual_seed(5)
+    N = 3
+    q, k, g = (torch.randn(N, H, K, generator=gen) for _ in range(3))
+    k = torch.nn.functional.normalize(k, dim=-1)
+    g = -torch.rand(N, H, K, generator=gen)
+    v, beta = torch.randn(N, H, V, generator=gen), torch.rand(N, H, generator=gen)
+    pool = torch.randn(6, H, K, V, generator=gen) * 0.1
+    for slots in (torch.tensor([4, 0, 2]), torch.tensor([4, -1, 2])):  # the direct step, then the generic path
+        ref_pool, got_pool = pool.clone(), pool.clone()
+        ref = kda_decode_step_(q, k, v, g, beta, ref_pool, slots)
+        got = kda_decode_step_(q, k, v, g, beta, got_pool, slots, out_dtype=torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, ref.to(torch.bfloat16))
+        assert torch.equal(got_pool, ref_pool)

@@ -435,10 +435,18 @@ def test_pool_decode_step_equals_the_torch_pool_step(tokens, layout, slot_dtype)
         pool = (torch.randn(P, H, V, K, generator=gen) * 0.1).transpose(-1, -2)
         assert not MODS["decode"].slot_contiguous_fp32(pool)
     slots = torch.tensor([3, -1, 0], dtype=slot_dtype)  # vLLM's ids are int32: read as they are
-    ref_pool = pool.clone()
+    ref_pool, bf16_pool = pool.clone(), pool.clone()
     o_ref = kda_decode_step_(q, k, v, g, beta, ref_pool, slots)
     o = MODS["decode"].pool_decode_step_triton(q, k, v, g, beta, pool, slots)
     assert o.shape == v.shape and torch.equal(o[1], torch.zeros_like(o[1]))
     torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=0)
     torch.testing.assert_close(pool, ref_pool, atol=2e-5, rtol=0)
     assert torch.equal(pool[[1, 2, 4]], ref_pool[[1, 2, 4]])  # untouched slots, bit for bit
+    # out_dtype: the fp32 result rounded on store (the engine asks for its residual stream's dtype). A GPU
+    # rounds to nearest even (Triton's default for a float downcast), as torch's cast; the interpreter
+    # truncates: within one bf16 step of the fp32 result, towards zero
+    o_bf16 = MODS["decode"].pool_decode_step_triton(q, k, v, g, beta, bf16_pool, slots, out_dtype=torch.bfloat16)
+    ulp = torch.ldexp(torch.ones_like(o), torch.frexp(o).exponent - 8)  # bf16's spacing at |o| (8 mantissa bits)
+    assert o_bf16.dtype == torch.bfloat16 and bool(((o_bf16.float() - o).abs() < ulp).all())
+    assert bool((o_bf16.float().abs() <= o.abs()).all()) or torch.equal(o_bf16, o.to(torch.bfloat16))
+    assert torch.equal(bf16_pool, pool)  # the states as without out_dtype

@@ -69,11 +69,13 @@ def fused_recurrent_kda_triton(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     state_indices: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token KDA. Without `state_indices` it matches `naive_recurrent_kda` (state [N, H, K, V]).
 
     With `state_indices` [N] (int), `initial_state` is a pool [P, H, K, V] (fp32) that is updated in
-    place, and the pool itself is returned as the final state.
+    place, and the pool itself is returned as the final state. `out_dtype`: the output's dtype (default
+    q's), rounded from the kernel's fp32 on store.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -96,7 +98,7 @@ def fused_recurrent_kda_triton(
     scale = K**-0.5 if scale is None else float(scale)
     cu = None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.int32)
     flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta)]
-    o = torch.empty(B * T, H, V, device=q.device, dtype=q.dtype)
+    o = torch.empty(B * T, H, V, device=q.device, dtype=out_dtype or q.dtype)
     if state_indices is not None:
         h_in = h_out = initial_state
         store_ht = True
@@ -126,7 +128,7 @@ def slot_contiguous_fp32(pool: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
-def pool_decode_step_triton(q, k, v, g, beta, pool_PHKV, slots_N, scale=None) -> torch.Tensor:
+def pool_decode_step_triton(q, k, v, g, beta, pool_PHKV, slots_N, scale=None, out_dtype=None) -> torch.Tensor:
     """`kernels.kda.kda_decode_step_` on the Triton step kernel: q, k, g [N, H, K] (one token) or
     [N, T, H, K] (T tokens each), v, beta likewise, states in `pool_PHKV` at `slots_N`, in place.
 
@@ -139,14 +141,14 @@ def pool_decode_step_triton(q, k, v, g, beta, pool_PHKV, slots_N, scale=None) ->
     if single:
         q, k, v, g, beta = q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None]
     if slot_contiguous_fp32(pool_PHKV):
-        o, _ = fused_recurrent_kda_triton(q, k, v, g, beta, scale, pool_PHKV, True, None, slots_N)
+        o, _ = fused_recurrent_kda_triton(q, k, v, g, beta, scale, pool_PHKV, True, None, slots_N, out_dtype)
     else:
         live_N = slots_N >= 0
         slots = slots_N[live_N].long()
         o_live, S_LHKV = fused_recurrent_kda_triton(
-            *(t[live_N] for t in (q, k, v, g, beta)), scale, pool_PHKV[slots].float(), True
+            *(t[live_N] for t in (q, k, v, g, beta)), scale, pool_PHKV[slots].float(), True, out_dtype=out_dtype
         )
         pool_PHKV[slots] = S_LHKV.to(pool_PHKV.dtype)
-        o = torch.zeros_like(v)
+        o = torch.zeros_like(v, dtype=out_dtype or v.dtype)
         o[live_N] = o_live
     return o[:, 0] if single else o
