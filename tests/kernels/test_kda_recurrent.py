@@ -96,18 +96,23 @@ def test_pool_decode_multi_token_and_errors():
         kda_decode_step_(**inputs, state_pool=torch.zeros(3, H, K, V + 1), state_indices=torch.tensor([0, 1]))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pool_decode_one_token_fast_path_equals_generic_path(dtype):
-    """One token and no padding entry takes a direct step; a padding entry forces the generic path.
-    The live sequences' outputs and slots must agree bit for bit."""
-    gen = torch.Generator().manual_seed(11)
-    N = 3
+def _one_token_step(seed: int, N: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v, g, beta of one decode token for N sequences (k unit-norm, g < 0) and a pool of 6 states."""
+    gen = torch.Generator().manual_seed(seed)
     q, k, g = (torch.randn(N, H, K, generator=gen) for _ in range(3))
     k = torch.nn.functional.normalize(k, dim=-1)
     g = -torch.rand(N, H, K, generator=gen)
     v, beta = torch.randn(N, H, V, generator=gen), torch.rand(N, H, generator=gen)
+    return q, k, v, g, beta, torch.randn(6, H, K, V, generator=gen) * 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pool_decode_one_token_fast_path_equals_generic_path(dtype):
+    """One token and no padding entry takes a direct step; a padding entry forces the generic path.
+    The live sequences' outputs and slots must agree bit for bit."""
+    N = 3
+    q, k, v, g, beta, pool = _one_token_step(11, N)
     q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
-    pool = torch.randn(6, H, K, V, generator=gen) * 0.1
     slots = torch.tensor([4, 0, 2])
     fast_pool, generic_pool = pool.clone(), pool.clone()
     o_fast = kda_decode_step_(q, k, v, g, beta, fast_pool, slots)
@@ -123,13 +128,7 @@ def test_pool_decode_one_token_fast_path_equals_generic_path(dtype):
 def test_pool_decode_output_in_the_asked_dtype_is_the_rounded_output():
     """``out_dtype``: o comes back in that dtype, equal to the default output rounded to it, on both the
     one-token path and the generic (padded) one; the states are what they are without it."""
-    gen = torch.Generator().manual_seed(5)
-    N = 3
-    q, k, g = (torch.randn(N, H, K, generator=gen) for _ in range(3))
-    k = torch.nn.functional.normalize(k, dim=-1)
-    g = -torch.rand(N, H, K, generator=gen)
-    v, beta = torch.randn(N, H, V, generator=gen), torch.rand(N, H, generator=gen)
-    pool = torch.randn(6, H, K, V, generator=gen) * 0.1
+    q, k, v, g, beta, pool = _one_token_step(5, 3)
     for slots in (torch.tensor([4, 0, 2]), torch.tensor([4, -1, 2])):  # the direct step, then the generic path
         ref_pool, got_pool = pool.clone(), pool.clone()
         ref = kda_decode_step_(q, k, v, g, beta, ref_pool, slots)
