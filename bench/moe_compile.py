@@ -66,9 +66,9 @@ def child(spec: dict) -> dict:
     kernels = listen_triton_compiles()
     moe = build_block(spec["preset"], small).to(device, dtype)
     prepare_for_serving(moe, spec["step_tokens"])
-    eager = [moe.forward_fn]
+    eager_fn = moe.forward_fn
     regions = compile_regions(moe, "inductor", options={**ENGINE_OPTIONS, **spec["options"]}, scope="moe")
-    D = moe.gate.weight.shape[1]
+    compiled_fn, D = moe.forward_fn, moe.gate.weight.shape[1]
     out: dict = {"variant": spec["name"], "options": spec["options"], "compile_threads": threads, "calls": []}
     t_start = time.perf_counter()
     with torch.inference_mode():
@@ -90,43 +90,34 @@ def child(spec: dict) -> dict:
             x = torch.randn(1, T, D, device=device, dtype=dtype)
             compiled_ms = time_calls(lambda x=x: moe(x, None, True), n, device)
             graph_ms = time_graph_replays(lambda x=x: moe(x, None, True), n, device)
-            moe.forward_fn = eager[0]
+            moe.forward_fn = eager_fn
             eager_ms = time_calls(lambda x=x: moe(x, None, True), n, device)
-            moe.forward_fn = regions[0]
+            moe.forward_fn = compiled_fn
             out["per_call_ms"][T] = {"compiled": compiled_ms, "eager": eager_ms, "compiled_graph": graph_ms}
     return out
 
 
 def build_block(preset: str, small: bool):
     """One MoE block of the preset, random init with router logits of std ~3 (bench/rollout_gpu.py's init)."""
-    import torch
-
-    from bench.rollout_gpu import ROUTER_LOGIT_STD, preset_config
+    from bench.rollout_gpu import _random_init, preset_config
     from model.moe import SparseMoE
 
-    config = preset_config("tiny" if small else preset, False)
-    torch.manual_seed(0)
-    moe = SparseMoE(config)
-    with torch.no_grad():
-        moe.gate.weight.mul_(ROUTER_LOGIT_STD / (config.initializer_range * config.hidden_size**0.5))
-    return moe
+    return _random_init(preset_config("tiny" if small else preset, False), 0, SparseMoE)
 
 
 def listen_triton_compiles() -> list[tuple[str, float]]:
     """(kernel name, compile seconds) of each Triton compile in this process, appended as they happen (inductor's
     worker processes compile out of sight: the "serial" variant has none)."""
-    seen: list[tuple[str, float]] = []
-    try:
-        from triton import knobs
-    except ImportError:
-        return seen
+    from bench.startup_probe import listen_triton
 
-    def listener(*, src, metadata, metadata_group, times, cache_hit) -> None:
+    seen: list[tuple[str, float]] = []
+
+    def on_compile(src, seconds: float, cache_hit: bool) -> None:
         if not cache_hit:
             name = getattr(src, "name", None) or getattr(getattr(src, "fn", None), "__name__", "?")
-            seen.append((str(name), round(times.total / 1e6, 3)))
+            seen.append((str(name), round(seconds, 3)))
 
-    knobs.compilation.listener = listener
+    listen_triton(on_compile)
     return seen
 
 
@@ -174,7 +165,7 @@ def inductor_kernel_count() -> int | None:
 
 
 def count_binaries(cache_dir: str | None) -> int | None:
-    """Triton kernels compiled into ``cache_dir`` (one .cubin, or .so on the CPU backend, per kernel and config)."""
+    """Triton kernels compiled into ``cache_dir``: one GPU binary (.cubin / .hsaco) per kernel and config."""
     if not cache_dir or not os.path.isdir(cache_dir):
         return None
     return sum(1 for _, _, files in os.walk(cache_dir) for f in files if f.endswith((".cubin", ".hsaco")))

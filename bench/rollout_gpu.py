@@ -225,15 +225,16 @@ def preset_config(preset: str, small: bool):
     return HybridConfig.from_yaml(PRESETS[preset])
 
 
-def _random_init(config, seed: int):
-    """``HybridForCausalLM(config)`` from ``seed``, router weights scaled to logits of std ~ROUTER_LOGIT_STD
-    (a plain random init's router logits are near-ties everywhere)."""
+def _random_init(config, seed: int, module_cls=None):
+    """``module_cls(config)`` (default ``HybridForCausalLM``; ``model.moe.SparseMoE`` for one block) from
+    ``seed`` in eval mode, router weights scaled to logits of std ~ROUTER_LOGIT_STD (a plain random init's
+    router logits are near-ties everywhere)."""
     import torch
 
     from model.modeling import HybridForCausalLM
 
     torch.manual_seed(seed)
-    model = HybridForCausalLM(config).eval()
+    model = (module_cls or HybridForCausalLM)(config).eval()
     scale = ROUTER_LOGIT_STD / (config.initializer_range * config.hidden_size**0.5)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -761,13 +761,7 @@ def profiled_decode(llm, prompts: list[list[int]], gens: list[int], activities) 
 
     eng = llm.llm_engine
     t0 = submit(eng, prompts, gens, "pd")
-    started: set[str] = set()
-    generated = 0
-    while eng.has_unfinished_requests() and len(started) < len(prompts):
-        for o in eng.step():
-            if o.outputs and o.outputs[0].token_ids:
-                started.add(o.request_id)
-                generated += len(o.outputs[0].token_ids)
+    _, generated = step_to_first_tokens(eng, len(prompts))
     t1, steps, decoded = time.perf_counter(), 0, 0
     with profile(activities=activities) as prof:
         while eng.has_unfinished_requests():
@@ -780,6 +774,19 @@ def profiled_decode(llm, prompts: list[list[int]], gens: list[int], activities) 
     return prof, row
 
 
+def step_to_first_tokens(eng, requests: int) -> tuple[int, int]:
+    """Step ``eng`` until each of its ``requests`` has a first token (the prefill); (steps, tokens generated)."""
+    started: set[str] = set()
+    steps = generated = 0
+    while eng.has_unfinished_requests() and len(started) < requests:
+        for o in eng.step():
+            if o.outputs and o.outputs[0].token_ids:
+                started.add(o.request_id)
+                generated += len(o.outputs[0].token_ids)
+        steps += 1
+    return steps, generated
+
+
 def profiled_prefill(llm, prompts: list[list[int]], gens: list[int], activities) -> tuple:
     """(profiler, row): all requests submitted at once and the steps until each has its first token (the
     prefill) under ``torch.profiler``; the rest stepped unprofiled."""
@@ -787,12 +794,8 @@ def profiled_prefill(llm, prompts: list[list[int]], gens: list[int], activities)
 
     eng = llm.llm_engine
     t0 = submit(eng, prompts, gens, "pp")
-    started: set[str] = set()
-    steps = 0
     with profile(activities=activities) as prof:
-        while eng.has_unfinished_requests() and len(started) < len(prompts):
-            started.update(o.request_id for o in eng.step() if o.outputs and o.outputs[0].token_ids)
-            steps += 1
+        steps, _ = step_to_first_tokens(eng, len(prompts))
     prefill_s = time.perf_counter() - t0
     while eng.has_unfinished_requests():
         eng.step()

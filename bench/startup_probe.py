@@ -102,21 +102,12 @@ class StartupProbe(logging.Handler):
                 self.phases[key] = round(self.phases.get(key, 0.0) + float(m.group(1)), 3)
 
     def _listen_triton(self) -> None:
-        try:
-            from triton import knobs
-        except ImportError:
-            return
-        previous = getattr(knobs.compilation, "listener", None)
-
-        def listener(*, src, metadata, metadata_group, times, cache_hit) -> None:
+        def on_compile(src, seconds: float, cache_hit: bool) -> None:
             self.triton["cache_hits" if cache_hit else "compiles"] += 1
             if not cache_hit:
-                self.triton["compile_s"] = round(self.triton["compile_s"] + times.total / 1e6, 3)
-            if previous is not None:
-                previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
-                         cache_hit=cache_hit)  # fmt: skip
+                self.triton["compile_s"] = round(self.triton["compile_s"] + seconds, 3)
 
-        knobs.compilation.listener = listener
+        listen_triton(on_compile)
 
     def snapshot(self, llm=None) -> dict[str, Any]:
         """Everything so far: vLLM's phases and timeline, its compilation_time, dynamo and Triton."""
@@ -133,6 +124,24 @@ class StartupProbe(logging.Handler):
         from model.compile import compile_record
 
         return {"dynamo": dynamo_compile_times(), "triton_jit": dict(self.triton), "regions": compile_record()}
+
+
+def listen_triton(on_compile) -> bool:
+    """Call ``on_compile(src, seconds, cache_hit)`` for every Triton compile in this process (a
+    ``triton.knobs.compilation`` listener, chained after any listener already set). False without Triton."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    previous = getattr(knobs.compilation, "listener", None)
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit) -> None:
+        on_compile(src, times.total / 1e6, cache_hit)
+        if previous is not None:
+            previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+
+    knobs.compilation.listener = listener
+    return True
 
 
 def dynamo_compile_times() -> dict[str, float]:

@@ -136,8 +136,7 @@ def kda_decode_step_(
     slots = _check_slots(idx_N, P)
     if single and slots.numel() == N:  # the rollout engine's decode: one token, no padding entries
         _check_inputs(q, k, v, g, beta, None, None)  # the generic path checks inside fused_recurrent_kda
-        o = _pool_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state_pool, slots, scale)
-        return o.to(out_dtype or o.dtype)
+        return _pool_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state_pool, slots, scale, out_dtype)
     o = torch.zeros_like(v, dtype=out_dtype or v.dtype)
     if slots.numel():
         sel = valid_N.to(q.device)
@@ -159,9 +158,10 @@ def _check_slots(idx_N: torch.Tensor, P: int) -> torch.Tensor:
     return slots
 
 
-def _pool_step_(q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scale) -> torch.Tensor:
+def _pool_step_(q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scale, out_dtype=None) -> torch.Tensor:
     """One token per sequence straight on the gathered states: the generic path's padding and
-    re-ordering cost about 1 ms per call, a fifth of a tiny model's decode step."""
+    re-ordering cost about 1 ms per call, a fifth of a tiny model's decode step. o in ``out_dtype``
+    (default v's), cast once from the step's precision."""
     K = q_NHK.shape[-1]
     dt = torch.float64 if q_NHK.dtype == torch.float64 else torch.float32
     scale = K**-0.5 if scale is None else scale
@@ -174,4 +174,4 @@ def _pool_step_(q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, pool_PHKV, slots_N, scale) 
         beta_NH.to(dt)[..., None],
     )
     pool_PHKV[slots_N] = S_NHKV.to(pool_PHKV.dtype)
-    return o_NHV.to(v_NHV.dtype)
+    return o_NHV.to(out_dtype or v_NHV.dtype)
