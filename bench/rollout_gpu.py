@@ -765,7 +765,8 @@ def reuse_turns(run: Run, runs: list, out: dict) -> None:
         for r in runs:
             r.turn(t)
             x = r.turns[-1]
-            log(f"reuse {r.mode} turn {t + 1}: new {x['new']} computed {x['computed']} {x['seconds']:.2f} s")
+            log(f"reuse {r.mode} turn {t + 1}: new {x['new']} computed {x['computed']} {x['seconds']:.2f} s"
+                f"{'; steps ' + json.dumps(x['steps']) if 'steps' in x else ''}")
         last = sum(r.turns[-1]["seconds"] for r in runs)
         out.setdefault("turns", {}).update({r.mode: r.turns for r in runs})
         run.save()

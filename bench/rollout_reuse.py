@@ -92,6 +92,37 @@ def warmup_prompts(chunks) -> list[list[int]]:
     return [c[0][::-1] for c in chunks]
 
 
+class StepTimer:
+    """Times every ``step()`` of a ``SessionEngine`` while in use: a turn's seconds split into the engine's
+    steps (scheduling, the forward, sampling, output processing) and the worker's own work around them
+    (starting and finishing turns, the routing records)."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.ms = engine, []
+
+    def __enter__(self) -> StepTimer:
+        inner = self.engine.step
+
+        def timed():
+            t0 = time.perf_counter()
+            try:
+                return inner()
+            finally:
+                self.ms.append((time.perf_counter() - t0) * 1e3)
+
+        self.engine.step = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.engine.step  # the class's method again
+
+    def summary(self, seconds: float) -> dict:
+        ms = sorted(self.ms)
+        in_steps = sum(ms) / 1e3
+        return {"count": len(ms), "engine_s": round(in_steps, 4), "worker_s": round(seconds - in_steps, 4),
+                "median_ms": round(ms[len(ms) // 2], 3) if ms else None, "max_ms": round(ms[-1], 3) if ms else None}  # fmt: skip
+
+
 class ModeRun:
     """One engine and the episodes' bookkeeping for one caching mode."""
 
@@ -131,22 +162,26 @@ class ModeRun:
             self.TurnRequest(s, self.chunks[i][t], max_tokens=self.args.gen, temperature=0.0)
             for i, s in enumerate(self.sids)
         ]
-        t0 = time.perf_counter()
-        outs = self.worker.generate(reqs)
-        dt = time.perf_counter() - t0
+        with StepTimer(self.worker.engine) as steps:
+            t0 = time.perf_counter()
+            outs = self.worker.generate(reqs)
+            dt = time.perf_counter() - t0
         full = sum(self.context[s] + len(r.token_ids) for s, r in zip(self.sids, reqs))
         computed = sum(o.num_computed_prompt_tokens for o in outs)
         for i, (s, r, o) in enumerate(zip(self.sids, reqs, outs)):
             self.context[s] += len(r.token_ids) + len(o.token_ids)
             self.tokens.setdefault(f"{s}", []).append(o.token_ids)
             self.tokens.setdefault(f"e{i}", []).append(o.token_ids)
-        self.record_turn(t, sum(len(r.token_ids) for r in reqs), full, computed, dt)
+        self.record_turn(t, sum(len(r.token_ids) for r in reqs), full, computed, dt, steps.summary(dt))
 
-    def record_turn(self, t: int, new: int, context: int, computed: int, seconds: float) -> None:
-        """Turn ``t``'s row: new tokens, the whole context, the prefill the engine computed, wall seconds."""
+    def record_turn(
+        self, t: int, new: int, context: int, computed: int, seconds: float, steps: dict | None = None
+    ) -> None:
+        """Turn ``t``'s row: new tokens, the whole context, the prefill the engine computed, wall seconds, and
+        where a ``ModeRun``'s seconds went (``StepTimer.summary``)."""
         self.turns.append(
             {"turn": t + 1, "new": new, "context": context, "computed": computed, "seconds": seconds,
-             "hit_rate": 1 - computed / context}
+             "hit_rate": 1 - computed / context, **({"steps": steps} if steps else {})}
         )  # fmt: skip
 
     def shutdown(self) -> None:

@@ -941,6 +941,8 @@ def kv_cache_info(llm, sz: Sizes) -> dict:
         "block_size": block,
         "capacity_tokens": (blocks or 0) * block,
         "budget_gib": sz.kv_bytes / 2**30,
+        # vLLM's default when nothing rules it out: the next step scheduled while this one runs
+        "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
     }
 
 

@@ -59,3 +59,29 @@ def test_warm_up_prompts_have_the_first_turns_lengths_and_not_its_prefixes(bench
     warm = bench.warmup_prompts(chunks)
     assert [len(w) for w in warm] == [len(c[0]) for c in chunks]
     assert all(w[:16] != c[0][:16] for w, c in zip(warm, chunks))
+
+
+def test_mode_run_splits_each_turn_into_engine_steps_and_worker_time(bench, tiny_ckpt):
+    """A session ``ModeRun`` times the engine's steps inside each turn (what bench/rollout_gpu.py logs to say
+    where a reused turn's seconds go) and leaves the engine's own ``step`` in place afterwards."""
+    from rollout.renderer import ChatRenderer
+    from rollout.sessions import SessionEngine
+
+    path, _ = tiny_ckpt
+    args = SimpleNamespace(episodes=2, turns=2, prompt=96, obs=24, obs_min=None, gen=5, max_model_len=512,
+                           kv_mib=32, block_size=None)  # fmt: skip
+    run = bench.ModeRun("session", path, bench.episode_chunks(args, ChatRenderer()), args)
+    try:
+        run.start_repeat(0)
+        for t in range(args.turns):
+            run.turn(t)
+        assert "step" not in vars(run.worker.engine)  # the timer removed itself
+        assert type(run.worker.engine).step is SessionEngine.step
+    finally:
+        run.shutdown()
+    for row in run.turns:
+        steps = row["steps"]
+        assert steps["count"] >= args.gen  # one step at least per generated token
+        assert steps["engine_s"] > 0 and steps["worker_s"] >= 0
+        assert steps["engine_s"] + steps["worker_s"] == pytest.approx(row["seconds"], abs=1e-3)
+        assert 0 < steps["median_ms"] <= steps["max_ms"]
