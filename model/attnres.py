@@ -35,10 +35,21 @@ def attn_res_mix(
     sources, dtype, rank) serves every mix of the model (``model.compile``). The keys are normalised
     from the one fp32 copy of the stacked sources (in fp32 the reference's ops; in bf16 the normed keys
     are no longer rounded to bf16 before the dot product with the query)."""
-    v32_SBTD = f32(torch.stack(sources))
+    return attn_res_mix_stacked(query, norm_weight, eps, torch.stack(sources))
+
+
+def attn_res_mix_stacked(
+    query: torch.Tensor, norm_weight: torch.Tensor, eps: float, v_SBTD: torch.Tensor
+) -> torch.Tensor:
+    """``attn_res_mix`` of sources stacked by the caller [S, ...]: compiled, one graph serves every number of
+    sources (S is a dynamic dim), where ``attn_res_mix`` compiles once per number. The engine's mixes take
+    it (``model.serving.prepare_for_serving``): four compiles of 1.3-1.8 s each in an engine's start on the
+    H200 become one. Not the learner's: a stacked copy made outside the graph is one more tensor that
+    autograd would keep per mix."""
+    v32_SBTD = f32(v_SBTD)
     keys_SBTD = F.rms_norm(v32_SBTD, v32_SBTD.shape[-1:], norm_weight.to(v32_SBTD.dtype), eps)
     a_SBT = (keys_SBTD * f32(query)).sum(-1).softmax(dim=0)
-    return (a_SBT[..., None] * v32_SBTD).sum(0).to(sources[0].dtype)
+    return (a_SBT[..., None] * v32_SBTD).sum(0).to(v_SBTD.dtype)
 
 
 class AttnResMix(nn.Module):
@@ -47,6 +58,9 @@ class AttnResMix(nn.Module):
         self.query = nn.Parameter(torch.zeros(hidden_size))
         self.norm = RMSNorm(hidden_size, eps=eps)  # its weight and eps; the mix normalises itself
         self.mix_fn: Callable = attn_res_mix  # ``model.compile.compile_regions`` swaps in the compiled one
+        # inference: ``attn_res_mix_stacked`` over the sources stacked first (``model.serving.prepare_for_serving``
+        # sets it; compiled likewise), None: ``mix_fn``
+        self.stacked_mix_fn: Callable | None = None
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
         if len(sources) == 1:
@@ -57,4 +71,6 @@ class AttnResMix(nn.Module):
 
     def mix(self, *sources: torch.Tensor) -> torch.Tensor:
         """The mix of two or more sources (autograd keeps its intermediates unless recomputed)."""
+        if self.stacked_mix_fn is not None:
+            return self.stacked_mix_fn(self.query, self.norm.weight, self.norm.eps, torch.stack(sources))
         return self.mix_fn(self.query, self.norm.weight, self.norm.eps, *sources)

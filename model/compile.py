@@ -1,7 +1,8 @@
 """Regional torch.compile: the element-wise regions of the model, each with an eager fallback.
 
 Compiled: the functions the modules call with their weights as arguments,
-``model.layers.rms_norm`` (every ``RMSNorm``), ``model.attnres.attn_res_mix`` (every ``AttnResMix``),
+``model.layers.rms_norm`` (every ``RMSNorm``), ``model.attnres.attn_res_mix`` (every ``AttnResMix``; an
+engine's take their sources stacked, ``attn_res_mix_stacked``),
 ``model.layers.glu_activation`` (the reference GLU of every ``GLUMLP``: dense layers, shared and
 routed experts), ``model.moe.routing_weights`` (gather, renormalise, scale of every ``MoEGate``),
 ``kernels.moe.route_tensors`` (the ~25 small integer ops of each grouped MoE's route layout) and the
@@ -169,7 +170,7 @@ def region_kinds() -> tuple[tuple[type, str, Callable], ...]:
     """(module class, attribute, function) of every compiled region of the model: the module's attribute
     holds the function it calls."""
     from kernels.moe import route_tensors
-    from model.attnres import AttnResMix, attn_res_mix
+    from model.attnres import AttnResMix, attn_res_mix, attn_res_mix_stacked
     from model.kda import KimiDeltaAttention, kda_gates, kda_output_gate
     from model.layers import GatedActivation, RMSNorm, glu_activation, l2_normalize_qk, rms_norm
     from model.lm_head import chunk_logits_grad, chunk_stats
@@ -177,7 +178,8 @@ def region_kinds() -> tuple[tuple[type, str, Callable], ...]:
     from model.moe import GroupedExperts, MoEGate, routing_weights
 
     return (
-        (RMSNorm, "norm_fn", rms_norm), (AttnResMix, "mix_fn", attn_res_mix), (GatedActivation, "glu_fn", glu_activation),
+        (RMSNorm, "norm_fn", rms_norm), (AttnResMix, "mix_fn", attn_res_mix),
+        (AttnResMix, "stacked_mix_fn", attn_res_mix_stacked), (GatedActivation, "glu_fn", glu_activation),
         (MoEGate, "weights_fn", routing_weights), (GroupedExperts, "route_fn", route_tensors),
         (KimiDeltaAttention, "gates_fn", kda_gates), (KimiDeltaAttention, "qk_norm_fn", l2_normalize_qk),
         (KimiDeltaAttention, "out_gate_fn", kda_output_gate),
@@ -226,7 +228,9 @@ def compile_regions(
     wrappers (one per function that ``model`` has modules for). ``options``: inductor's, e.g.
     ``{"emulate_precision_casts": True}`` (the engine: bf16 rounded between fused ops as eager rounds it).
     ``scope`` (``block_kinds``): blocks compiled whole; the regions inside them stay plain functions that
-    the block's graph traces through (one compile, fused with the block's other element-wise work)."""
+    the block's graph traces through (one compile, fused with the block's other element-wise work). A module
+    whose attribute is None does not take that path (an AttnRes mix outside an engine: no stacked mix) and
+    gets no wrapper there."""
     if torch._dynamo.config.recompile_limit < REGION_RECOMPILE_LIMIT:
         log.info("dynamo recompile_limit %d -> %d (compiled regions)", torch._dynamo.config.recompile_limit,
                  REGION_RECOMPILE_LIMIT)  # fmt: skip
@@ -237,7 +241,7 @@ def compile_regions(
     regions: dict[Callable, CompiledOrEager] = {}  # by function: two kinds may share an attribute name
     for module in model.modules():
         for cls, attr, fn in (*blocks, *(() if id(module) in inside else kinds)):
-            if isinstance(module, cls):
+            if isinstance(module, cls) and getattr(module, attr, None) is not None:  # None: a path not taken
                 if fn not in regions:
                     # a block's graph breaks resume in frames whose inputs carry no dynamic marks: there
                     # dynamo's automatic dynamic shapes (dynamic=None) make a new token count symbolic on

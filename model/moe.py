@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.moe import route_tensors
 from model import fast
 from model.balancing import RoutingStats, histogram_range
 from model.config import HybridConfig
@@ -309,8 +310,7 @@ class GroupedExperts(GatedActivation, nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self._init_activation(act, situ_betas)
-        # None: kernels.moe.route_tensors; ``model.compile`` swaps in a compiled one
-        self.route_fn: Callable | None = None
+        self.route_fn: Callable = route_tensors  # ``model.compile`` swaps in a compiled one
         # slots x experts up to which the route layout ranks slots by counting, not sorting (None:
         # kernels.moe.COUNTING_LAYOUT_MAX; the engine raises it over its largest step: one path, one compile)
         self.counting_layout_max: int | None = None

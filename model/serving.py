@@ -5,7 +5,8 @@ function as it is and make a step cheaper.
 * ``counting_layout_over``: every grouped MoE ranks its route layout's slots one way for every step the
   engine can form, so a compiled MoE block compiles once;
 * ``inductor_compile_threads``: inductor's compile workers, which ``import vllm`` pins to one;
-* ``prepare_for_serving``: the first two and eval mode without gradients, what the vLLM model
+* ``kda_state_shapes`` / ``kda_state_dtypes``: a KDA layer's per-sequence states in an engine's slots;
+* ``prepare_for_serving``: the first two, the AttnRes mixes over stacked sources, and eval mode without gradients, what the vLLM model
   (``rollout.vllm_model``) and bench/moe_compile.py do to the learner's modules (the vLLM model sets the
   compile workers when it compiles).
 """
@@ -17,6 +18,7 @@ import os
 import torch
 from torch import nn
 
+from model.attnres import AttnResMix, attn_res_mix_stacked
 from model.layers import GLUMLP
 from model.moe import GroupedExperts, MoEGate, SparseMoE
 
@@ -96,13 +98,31 @@ def counting_layout_over(model: nn.Module, slots: int) -> None:
             m.counting_layout_max = max(COUNTING_LAYOUT_MAX, min(slots * m.num_experts, COUNTING_LAYOUT_ENGINE_MAX))
 
 
+def kda_state_shapes(config) -> tuple[tuple[int, ...], ...]:
+    """The four per-sequence states of a KDA layer in an engine's slots: the q, k and v short convolutions'
+    windows [H * D, kernel - 1] and the recurrent state [H, D, D]."""
+    lac = config.linear_attn_config
+    H, D, K = int(lac["num_heads"]), int(lac["head_dim"]), int(lac["short_conv_kernel_size"])
+    conv = (H * D, K - 1)
+    return (conv, conv, conv, (H, D, D))
+
+
+def kda_state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The convolution windows in the model's dtype, the recurrent state in fp32."""
+    return (model_dtype, model_dtype, model_dtype, torch.float32)
+
+
 def prepare_for_serving(model: nn.Module, max_step_tokens: int) -> None:
     """``model`` (a causal LM, a decoder stack or one block) for inference in an engine whose steps hold at
     most ``max_step_tokens`` tokens: eval mode, no gradients, each feed-forward block's inputs fused (a MoE's
     shared expert is fused with the MoE's latent projection, not on its own), the route layout counted over
-    the largest step (top-k slots a token)."""
+    the largest step (top-k slots a token), and the AttnRes mixes given their sources stacked
+    (``attn_res_mix_stacked``: one compiled graph whatever the number of sources)."""
     model.eval()
     model.requires_grad_(False)
+    for m in model.modules():
+        if isinstance(m, AttnResMix):  # sources stacked before the mix: one compiled graph for every count
+            m.stacked_mix_fn = attn_res_mix_stacked
     shared = {id(m.shared_experts) for m in model.modules() if isinstance(m, SparseMoE)}
     for m in list(model.modules()):
         if isinstance(m, SparseMoE) or (isinstance(m, GLUMLP) and id(m) not in shared):

@@ -58,18 +58,7 @@ from kernels.kda import kda_decode_step_
 from model.cache import KDAState
 from model.kda import kda_gates
 from model.layers import SeqLayout, l2_normalize_qk, seq_layout
-from model.serving import fuse_linears
-
-
-def kda_state_shapes(config) -> tuple[tuple[int, ...], ...]:
-    lac = config.linear_attn_config
-    H, D, K = int(lac["num_heads"]), int(lac["head_dim"]), int(lac["short_conv_kernel_size"])
-    conv = (H * D, K - 1)
-    return (conv, conv, conv, (H, D, D))
-
-
-def kda_state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-    return (model_dtype, model_dtype, model_dtype, torch.float32)
+from model.serving import fuse_linears, kda_state_dtypes, kda_state_shapes
 
 
 def kda_state_copy_funcs():
@@ -171,7 +160,10 @@ class KDAStateLayer(nn.Module, MambaBase):
         o_NHV = kda_pool_step_(q, k, v, g, beta, rec, slots_N, kda.head_dim**-0.5, x_ND.dtype)
         if not kda.full_rank_gate:
             gate = kda.g_b_proj(gate)
-        return kda.gated_output(o_NHV, x_ND, gate)
+        # as a batch of one row and a contiguous gate, what the prefill passes: one compiled output gate for
+        # both (a rank-3 call compiled it a second time, 1.6 s of an H200 start; a full-rank gate is a strided
+        # slice of the fused projection)
+        return kda.gated_output(o_NHV[None], x_ND[None], gate.contiguous()[None])[0]
 
     def _input_projections(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k, v, f_a, b and the output gate's first projection of x: one GEMM over the fused weight, or

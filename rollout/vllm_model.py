@@ -43,17 +43,16 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 
 from model.compile import compile_regions, resolve_compile_scope
 from model.config import HybridConfig
+from model.kernel_warmup import start_kda_warmup
 from model.modeling import HybridModel
 from model.moe import check_replay_ids, stack_expert_weights
-from model.serving import inductor_compile_threads, prepare_for_serving
+from model.serving import inductor_compile_threads, kda_state_dtypes, kda_state_shapes, prepare_for_serving
 from rollout.vllm_layers import (
     KDAStateLayer,
     MLALatentPagedAttention,
     MLAPagedAttention,
     kda_decode_inputs,
     kda_state_copy_funcs,
-    kda_state_dtypes,
-    kda_state_shapes,
 )
 from rollout.vllm_plugin import mla_cache_form, mla_kv_layout
 
@@ -88,6 +87,9 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         if vllm_config.parallel_config.tensor_parallel_size != 1:
             raise ValueError("the longhorizon vLLM model runs with tensor_parallel_size = 1 only")
         self.config = config
+        # on a GPU, the KDA prefill's Triton kernels compile in a child process while this one loads and
+        # compiles (``model.kernel_warmup``): the first request finds them in Triton's cache
+        self.kernel_warmup = start_kda_warmup(config, vllm_config.model_config.dtype, vllm_config.device_config.device)
         self.model = _PagedHybridModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

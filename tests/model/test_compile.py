@@ -348,3 +348,32 @@ def test_blocks_scope_gives_moe_and_kda_layers_each_their_own_function():
         loss, _ = _step(model, ids)
     assert regions["sparse_moe_forward"].failed is None and regions["kda_forward"].failed is None
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_served_mixes_compile_one_graph_for_every_number_of_sources():
+    """``prepare_for_serving`` gives every AttnRes mix its sources stacked (``attn_res_mix_stacked``): the mixes
+    of 2 to 5 sources of a deep model share one compiled graph (the number of sources a dynamic dim), where
+    the learner's mixes compile one graph per number; the outputs are the learner's, exactly (fp32)."""
+    from model.attnres import AttnResMix
+    from model.serving import prepare_for_serving
+
+    model = _small_model(num_hidden_layers=8, attn_res_block_size=2).eval()
+    ids = torch.randint(0, 128, (1, 37))
+    counts = set()
+    for m in model.modules():
+        if isinstance(m, AttnResMix):
+            m.register_forward_pre_hook(lambda _, args: counts.add(len(args[0])))
+    with torch.no_grad():
+        ref = model(ids).logits
+        learner = CountingBackend()
+        (mix,) = [r for r in compile_regions(model, backend=learner) if r.name == "attn_res_mix"]
+        model(ids)
+        assert len(counts - {1}) >= 3 and mix.graphs() == len(counts - {1})  # one graph per number of sources
+        served = _small_model(num_hidden_layers=8, attn_res_block_size=2)
+        prepare_for_serving(served, 64)
+        backend = CountingBackend()
+        regions = {r.name: r for r in compile_regions(served, backend=backend)}
+        out = served(ids).logits
+    assert "attn_res_mix" not in {n for n, r in regions.items() if r.graphs()}  # every mix took the stacked one
+    assert regions["attn_res_mix_stacked"].graphs() == 1
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)

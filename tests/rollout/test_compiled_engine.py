@@ -27,6 +27,7 @@ def compiled_worker(tiny_ckpt):
 
     mp = pytest.MonkeyPatch()
     mp.setenv("LONGHORIZON_COMPILE_BACKEND", "aot_eager")  # read when the in-process engine builds the model
+    torch._dynamo.reset()  # the graphs counted below are this engine's, not an earlier test's in this process
     w = RolloutWorker(dict(model_path=str(tiny_ckpt[0]), reuse="session", enforce_eager=False, **SMALL_ENGINE))
     yield w
     w.shutdown()
@@ -52,6 +53,12 @@ def test_compiled_engine_decodes_like_the_learner(compiled_worker, tiny_ckpt):
             "kda_decode_inputs"} <= set(regions)  # fmt: skip
     assert all(r.failed is None for r in regions.values()), {n: r.failed for n, r in regions.items() if r.failed}
     assert regions["kda_decode_inputs"].graphs() >= 1  # decode steps went through the compiled region
+    # one graph for decode and prefill alike (the decode step calls the output gate as the prefill does) and
+    # for the mixes of any number of sources (stacked), plus one for the steps of a single token (c2 decoding
+    # alone: dynamo's 0/1 rule; the GPU engine pads its steps to CUDA-graph sizes of 2 and more); before,
+    # each rank and each number of sources was another compile (1.3-1.8 s each on the H200)
+    assert regions["kda_output_gate"].graphs() == 2
+    assert regions["attn_res_mix_stacked"].graphs() == 2 and not regions["attn_res_mix"].graphs()
     # the start-up's compile record (bench/startup_probe.py prints it) saw every compile inside the engine
     from model.compile import compile_record
 

@@ -1,0 +1,72 @@
+"""model/kernel_warmup.py: the child process that compiles the KDA prefill's Triton kernels while an engine
+starts. Its point (kernels found in Triton's cache by the engine) needs a GPU and is measured there
+(bench/rollout_throughput.py's start-up timeline); here: it runs the engine's prefill path, its command line
+works and cleans up, a failure is reported and not raised, and nothing starts without a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from model_cases import tiny_config
+
+from model import kernel_warmup
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_warm_up_runs_the_engines_kda_prefill(monkeypatch):
+    """The chunked kernel (not the one-token recurrence) over several sequences, from initial states and
+    returning the final ones: the call the engine's first prefill makes (``KDAStateLayer._run``)."""
+    import kernels.kda
+
+    calls = []
+    chunk = kernels.kda.chunk_kda
+
+    def recording(*args, **kw):
+        calls.append(kw)
+        return chunk(*args, **kw)
+
+    monkeypatch.setattr(kernels.kda, "chunk_kda", recording)
+    seconds = kernel_warmup.warm_kda_kernels(tiny_config(), torch.float32, "cpu")
+    assert seconds > 0 and len(calls) == 1
+    (kw,) = calls
+    assert kw["initial_state"] is not None and kw["output_final_state"]
+    assert kw["cu_seqlens"].tolist() == [0, *torch.tensor(kernel_warmup.WARMUP_LENGTHS).cumsum(0).tolist()]
+    assert max(kernel_warmup.WARMUP_LENGTHS) > 64  # more than one chunk: every chunk kernel runs
+
+
+def _child(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "model.kernel_warmup", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+
+
+def _spec(config) -> Path:
+    spec = Path(tempfile.mkdtemp(prefix="lh_warmup_")) / "config.json"
+    spec.write_text(json.dumps(config.to_dict(), default=str))
+    return spec
+
+
+def test_the_child_warms_up_and_removes_its_config():
+    spec = _spec(tiny_config())
+    done = _child(str(spec), "bfloat16", "cpu")
+    assert done.returncode == 0, done.stderr
+    assert not spec.parent.exists()
+
+
+def test_a_failing_warm_up_says_so_and_exits_nonzero():
+    spec = _spec(tiny_config())
+    done = _child(str(spec), "bfloat17", "cpu")
+    assert done.returncode == 1
+    assert "kernel warm-up failed" in done.stderr and "bfloat17" in done.stderr
+    assert _child().returncode == 2  # no arguments: the usage line
+
+
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu")])
+def test_nothing_starts_without_a_gpu(device):
+    assert kernel_warmup.start_kda_warmup(tiny_config(), torch.bfloat16, device) is None
