@@ -14,7 +14,12 @@ as before.
     start_kda_warmup(config, dtype, device)   # the engine: a child process, or None (no GPU, no KDA layer)
     python -m model.kernel_warmup CONFIG.json DTYPE DEVICE   # the child: warm_kda_kernels, then exit
 
-``LONGHORIZON_KERNEL_WARMUP=0`` turns it off. vLLM-free: the child imports torch and our model only.
+Off by default; ``LONGHORIZON_KERNEL_WARMUP=1`` turns it on. Measured on the H200 (bench/RESULTS.md, "Rollout
+throughput", 2026-12-04): it did its part, the first request 11.7 -> 4-5 s, but the engine's weight loading,
+which it overlaps, went 1.0 -> 12.9 and 20.6 s in two runs, so the first call was 62.4 and 63.3 s with it
+against 51.0 s without. Why the load slows (the child's CUDA start-up, or the host's CPUs) was not found;
+starting the child after the weights are in is the next thing to try. vLLM-free: the child imports torch and
+our model only.
 """
 
 from __future__ import annotations
@@ -66,11 +71,11 @@ def warm_kda_kernels(config, dtype: torch.dtype, device: torch.device | str) -> 
 
 def start_kda_warmup(config, dtype: torch.dtype, device: torch.device | str) -> subprocess.Popen | None:
     """Start ``warm_kda_kernels`` in a child process on the same GPU and return it (not waited for); None
-    on a CPU, for a model without KDA layers, or with ``LONGHORIZON_KERNEL_WARMUP=0``. The child inherits the
+    unless ``LONGHORIZON_KERNEL_WARMUP=1``, on a CPU, and for a model without KDA layers. The child inherits the
     environment (the Triton cache directory with it) and reports a failure on stderr; the engine never
     depends on it."""
     device = torch.device(device)
-    if device.type != "cuda" or os.environ.get("LONGHORIZON_KERNEL_WARMUP", "1") == "0":
+    if device.type != "cuda" or os.environ.get("LONGHORIZON_KERNEL_WARMUP", "0") != "1":
         return None
     if not any(config.is_kda_layer(i) for i in range(config.num_hidden_layers)):
         return None

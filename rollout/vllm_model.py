@@ -87,8 +87,8 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         if vllm_config.parallel_config.tensor_parallel_size != 1:
             raise ValueError("the longhorizon vLLM model runs with tensor_parallel_size = 1 only")
         self.config = config
-        # on a GPU, the KDA prefill's Triton kernels compile in a child process while this one loads and
-        # compiles (``model.kernel_warmup``): the first request finds them in Triton's cache
+        # with LONGHORIZON_KERNEL_WARMUP=1 on a GPU, the KDA prefill's Triton kernels compile in a child process
+        # while this one loads and compiles (``model.kernel_warmup``; off by default: it slowed the weight load)
         self.kernel_warmup = start_kda_warmup(config, vllm_config.model_config.dtype, vllm_config.device_config.device)
         self.model = _PagedHybridModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

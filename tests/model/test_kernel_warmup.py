@@ -70,3 +70,12 @@ def test_a_failing_warm_up_says_so_and_exits_nonzero():
 @pytest.mark.parametrize("device", ["cpu", torch.device("cpu")])
 def test_nothing_starts_without_a_gpu(device):
     assert kernel_warmup.start_kda_warmup(tiny_config(), torch.bfloat16, device) is None
+
+
+def test_it_is_off_unless_asked_for(monkeypatch):
+    """Off by default (on the H200 it slowed the weight load it overlaps more than it saved): no child even
+    for a GPU device unless LONGHORIZON_KERNEL_WARMUP=1 (here returning before any CUDA call)."""
+    monkeypatch.delenv("LONGHORIZON_KERNEL_WARMUP", raising=False)
+    assert kernel_warmup.start_kda_warmup(tiny_config(), torch.bfloat16, "cuda") is None
+    monkeypatch.setenv("LONGHORIZON_KERNEL_WARMUP", "0")
+    assert kernel_warmup.start_kda_warmup(tiny_config(), torch.bfloat16, torch.device("cuda", 0)) is None
