@@ -17,13 +17,16 @@ as before.
 Off by default; ``LONGHORIZON_KERNEL_WARMUP=1`` turns it on. Measured on the H200 (bench/RESULTS.md, "Rollout
 throughput", 2026-12-04): it did its part, the first request 11.7 -> 4-5 s, but the engine's weight loading,
 which it overlaps, went 1.0 -> 12.9 and 20.6 s in two runs, so the first call was 62.4 and 63.3 s with it
-against 51.0 s without. Why the load slows (the child's CUDA start-up, or the host's CPUs) was not found;
-starting the child after the weights are in is the next thing to try. vLLM-free: the child imports torch and
-our model only.
+against 51.0 s without. The suspect is the host's CPUs: the load is ~1,000 small CPU ops each parallel over
+the engine's OpenMP threads, one per core, and a busy child on one of those cores stalls every barrier of
+them (on the 2-core CPU machine a busy normal-priority process slowed such a loop 1.7x, the same process under
+SCHED_IDLE not at all). So the child now runs with one thread under SCHED_IDLE (``yield_cpus``: only on CPUs
+nothing else wants); not yet measured on the GPU. vLLM-free: the child imports torch and our model only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -82,13 +85,24 @@ def start_kda_warmup(config, dtype: torch.dtype, device: torch.device | str) -> 
     index = device.index if device.index is not None else torch.cuda.current_device()
     spec = Path(tempfile.mkdtemp(prefix="lh_warmup_")) / "config.json"
     spec.write_text(json.dumps(config.to_dict(), default=str))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
     cmd = [sys.executable, "-m", "model.kernel_warmup", str(spec), str(dtype).removeprefix("torch."), f"cuda:{index}"]
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
 
+def yield_cpus() -> None:
+    """This process on one thread, scheduled only where a CPU is otherwise idle (Linux's SCHED_IDLE; the
+    thread count alone elsewhere): the engine it runs beside keeps its cores."""
+    torch.set_num_threads(1)
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed: normal priority
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
 def main(argv: list[str]) -> int:
     from model.config import HybridConfig
+
+    yield_cpus()
 
     if len(argv) != 3:
         print("usage: python -m model.kernel_warmup CONFIG.json DTYPE DEVICE", file=sys.stderr)

@@ -79,3 +79,13 @@ def test_it_is_off_unless_asked_for(monkeypatch):
     assert kernel_warmup.start_kda_warmup(tiny_config(), torch.bfloat16, "cuda") is None
     monkeypatch.setenv("LONGHORIZON_KERNEL_WARMUP", "0")
     assert kernel_warmup.start_kda_warmup(tiny_config(), torch.bfloat16, torch.device("cuda", 0)) is None
+
+
+def test_the_child_yields_the_cpus():
+    """One thread, and on Linux only the CPUs nothing else wants (the engine's weight load ran 10-25x slower
+    beside a busy child on the H200's host)."""
+    code = ("import os, torch; from model.kernel_warmup import yield_cpus; yield_cpus(); "
+            "print(torch.get_num_threads(), os.sched_getscheduler(0) == os.SCHED_IDLE)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", str(sys.platform.startswith("linux"))]
