@@ -15,7 +15,8 @@ Printed per mode: prefill tokens actually computed per turn (from the engine's o
 vs the new tokens of that turn, the cached-token hit rate (context not recomputed), episode wall
 time (engine start-up excluded; the modes' turns are interleaved so that a shared machine's load
 drifts over all of them alike), ratios against ``none``, and whether all modes sampled identical
-tokens.
+tokens. Each turn's row also splits its seconds into the engine's steps and the worker's own work
+(``StepTimer``: step count, median and longest step).
 """
 
 from __future__ import annotations
