@@ -161,7 +161,9 @@ def layer_op_counts(
 def _layer_op_counts(arch: dict, lengths: list[int], bf16: bool) -> dict[str, dict]:
     from model import HybridConfig
     from model.attnres import AttnResMix
+    from model import fast
     from model.capture import first_calls
+    from model.fast import use_fast_paths
     from model.kda import KimiDeltaAttention
     from model.mla import GatedMLA
     from model.modeling import HybridForCausalLM
@@ -181,7 +183,10 @@ def _layer_op_counts(arch: dict, lengths: list[int], bf16: bool) -> dict[str, di
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     try:
         kda_fp32 = _kda_core_fp32() if bf16 else contextlib.nullcontext()
-        with first_calls(model, kinds) as seen, torch.no_grad(), autocast, kda_fp32:
+        # each mix and norm called as its module (the default fuses a mix with the norm after it, and
+        # neither module's forward runs then): the ops per module kind
+        apart = use_fast_paths(fast.current(), attn_res="recompute")
+        with first_calls(model, kinds) as seen, torch.no_grad(), autocast, kda_fp32, apart:
             model(ids, cu_seqlens=cu)
     finally:
         norm_hook.remove()

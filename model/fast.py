@@ -10,7 +10,7 @@ to); the choice is process-wide, read at each call, with "auto" resolved by the 
 | ``conv`` | ``torch``: the shifted-tap PyTorch conv | ``triton``: one varlen causal conv kernel (``kernels.conv``) | triton | torch |
 | ``lm_head`` | ``plain``: [T, V] logits, then log-softmax | ``chunked``: logits per token chunk, recomputed in backward (``model.lm_head``) | chunked | chunked (measured faster) |
 | ``glu`` | ``torch``: SiTU / SiLU-GLU by autograd (keeps its fp32 intermediates for backward) | ``recompute``: the same ops, only gate/up kept, recomputed in backward (bit-exact); ``triton``: SiTU-GLU as one fused kernel each way (``kernels.glu``; SiLU takes ``recompute``) | triton | recompute |
-| ``attn_res`` | ``torch``: the AttnRes mix by autograd (keeps the stacked sources and norm intermediates) | ``recompute``: the same ops, only the sources kept, recomputed in backward (bit-exact) | recompute | recompute |
+| ``attn_res`` | ``torch``: the AttnRes mix by autograd (keeps the stacked sources and norm intermediates) | ``recompute``: the same ops, only the sources kept, recomputed in backward (bit-exact); ``fused``: that, with the sub-layer's RMSNorm after the mix in the same recomputed region (``model.attnres.attn_res_mix_norm``: one compiled call where there were two, bit-exact eager) | fused | fused |
 | ``norm`` | ``torch``: RMSNorm and L2 norm by autograd (keep an fp32 normalised copy) | ``recompute``: the same ops, only the input kept (bit-exact) | recompute | recompute |
 
 The CPU column is what was measured no slower on the 2-core CPU box (cpu_tiny, 2048 packed tokens,
@@ -34,7 +34,7 @@ CHOICES = {
     "conv": ("auto", "torch", "triton"),
     "lm_head": ("auto", "plain", "chunked"),
     "glu": ("auto", "torch", "recompute", "triton"),
-    "attn_res": ("auto", "torch", "recompute"),
+    "attn_res": ("auto", "torch", "recompute", "fused"),
     "norm": ("auto", "torch", "recompute"),
 }
 
@@ -132,6 +132,8 @@ def pick(op: str, device: torch.device, dtype: torch.dtype | None = None) -> str
         return "chunked"
     if op == "glu":
         return "triton" if cuda else "recompute"
-    if op in ("attn_res", "norm"):
+    if op == "attn_res":
+        return "fused"
+    if op == "norm":
         return "recompute"
     raise ValueError(f"unknown fast-path op {op!r}; ops are {sorted(CHOICES)}")

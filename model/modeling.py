@@ -75,15 +75,32 @@ class HybridDecoderLayer(nn.Module):
                 self.attn_res = AttnResMix(config.hidden_size, eps=config.rms_norm_eps)
             self.mlp_res = AttnResMix(config.hidden_size, eps=config.rms_norm_eps)
 
+    def attn_input(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        """The attention's input: ``input_layernorm`` of the AttnRes mix of ``sources`` (of the one source)."""
+        return _normed_input(getattr(self, "attn_res", None), self.input_layernorm, sources)
+
+    def ffn_input(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        """The FFN's input: ``post_attention_layernorm`` of the AttnRes mix of ``sources`` (of the one source)."""
+        return _normed_input(getattr(self, "mlp_res", None), self.post_attention_layernorm, sources)
+
     def attention(self, x_BTD, layout, cu_seqlens, state, return_state):
-        return self.self_attn(self.input_layernorm(x_BTD), layout, cu_seqlens, state, return_state)
+        """``x_BTD``: normed (``attn_input``)."""
+        return self.self_attn(x_BTD, layout, cu_seqlens, state, return_state)
 
     def ffn(self, x_BTD, replay_TK):
-        """``replay_TK``: validated by HybridModel (once per forward, not per layer)."""
-        h = self.post_attention_layernorm(x_BTD)
+        """``x_BTD``: normed (``ffn_input``); ``replay_TK``: validated by HybridModel (once per forward, not per
+        layer)."""
         if self.is_moe:
-            return self.block_sparse_moe(h, replay_TK, replay_checked=True)
-        return self.mlp(h), None
+            return self.block_sparse_moe(x_BTD, replay_TK, replay_checked=True)
+        return self.mlp(x_BTD), None
+
+
+def _normed_input(mix: AttnResMix | None, norm: RMSNorm, sources: list[torch.Tensor]) -> torch.Tensor:
+    """``norm(mix(sources))``, the mix and the norm as one region where they can be (``AttnResMix.normed``)."""
+    if mix is None or len(sources) == 1:
+        (x_BTD,) = sources
+        return norm(x_BTD)
+    return mix.normed(sources, norm)
 
 
 @dataclass
@@ -179,7 +196,7 @@ class HybridModel(HybridPreTrainedModel):
             h_BTD = self._forward_plain(x_BTD, step)
         if past_key_values is not None and use_cache:
             past_key_values.seen_tokens += T
-        return self.norm(h_BTD), past_key_values if use_cache else None, step.choices
+        return h_BTD, past_key_values if use_cache else None, step.choices
 
     def _check_replay(
         self, routed: torch.Tensor | None, tokens: int, device, ids_checked: bool = False
@@ -214,26 +231,27 @@ class HybridModel(HybridPreTrainedModel):
         return y_BTD
 
     def _forward_plain(self, h_BTD, step: _Step) -> torch.Tensor:
+        """The final normed hidden states, residual wiring (each sub-layer adds to one stream)."""
         for layer in self.layers:
-            h_BTD = h_BTD + self._attn(layer, h_BTD, step)
-            h_BTD = h_BTD + self._ffn(layer, h_BTD, step)
-        return h_BTD
+            h_BTD = h_BTD + self._attn(layer, layer.attn_input([h_BTD]), step)
+            h_BTD = h_BTD + self._ffn(layer, layer.ffn_input([h_BTD]), step)
+        return self.norm(h_BTD)
 
     def _forward_attn_res(self, emb_BTD, step: _Step) -> torch.Tensor:
-        """Block AttnRes wiring (NeMo ``_forward_attn_residual``, FLA ``KDABlock.forward``)."""
+        """The final normed hidden states, Block AttnRes wiring (NeMo ``_forward_attn_residual``, FLA
+        ``KDABlock.forward``); each sub-layer's mix and norm come as one (``HybridDecoderLayer.attn_input``)."""
         S = self.config.attn_res_block_size
         blocks: list[torch.Tensor] = []
         partial = emb_BTD  # running sum of the current block (the embedding before layer 0)
         for l, layer in enumerate(self.layers):
-            x_BTD = layer.attn_res([*blocks, partial]) if blocks else partial
+            x_BTD = layer.attn_input([*blocks, partial] if blocks else [partial])
             if l % S == 0:  # close the previous block (the embedding at l = 0)
                 blocks.append(partial)
                 partial = None
             a_BTD = self._attn(layer, x_BTD, step)
             partial = a_BTD if partial is None else partial + a_BTD
-            x2_BTD = layer.mlp_res([*blocks, partial])
-            partial = partial + self._ffn(layer, x2_BTD, step)
-        return self.out_res([*blocks, partial])
+            partial = partial + self._ffn(layer, layer.ffn_input([*blocks, partial]), step)
+        return _normed_input(self.out_res, self.norm, [*blocks, partial])
 
 
 class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):

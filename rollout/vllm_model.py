@@ -77,7 +77,7 @@ class _PagedHybridModel(HybridModel):
     def _attn(self, layer, x_BTD: torch.Tensor, step) -> torch.Tensor:
         if x_BTD.shape[0] != 1:
             raise ValueError(f"vLLM passes flattened tokens; got a batch of {x_BTD.shape[0]} rows")
-        return self.paged_mixers[layer.layer_idx](layer.input_layernorm(x_BTD[0]))[None]
+        return self.paged_mixers[layer.layer_idx](x_BTD[0])[None]  # x normed (``HybridDecoderLayer.attn_input``)
 
 
 class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):

@@ -58,3 +58,20 @@ def test_fused_situ_glu_fails_on_a_wrong_formula():
 def test_fused_situ_glu_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="differ"):
         GLU.situ_glu_triton(torch.zeros(4, 8), torch.zeros(4, 9))
+
+
+def test_kernel_bench_checks_every_variant_on_the_cpu(tmp_path):
+    """bench/glu_kernel.py --small (interpreter, tiny shapes): each forward variant and inductor's compile of the
+    reference agree with the fp64 reference to the bf16 output's rounding, and the report is written."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "bench" / "glu_kernel.py"
+    subprocess.run([sys.executable, str(bench), "--small", "--out", str(tmp_path)], check=True, timeout=600)
+    report = json.loads((tmp_path / "glu_kernel.json").read_text())
+    for row in report["shapes"].values():
+        assert set(row["error"]) == {"ours", "inductor", "int32"}
+        assert all(e <= 1e-2 for e in row["error"].values())
+        assert set(row["backward_us"]) == {"ours", "inductor"}

@@ -39,7 +39,7 @@ def test_model_wiring_at_init_is_uniform_mixing_of_blocks():
         return layer.self_attn(layer.input_layernorm(x), _layout(x), None, None, False)[0]
 
     def ffn(layer, x):
-        return layer.ffn(x, None)[0]
+        return layer.ffn(layer.post_attention_layernorm(x), None)[0]
 
     def mean(xs):
         return sum(xs) / len(xs)
@@ -64,3 +64,31 @@ def _layout(x):
     from model.layers import seq_layout
 
     return seq_layout(x.shape[0], x.shape[1], None, x.device)
+
+
+def test_mix_and_norm_as_one_region_equal_the_two_modules():
+    """``AttnResMix.normed`` (the learner's default: mix and norm recomputed in backward as one region) gives
+    ``norm(mix(sources))`` bit for bit, forward and backward (fp64), and so does every other fast-path pair."""
+    from model.fast import use_fast_paths
+    from model.layers import RMSNorm
+
+    torch.manual_seed(0)
+    mix, norm = AttnResMix(8).double(), RMSNorm(8).double()
+    with torch.no_grad():
+        for p in (mix.query, mix.norm.weight, norm.weight):
+            p.copy_(torch.rand(8, dtype=torch.float64) + 0.5)
+    sources = [torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    params = [*sources, mix.query, mix.norm.weight, norm.weight]
+
+    def run(fn):
+        out = fn()
+        return out.detach(), torch.autograd.grad((out * out.detach().cos()).sum(), params)
+
+    with use_fast_paths("reference"):
+        want, want_grads = run(lambda: norm(mix(sources)))
+    for spec in ("auto", "attn_res=recompute", "attn_res=torch", "norm=torch", "reference"):
+        with use_fast_paths(spec):
+            got, grads = run(lambda: mix.normed(sources, norm))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        for a, b in zip(grads, want_grads):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -60,8 +60,8 @@ def test_compiled_regions_give_the_eager_results():
     loss_ref, grads_ref = _step(model, ids)
     regions = compile_regions(model, backend="aot_eager")
     assert sorted(r.name for r in regions) == [
-        "attn_res_mix", "chunk_logits_grad", "chunk_stats", "glu_activation", "kda_gates", "kda_output_gate",
-        "l2_normalize_qk", "rms_norm", "route_tensors", "routing_weights",
+        "attn_res_mix", "attn_res_mix_norm", "chunk_logits_grad", "chunk_stats", "glu_activation", "kda_gates",
+        "kda_output_gate", "l2_normalize_qk", "rms_norm", "route_tensors", "routing_weights",
     ]  # fmt: skip
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert len(norms) > 5 and all(m.norm_fn is norms[0].norm_fn for m in norms)  # one wrapper for all
@@ -135,8 +135,10 @@ def test_a_failing_compiler_falls_back_to_eager(caplog):
     for a, b in zip(grads_ref, grads):
         if a is not None:
             torch.testing.assert_close(b, a)
-    assert len(regions) == 10 and all(r.failed and "no compiler here" in r.failed for r in regions)
-    assert sum("running it eagerly" in r.message for r in caplog.records) == len(regions)  # one per function
+    # a train step calls every region but the lone mix: its mixes run with their norms (attn_res_mix_norm)
+    called = [r for r in regions if r.name != "attn_res_mix"]
+    assert len(regions) == 11 and all(r.failed and "no compiler here" in r.failed for r in called)
+    assert sum("running it eagerly" in r.message for r in caplog.records) == len(called)  # one per function
 
 
 @pytest.mark.slow
@@ -350,23 +352,28 @@ def test_blocks_scope_gives_moe_and_kda_layers_each_their_own_function():
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-5)
 
 
-def test_served_mixes_compile_one_graph_for_every_number_of_sources():
+def test_served_mixes_compile_one_graph_for_every_number_of_sources(monkeypatch):
     """``prepare_for_serving`` gives every AttnRes mix its sources stacked (``attn_res_mix_stacked``): the mixes
     of 2 to 5 sources of a deep model share one compiled graph (the number of sources a dynamic dim), where
-    the learner's mixes compile one graph per number; the outputs are the learner's, exactly (fp32)."""
+    the learner's mixes (with their norms, ``attn_res_mix_norm``) compile one graph per number; the outputs
+    are the learner's, exactly (fp32)."""
     from model.attnres import AttnResMix
     from model.serving import prepare_for_serving
 
     model = _small_model(num_hidden_layers=8, attn_res_block_size=2).eval()
     ids = torch.randint(0, 128, (1, 37))
     counts = set()
-    for m in model.modules():
-        if isinstance(m, AttnResMix):
-            m.register_forward_pre_hook(lambda _, args: counts.add(len(args[0])))
+    normed = AttnResMix.normed
+
+    def counting(self, sources, norm):
+        counts.add(len(sources))
+        return normed(self, sources, norm)
+
+    monkeypatch.setattr(AttnResMix, "normed", counting)
     with torch.no_grad():
         ref = model(ids).logits
         learner = CountingBackend()
-        (mix,) = [r for r in compile_regions(model, backend=learner) if r.name == "attn_res_mix"]
+        (mix,) = [r for r in compile_regions(model, backend=learner) if r.name == "attn_res_mix_norm"]
         model(ids)
         assert len(counts - {1}) >= 3 and mix.graphs() == len(counts - {1})  # one graph per number of sources
         served = _small_model(num_hidden_layers=8, attn_res_block_size=2)
@@ -374,6 +381,7 @@ def test_served_mixes_compile_one_graph_for_every_number_of_sources():
         backend = CountingBackend()
         regions = {r.name: r for r in compile_regions(served, backend=backend)}
         out = served(ids).logits
-    assert "attn_res_mix" not in {n for n, r in regions.items() if r.graphs()}  # every mix took the stacked one
+    compiled = {n for n, r in regions.items() if r.graphs()}
+    assert not {"attn_res_mix", "attn_res_mix_norm"} & compiled  # every mix took the stacked one
     assert regions["attn_res_mix_stacked"].graphs() == 1
     torch.testing.assert_close(out, ref, rtol=0, atol=0)

@@ -104,14 +104,18 @@ def test_model_step_equals_the_reference_ops_and_keeps_less():
         return model(ids, cu_seqlens=cu, target_ids=ids.roll(-1, 1), return_logits=False).token_logprobs
 
     results = {}
-    for choice in ("torch", "recompute"):
-        with use_fast_paths("auto", moe="grouped", glu=choice, attn_res=choice, norm=choice):
+    for choice in ("torch", "recompute", "fused"):  # fused: each mix and the norm after it as one region
+        glu_norm = "recompute" if choice == "fused" else choice
+        with use_fast_paths("auto", moe="grouped", glu=glu_norm, attn_res=choice, norm=glu_norm):
             results[choice] = run_and_grad(step, [], params)
-    (out_ref, g_ref, bytes_ref), (out, g, nbytes) = results["torch"], results["recompute"]
-    torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
-    for a, b in zip(g, g_ref):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert nbytes < 0.8 * bytes_ref
+    out_ref, g_ref, bytes_ref = results["torch"]
+    for choice in ("recompute", "fused"):
+        out, g, _ = results[choice]
+        torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+        for a, b in zip(g, g_ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert results["recompute"][2] < 0.8 * bytes_ref
+    assert results["fused"][2] < results["recompute"][2]  # the mixed input of each norm is not kept either
 
 
 def _autocast_layer_run(layer: str):
