@@ -433,7 +433,8 @@ def capture_inputs(learner, batch) -> dict:
     model = learner.base_model
     kinds = {KimiDeltaAttention: "kda", GatedMLA: "mla", SparseMoE: "moe"}
     head = {}
-    hook = model.model.norm.register_forward_hook(lambda mod, a, out: head.__setitem__("head", out))
+    # the decoder stack's output: the final normed hidden states (the last mix and the norm may run as one)
+    hook = model.model.register_forward_hook(lambda mod, a, out: head.__setitem__("head", out[0]))
     try:
         with first_calls(model, kinds) as seen, torch.no_grad():
             learner.forward(batch)
