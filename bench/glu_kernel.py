@@ -1,5 +1,5 @@
 """The fused SiTU-GLU kernels (``kernels.glu``) at the learner's shapes, against inductor's compile of the
-reference and against two variants of the forward kernel, to say where the kernel's time goes.
+reference and against a variant of the forward kernel, to say where the kernel's time goes.
 
     python bench/glu_kernel.py --out DIR          # a GPU
     python bench/glu_kernel.py --small --out DIR  # the plumbing on a CPU (Triton interpreter, tiny shapes)
@@ -10,16 +10,21 @@ at the H200's memory bandwidth. Per shape (gpu_1b at 16,384 tokens: the routed e
 the shared expert's 16,384 rows of 256, the dense layer's 16,384 rows of 3,072; gate and up the two halves
 of one [R, 2C] bf16 buffer, as the grouped path passes them):
 
-* ``ours``: the kernels the learner runs, forward and backward (``kernels.glu.triton``);
+* ``ours``: the kernels the learner runs, forward and backward (``kernels.glu.triton``), called eagerly;
+* ``ours_compiled``: the same called from a ``torch.compile``d function with a dynamic row count, as the
+  learner's compiled MoE blocks call it (the kernels are custom ops: inductor calls them as they are; when
+  inductor traced the kernel and launched it itself, its calls in the step took 321 us against 87 us for
+  the eager ones);
 * ``inductor``: ``torch.compile`` of the reference (``situ_glu_reference``), forward and backward;
-* ``int32``: our forward with 32-bit offsets inside a program (the program's row offset in 64 bits) and the
-  1/beta scalings as products: the address arithmetic and two divisions;
-* ``libdevice`` (CUDA only): ``int32`` with libdevice's tanh and sigmoid in place of the exp-and-divide forms
-  (which the interpreter needs): the transcendental math.
+* ``libdevice`` (CUDA only): our forward with libdevice's tanh and sigmoid in place of the exp-and-divide
+  forms (which the interpreter needs): what the transcendental math costs.
 
 Each is checked against the fp64 reference on the same inputs first (error ratio, ``kernels.testing``), then
-timed with CUDA events (median of ``--iters``); the report gives microseconds and the bandwidth the call
-would need at that time (bytes read and written / time). Results: ``DIR/glu_kernel.json``.
+timed two ways over ``--iters`` calls: ``*_us``, the kernels' own device time a call (``torch.profiler``; the
+bandwidth column is bytes read and written over it), and ``*_call_us``, CUDA events around each call (median),
+which on the H200's slow hosts is the host's launch path, not the kernel: the first run timed our forward at
+173 us a call that way, where the learner step's profile gave the same kernel 58-80 us. Results:
+``DIR/glu_kernel.json``.
 """
 
 from __future__ import annotations
@@ -45,39 +50,48 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.language.extra.cuda import libdevice  # noqa: E402
 
-from kernels.glu.triton import BLOCK_C, BLOCK_R, _tanh  # noqa: E402
+from kernels.glu.triton import BLOCK_C, BLOCK_R  # noqa: E402
 
 
-# the exploration variants of the forward kernel (``int32``, ``libdevice``) live here, not in ``kernels.glu``:
-# they are measurements; the production kernel changes once one of them wins
+# the exploration variant of the forward kernel lives here, not in ``kernels.glu``: a measurement; the
+# production kernel changes once a variant wins
 @triton.jit
 def _fwd_variant(g_ptr, u_ptr, h_ptr, R, C, g_stride, u_stride, inv_beta, beta, inv_lb, lb,
-                 BR: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
+                 BR: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row0 = tl.program_id(0).to(tl.int64) * BR  # the program's first row, 64-bit; offsets inside it 32-bit
     rows = tl.arange(0, BR)[:, None]
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     m = (row0 + rows < R) & (cols < C)
     g = tl.load(g_ptr + row0 * g_stride + rows * g_stride + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row0 * u_stride + rows * u_stride + cols, mask=m, other=0.0).to(tl.float32)
-    if LIBDEVICE:
-        a = beta * libdevice.tanh(g * inv_beta)
-        s = tl.sigmoid(g)
-        b = lb * libdevice.tanh(u * inv_lb)
-    else:
-        a = beta * _tanh(g * inv_beta)
-        s = 1.0 / (1.0 + tl.exp(-g))
-        b = lb * _tanh(u * inv_lb)
+    a = beta * libdevice.tanh(g * inv_beta)
+    s = tl.sigmoid(g)
+    b = lb * libdevice.tanh(u * inv_lb)
     tl.store(h_ptr + row0 * C + rows * C + cols, (a * s * b).to(h_ptr.dtype.element_ty), mask=m)
 
 
-def forward_variant(g, u, libdevice: bool):
+def forward_libdevice(g, u):
     R, C = g.shape
     h = g.new_empty(R, C)
     beta, lb = BETAS
     grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C))
     _fwd_variant[grid](g, u, h, R, C, g.stride(0), u.stride(0), 1.0 / beta, beta, 1.0 / lb, lb,
-                       BR=BLOCK_R, BLOCK=BLOCK_C, LIBDEVICE=libdevice)  # fmt: skip
+                       BR=BLOCK_R, BLOCK=BLOCK_C)  # fmt: skip
     return h
+
+
+def kernel_time(fn, iters: int) -> float:
+    """Microseconds of device time a call of ``fn()`` spends in kernels (CUDA; after ``time_call``'s warm-up)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    # the kernels carry their own device time; an operator's self device time is 0 (as bench/learner_mfu.py)
+    device_us = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages())
+    return device_us / iters
 
 
 def time_call(fn, iters: int, cuda: bool) -> float:
@@ -118,29 +132,38 @@ def measure_shape(name: str, R: int, C: int, iters: int, device: str) -> dict:
     dh = torch.randn(R, C, device=device).to(torch.bfloat16)
     want = situ_glu_reference(g.double(), u.double(), *BETAS)
     compiled = torch.compile(situ_glu_reference, dynamic=False)
+    ours_compiled = torch.compile(lambda g, u: SituGLU.apply(g, u, *BETAS), dynamic=True)
     forwards = {
         "ours": lambda: SituGLU.apply(g, u, *BETAS),
+        "ours_compiled": lambda: ours_compiled(g, u),
         "inductor": lambda: compiled(g, u, *BETAS),
-        "int32": lambda: forward_variant(g, u, False),
     }
     if cuda:
-        forwards["libdevice"] = lambda: forward_variant(g, u, True)
-    row = {"shape": [R, C], "forward_us": {}, "backward_us": {}, "error": {}}
-    io_bytes = 3 * R * C * gu.element_size()  # g and u read, h written
+        forwards["libdevice"] = lambda: forward_libdevice(g, u)
+    row = {"shape": [R, C], "error": {}, "forward_us": {}, "forward_call_us": {}, "backward_us": {},
+           "backward_call_us": {}}  # fmt: skip
+
+    def timed(direction: str, kind: str, fn) -> None:
+        row[f"{direction}_call_us"][kind] = round(time_call(fn, iters, cuda), 1)
+        row[f"{direction}_us"][kind] = round(kernel_time(fn, iters), 1) if cuda else None
+
     for kind, fn in forwards.items():
         row["error"][kind] = round(error_ratio(want, fn().double()), 6)
-        row["forward_us"][kind] = round(time_call(fn, iters, cuda), 1)
+        timed("forward", kind, fn)
     leaf = gu.detach().requires_grad_()
     for kind, fn in (("ours", SituGLU.apply), ("inductor", compiled)):
         h = fn(*leaf.chunk(2, dim=-1), *BETAS)
-        def backward(h=h):  # through autograd for both: the same host overhead around each
+
+        def backward(h=h):
             return torch.autograd.grad(h, leaf, dh, retain_graph=True)
 
-        row["backward_us"][kind] = round(time_call(backward, iters, cuda), 1)
-    row["forward_gb_per_s"] = {k: round(io_bytes / us / 1e3, 1) for k, us in row["forward_us"].items()}
-    print(f"{name} {R}x{C}: " + ", ".join(f"{k} {us} us ({row['forward_gb_per_s'][k]} GB/s, error "
-          f"{row['error'][k]})" for k, us in row["forward_us"].items()) + " | backward " +
-          ", ".join(f"{k} {us} us" for k, us in row["backward_us"].items()), flush=True)  # fmt: skip
+        timed("backward", kind, backward)
+    io_bytes = 3 * R * C * gu.element_size()  # g and u read, h written
+    row["forward_gb_per_s"] = {k: round(io_bytes / us / 1e3, 1) for k, us in row["forward_us"].items() if us}
+    print(f"{name} {R}x{C}: forward " + ", ".join(
+        f"{k} {row['forward_us'][k]} us kernel / {row['forward_call_us'][k]} us call (error {row['error'][k]})"
+        for k in forwards) + " | backward " + ", ".join(
+        f"{k} {row['backward_us'][k]} / {row['backward_call_us'][k]} us" for k in row["backward_us"]), flush=True)  # fmt: skip
     return row
 
 

@@ -159,9 +159,8 @@ def layer_op_counts(
 
 
 def _layer_op_counts(arch: dict, lengths: list[int], bf16: bool) -> dict[str, dict]:
-    from model import HybridConfig
+    from model import HybridConfig, fast
     from model.attnres import AttnResMix
-    from model import fast
     from model.capture import first_calls
     from model.fast import use_fast_paths
     from model.kda import KimiDeltaAttention
