@@ -37,7 +37,7 @@ from model.layers import (
     ShortConvolution,
     f32,
     l2_normalize_qk,
-    recompute_in_backward,
+    recompute_region,
     rms_norm,
 )
 
@@ -140,7 +140,7 @@ class KimiDeltaAttention(nn.Module):
         """L2-normalised q and k (fp32 math, their dtype); only q and k are kept for backward when
         ``model.fast`` op "norm" recomputes."""
         if fast.pick("norm", q_BTHK.device) == "recompute":
-            return recompute_in_backward(self.qk_norm_fn, q_BTHK, k_BTHK)
+            return recompute_region(self.qk_norm_fn, q_BTHK, k_BTHK)
         return self.qk_norm_fn(q_BTHK, k_BTHK)
 
     def gated_output(self, o_BTHV: torch.Tensor, x_BTD: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
@@ -150,7 +150,7 @@ class KimiDeltaAttention(nn.Module):
             gate = self.output_gate_logits(x_BTD)
         args = (o_BTHV, self.o_norm.weight, self.o_norm.eps, gate, x_BTD.dtype)
         if fast.pick("norm", o_BTHV.device) == "recompute":
-            o_BTHV = recompute_in_backward(self.out_gate_fn, *args)
+            o_BTHV = recompute_region(self.out_gate_fn, *args)
         else:
             o_BTHV = self.out_gate_fn(*args)
         return self.o_proj(o_BTHV.flatten(-2))
