@@ -31,9 +31,9 @@ step; host dispatch close to the component's time means per-tensor host work (th
 per-expert nn.Linear experts made ~6k parameter tensors before the experts were stacked) and not the device sets it.
 ``bench/op_counts.py`` counts the aten ops per layer kind on the CPU (no GPU needed).
 
-``--also-fast-paths SPEC`` is an A/B within one process (one device call, one host): after each micro-batch
-size it times the same learner on the same batch again with ``SPEC``'s fast paths (e.g. ``glu=recompute``),
-a row of its own; ``SPEC`` passes the same check against the references first.
+``--also-fast-paths SPEC[;SPEC...]`` is an A/B within one process (one device call, one host): after each
+micro-batch size it times the same learner on the same batch again with each ``SPEC``'s fast paths (e.g.
+``glu=recompute``), a row each; each ``SPEC`` passes the same check against the references first.
 
 Results: ``<out>/learner_mfu.json`` (everything) and ``<out>/learner_mfu.md`` (the table), rewritten
 after every part. ``--small`` runs the same plumbing on a CPU with a tiny config (fp32).
@@ -1083,6 +1083,11 @@ def markdown(report: Report) -> str:
     return "\n".join(lines)
 
 
+def _fast_paths_list(specs: str) -> list[str]:
+    """``--also-fast-paths``: one or more fast-path specs separated by ";" (each checked as ``--fast-paths``)."""
+    return [_fast_paths_arg(spec) for spec in specs.split(";") if spec]
+
+
 def _fast_paths_arg(spec: str) -> str:
     """``--fast-paths``, checked when parsed (``model.fast.FastPaths.parse``: "auto", "reference" or "op=choice,...")."""
     from model.fast import FastPaths
@@ -1114,9 +1119,9 @@ def main() -> int:
     ap.add_argument("--no-components", dest="components", action="store_false")
     ap.add_argument("--profile", action="store_true", help="kernel launches and host syncs of one step")
     ap.add_argument("--no-probe", dest="probe", action="store_false", help="skip the per-op probes (auto paths)")
-    ap.add_argument("--also-fast-paths", default=None, type=_fast_paths_arg,
+    ap.add_argument("--also-fast-paths", default=[], type=_fast_paths_list,
                     help="an A/B in the same process: check and time ours again on these fast paths after each "
-                         "size, e.g. glu=recompute")  # fmt: skip
+                         "size, e.g. glu=recompute; several variants separated by ';'")  # fmt: skip
     ap.add_argument("--fast-paths", default=None, type=_fast_paths_arg,
                     help="learner.fast_paths for the timed learner, e.g. glu=recompute (skips the probes)")
     ap.add_argument("--memory-breakdown", action="store_true",
@@ -1179,7 +1184,7 @@ def main() -> int:
             else []
         )
         checks += [("bfloat16", args.check_tokens)] if cuda else []
-        for variant in (None, args.also_fast_paths) if args.also_fast_paths else (None,):
+        for variant in (None, *args.also_fast_paths):
             for check_dtype, tokens in checks:  # fp32 holds the kernels to the references tightly; bf16 as timed
                 n = args.check_batches if check_dtype == "bfloat16" else 1
                 batches = [make_batch(episode_lengths(tokens, np.random.default_rng(s)), config, seed=s)
@@ -1203,9 +1208,9 @@ def main() -> int:
         for attempt in range(2):
             try:
                 run_ours(report, learner, tokens, args, clock, peak, cuda)
-                if args.also_fast_paths:  # the A/B: the same learner, batch and process, other fast paths
-                    with fast_paths_set(learner, args.also_fast_paths):
-                        run_ours(report, learner, tokens, args, clock, peak, cuda, f"ours, {args.also_fast_paths}")
+                for variant in args.also_fast_paths:  # the A/B: the same learner, batch and process
+                    with fast_paths_set(learner, variant):
+                        run_ours(report, learner, tokens, args, clock, peak, cuda, f"ours, {variant}")
                 break
             except torch.OutOfMemoryError as e:
                 report.notes.append(f"ours at {tokens} tokens, checkpoint={args.checkpoint}: out of memory")

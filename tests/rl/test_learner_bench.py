@@ -70,16 +70,17 @@ def test_given_fast_paths_skip_the_probe_and_are_timed(bench, monkeypatch, tmp_p
     assert "glu='recompute'" in report["runs"][0]["fast_paths"] and "moe='loop'" in report["runs"][0]["fast_paths"]
 
 
-def test_also_fast_paths_checks_and_times_a_second_variant_in_the_same_process(bench, monkeypatch, tmp_path):
+def test_also_fast_paths_checks_and_times_other_variants_in_the_same_process(bench, monkeypatch, tmp_path):
     """``--also-fast-paths`` (an A/B in one device call): each variant is checked against the references,
     then each is timed on the same batch, labelled by its fast paths."""
     monkeypatch.setattr(bench, "probe_ops", lambda *a: "moe=grouped")
-    assert run(bench, monkeypatch, tmp_path, "--also-fast-paths", "moe=loop") == 0
+    assert run(bench, monkeypatch, tmp_path, "--also-fast-paths", "moe=loop;attn_res=recompute") == 0
     report = json.loads((tmp_path / "learner_mfu.json").read_text())
     checks = [r for r in report["checks"] if r["kind"] == "train step fast vs reference"]
-    assert [c["ok"] for c in checks] == [True, True] and "moe='loop'" in checks[1]["fast_paths"]
-    assert "moe='grouped'" in checks[0]["fast_paths"]
-    ours, variant = report["runs"]
+    assert [c["ok"] for c in checks] == [True, True, True] and "moe='loop'" in checks[1]["fast_paths"]
+    assert "moe='grouped'" in checks[0]["fast_paths"] and "attn_res='recompute'" in checks[2]["fast_paths"]
+    ours, variant, third = report["runs"]
+    assert third["impl"] == "ours, attn_res=recompute" and "attn_res='recompute'" in third["fast_paths"]
     assert ours["impl"] == "ours" and "moe='grouped'" in ours["fast_paths"]
     assert variant["impl"] == "ours, moe=loop" and "moe='loop'" in variant["fast_paths"]
     assert variant["tokens"] == ours["tokens"] and variant["tokens_per_s"] > 0
