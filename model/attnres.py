@@ -68,11 +68,12 @@ def attn_res_mix_norm(
     *sources: torch.Tensor,
 ) -> torch.Tensor:
     """``rms_norm(attn_res_mix(...), out_weight, out_eps)``: a sub-layer's input (the mix, then the sub-layer's
-    own RMSNorm) as one function, so the learner runs it as one compiled region and one recomputation where
-    the mix and the norm were two of each (``AttnResMix.normed``): 3 compiled calls a sub-layer instead of 6,
-    about 90 fewer a gpu_1b step, and the mixed [T, D] is no longer kept for the norm's backward. Eager: the
-    same ops as the two calls, bit for bit; compiled, the bf16 rounding of the mix before the norm may be
-    elided (inductor keeps fused intermediates in fp32)."""
+    own RMSNorm) as one function, so the learner runs it as one region where the mix and the norm were two
+    (``AttnResMix.normed``). Compiled (``model.layers.recompute_region``): one graph call each way a sub-layer,
+    where the two regions and their checkpointed recomputations made six (384 -> 288 compiled calls a gpu_1b
+    step with the checkpoints still on, H200 2026-12-04); eager: checkpointed as one, keeping only the sources.
+    Eager it is the same ops as the two calls, bit for bit; compiled, the bf16 rounding of the mix before the
+    norm may be elided (inductor keeps fused intermediates in fp32)."""
     return rms_norm(attn_res_mix(query, norm_weight, eps, *sources), out_weight, out_eps)
 
 
@@ -89,8 +90,8 @@ class AttnResMix(nn.Module):
 
     def forward(self, sources: list[torch.Tensor], norm: RMSNorm | None = None) -> torch.Tensor:
         """The mix of ``sources``; with ``norm``, ``norm`` of the mix as one region (``attn_res_mix_norm``;
-        ``normed`` says when). Through the module call either way, so hooks on this module run (FSDP gathers the query
-        and key-norm weight in them: ``rl.parallel`` shards each mix as a unit of its own)."""
+        ``normed`` says when). Through the module call either way, so hooks on this module run (FSDP gathers
+        the query and key-norm weight in them: ``rl.parallel`` shards each mix as a unit of its own)."""
         if len(sources) == 1:
             return sources[0] if norm is None else norm(sources[0])
         if norm is not None:
