@@ -75,3 +75,22 @@ def test_kernel_bench_checks_every_variant_on_the_cpu(tmp_path):
         assert set(row["error"]) == {"ours", "ours_compiled", "inductor"}
         assert all(e <= 1e-2 for e in row["error"].values())
         assert set(row["backward_call_us"]) == {"ours", "inductor"} and all(row["forward_call_us"].values())
+
+
+def test_a_later_import_for_the_gpu_leaves_the_interpreted_ops_alone(monkeypatch):
+    """The kernels' launches are custom ops; a second import of the module (a GPU process's, here without
+    TRITON_INTERPRET) registers ops of its own name, so the interpreted module's calls still reach its
+    interpreted launcher (under one name the dispatcher kept the last registration: Triton's real launcher
+    on CPU tensors)."""
+    import importlib
+    import sys
+
+    torch.manual_seed(2)
+    g, u = torch.randn(5, 40), torch.randn(5, 40)
+    want = GLU.situ_glu_triton(g, u)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delitem(sys.modules, "kernels.glu.triton")
+    gpu_module = importlib.import_module("kernels.glu.triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert gpu_module is not GLU
+    torch.testing.assert_close(GLU.situ_glu_triton(g, u), want, rtol=0, atol=0)
