@@ -20,33 +20,24 @@ default) recomputes the sub-layer's RMSNorm after the mix in the same region (``
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from model import fast
-from model.layers import RMSNorm, f32, recompute_in_backward, recompute_region, rms_norm
+from model.layers import RMSNorm, f32, recompute_in_backward, rms_norm
 
 
 def attn_res_mix(
     query: torch.Tensor, norm_weight: torch.Tensor, eps: float, *sources: torch.Tensor
 ) -> torch.Tensor:
     """The mix of two or more sources as a function of the weights: one compiled graph per (number of
-    sources, dtype, rank) serves every mix of the model (``model.compile``). The keys are normalised in
-    fp32 (in fp32 the reference's ops; in bf16 the normed keys are no longer rounded to bf16 before the dot
-    product with the query). Source by source, never stacked: a compiled graph's backward then keeps the
-    sources themselves (the block sums the model holds anyway) and per-row statistics, where from a stacked
-    copy it kept that copy too (inductor's partitioner, ``model.layers.recompute_region``). The ops and sums
-    of ``attn_res_mix_stacked``, per source and in the same order."""
-    q32 = f32(query)
-    v32 = [f32(v) for v in sources]
-    logits_SBT = torch.stack([(F.rms_norm(v, v.shape[-1:], norm_weight.to(v.dtype), eps) * q32).sum(-1) for v in v32])
-    a_SBT = logits_SBT.softmax(dim=0)
-    h = a_SBT[0, ..., None] * v32[0]
-    for i in range(1, len(v32)):
-        h = h + a_SBT[i, ..., None] * v32[i]
-    return h.to(sources[0].dtype)
+    sources, dtype, rank) serves every mix of the model (``model.compile``). The keys are normalised
+    from the one fp32 copy of the stacked sources (in fp32 the reference's ops; in bf16 the normed keys
+    are no longer rounded to bf16 before the dot product with the query)."""
+    return attn_res_mix_stacked(query, norm_weight, eps, torch.stack(sources))
 
 
 def attn_res_mix_stacked(
@@ -69,11 +60,10 @@ def attn_res_mix_norm(
 ) -> torch.Tensor:
     """``rms_norm(attn_res_mix(...), out_weight, out_eps)``: a sub-layer's input (the mix, then the sub-layer's
     own RMSNorm) as one function, so the learner runs it as one region where the mix and the norm were two
-    (``AttnResMix.normed``). Compiled (``model.layers.recompute_region``): one graph call each way a sub-layer,
-    where the two regions and their checkpointed recomputations made six (384 -> 288 compiled calls a gpu_1b
-    step with the checkpoints still on, H200 2026-12-04); eager: checkpointed as one, keeping only the sources.
-    Eager it is the same ops as the two calls, bit for bit; compiled, the bf16 rounding of the mix before the
-    norm may be elided (inductor keeps fused intermediates in fp32)."""
+    (``AttnResMix.normed``), recomputed in backward as one: 3 compiled calls a sub-layer where the two
+    regions made 6 (384 -> 288 compiled calls a gpu_1b learner step, H200 2026-12-04), and only the sources
+    kept. Eager it is the same ops as the two calls, bit for bit; compiled, the bf16 rounding of the mix before
+    the norm may be elided (inductor keeps fused intermediates in fp32)."""
     return rms_norm(attn_res_mix(query, norm_weight, eps, *sources), out_weight, out_eps)
 
 
@@ -95,19 +85,21 @@ class AttnResMix(nn.Module):
         if len(sources) == 1:
             return sources[0] if norm is None else norm(sources[0])
         if norm is not None:
-            args = (self.query, self.norm.weight, self.norm.eps, norm.weight, norm.eps)
-            return recompute_region(self.mix_norm_fn, *args, *sources)
+            return recompute_in_backward(partial(self._mix_norm, norm), *sources)
         if fast.pick("attn_res", sources[0].device) in ("recompute", "fused"):
-            if self.stacked_mix_fn is None:
-                return recompute_region(self.mix_fn, self.query, self.norm.weight, self.norm.eps, *sources)
             return recompute_in_backward(self.mix, *sources)
         return self.mix(*sources)
+
+    def _mix_norm(self, norm: RMSNorm, *sources: torch.Tensor) -> torch.Tensor:
+        # checkpointed even when compiled (not ``recompute_region``): a compiled mix's own backward graph keeps
+        # a stacked copy of the sources (inductor's partitioner), about S x [T, D] more a mix than the sources
+        return self.mix_norm_fn(self.query, self.norm.weight, self.norm.eps, norm.weight, norm.eps, *sources)
 
     def normed(self, sources: list[torch.Tensor], norm: RMSNorm) -> torch.Tensor:
         """``norm(self(sources))``: the input of the sub-layer that ``norm`` belongs to. With ``model.fast`` op
         "attn_res" = fused (the default) and the sources unstacked (the learner), one region
-        (``attn_res_mix_norm``, ``model.layers.recompute_region``: recomputed in backward as one, or one compiled
-        graph; the norm goes with the mix whatever op "norm" says); else the two modules one after the other."""
+        (``attn_res_mix_norm``, recomputed in backward as one; the norm goes with the mix whatever op "norm"
+        says); else the two modules one after the other."""
         fused = fast.pick("attn_res", sources[0].device) == "fused"
         if len(sources) > 1 and fused and self.stacked_mix_fn is None:
             return self(sources, norm)

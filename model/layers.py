@@ -216,9 +216,10 @@ def recompute_region(region: Callable[..., torch.Tensor], *args) -> torch.Tensor
     """``region(*args)`` keeping only what its backward needs. A compiled region (``model.compile.
     CompiledOrEager``, not fallen back to eager) does that by itself: AOTAutograd's partitioner saves the
     graph's inputs and per-row statistics and recomputes the element-wise rest inside the compiled backward
-    (inductor on the CPU: an AttnRes mix of 4 bf16 [4096, 256] sources with its norm keeps 8.54 MB, the
-    sources being 8.39 MB), so it is called directly: one compiled forward call, where the checkpoint's
-    recomputation is a second one. Anything else goes through ``recompute_in_backward``."""
+    (inductor: an RMSNorm's graph keeps its input tensor itself and the rows' rstd, ``tests/model/
+    test_compile.py``), so it is called directly: one compiled forward call, where the checkpoint's
+    recomputation is a second one. Anything else goes through ``recompute_in_backward``. Not for a region
+    whose graph would keep a new copy of its inputs (the AttnRes mixes stack theirs: ``AttnResMix``)."""
     from model.compile import CompiledOrEager
 
     if isinstance(region, CompiledOrEager) and region.failed is None:
