@@ -13,9 +13,10 @@ to); the choice is process-wide, read at each call, with "auto" resolved by the 
 | ``attn_res`` | ``torch``: the AttnRes mix by autograd (keeps the stacked sources and norm intermediates) | ``recompute``: the same ops, only the sources kept, recomputed in backward (bit-exact); ``fused``: that, with the sub-layer's RMSNorm after the mix in the same recomputed region (``model.attnres.attn_res_mix_norm``: one compiled call where there were two, bit-exact eager) | fused | fused |
 | ``norm`` | ``torch``: RMSNorm and L2 norm by autograd (keep an fp32 normalised copy) | ``recompute``: the same ops, only the input kept (bit-exact) | recompute | recompute |
 
-"recompute" means what autograd keeps: under ``model.compile`` a compiled region is not checkpointed, its
-graph's partitioner keeps the inputs and per-row statistics and recomputes the rest inside the compiled
-backward (``model.layers.recompute_region``: one compiled call a region instead of two).
+"recompute" means what autograd keeps: under ``model.compile`` a compiled norm, GLU or KDA region is not
+checkpointed, its graph's partitioner keeps the inputs and per-row statistics and recomputes the rest inside
+the compiled backward (``model.layers.recompute_region``: one compiled call a region instead of two); the
+AttnRes mixes stay checkpointed (their compiled graphs would keep a stacked copy of the sources).
 
 The CPU column is what was measured no slower on the 2-core CPU box (cpu_tiny, 2048 packed tokens,
 one thread, interleaved runs, best of 6-8: MoE layer fwd+bwd 53 vs 85 ms, LM head with logprob and
