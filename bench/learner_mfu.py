@@ -539,12 +539,15 @@ def profile_step(learner, batch, cuda: bool, table: Path | None = None) -> dict:
         train_step(learner, batch)
         if cuda:
             torch.cuda.synchronize()
-    rows, launches = [], 0
+    rows, launches, graph_calls = [], 0, {"forward": 0, "backward": 0}
     for ev in prof.key_averages():
         dev_us = getattr(ev, "self_device_time_total", 0) if cuda else 0
         if cuda and dev_us > 0:
             rows.append((ev.key[:70], dev_us / 1e3, ev.count))
             launches += ev.count
+        # AOTAutograd's nodes: one a compiled-graph call with gradient, each way (the host cost per call)
+        if ev.key in ("CompiledFunction", "CompiledFunctionBackward"):
+            graph_calls["backward" if ev.key.endswith("Backward") else "forward"] += ev.count
     rows.sort(key=lambda r: -r[1])
     busy = device_busy(prof) if cuda else {}
     if table is not None:
@@ -562,7 +565,7 @@ def profile_step(learner, batch, cuda: bool, table: Path | None = None) -> dict:
         syncs = sum("synchroniz" in str(w.message) for w in caught)
         syncs_fwd_bwd = count_fwd_bwd_syncs(learner, batch)
     return {"kernels_per_step": launches, "host_syncs_per_step": syncs, "host_syncs_fwd_bwd": syncs_fwd_bwd,
-            "top_kernels_ms": rows[:15], **busy}  # fmt: skip
+            "compiled_graph_calls": graph_calls, "top_kernels_ms": rows[:15], **busy}  # fmt: skip
 
 
 def device_busy(prof, kind=torch.autograd.DeviceType.CUDA) -> dict:
@@ -1070,8 +1073,11 @@ def markdown(report: Report) -> str:
                          f"{o['param_tensors']} parameter tensors, clip foreach: {o['clip_foreach']}")  # fmt: skip
     for r in report.runs:  # host-bound or kernel-bound: the GPU's busy share of the profiled step
         if r.get("device_busy_frac") is not None:
+            calls = r.get("compiled_graph_calls") or {}
+            graphs = f", compiled-graph calls {calls['forward']} forward / {calls['backward']} backward" if calls else ""
             lines.append(f"\n{r['tokens']} tokens, profiled step: GPU busy {r['device_busy_ms']:.0f} of "
-                         f"{r['device_span_ms']:.0f} ms ({r['device_busy_frac'] * 100:.0f}%), {r['device_kernels']} kernels")  # fmt: skip
+                         f"{r['device_span_ms']:.0f} ms ({r['device_busy_frac'] * 100:.0f}%), {r['device_kernels']} kernels"
+                         f"{graphs}")  # fmt: skip
     for r in report.runs:
         if r.get("compiled_regions"):
             regions = ", ".join(f"{k} {v['graphs']} graphs{' (FAILED, eager)' if v['failed'] else ''}"
