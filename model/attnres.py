@@ -100,9 +100,8 @@ class AttnResMix(nn.Module):
         "attn_res" = fused (the default) and the sources unstacked (the learner), one region
         (``attn_res_mix_norm``, recomputed in backward as one; the norm goes with the mix whatever op "norm"
         says); else the two modules one after the other."""
-        fused = fast.pick("attn_res", sources[0].device) == "fused"
-        if len(sources) > 1 and fused and self.stacked_mix_fn is None:
-            return self(sources, norm)
+        if fast.pick("attn_res", sources[0].device) == "fused" and self.stacked_mix_fn is None:
+            return self(sources, norm)  # one source: ``forward`` norms it
         return norm(self(sources))
 
     def mix(self, *sources: torch.Tensor) -> torch.Tensor:

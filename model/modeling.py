@@ -96,8 +96,9 @@ class HybridDecoderLayer(nn.Module):
 
 
 def _normed_input(mix: AttnResMix | None, norm: RMSNorm, sources: list[torch.Tensor]) -> torch.Tensor:
-    """``norm(mix(sources))``, the mix and the norm as one region where they can be (``AttnResMix.normed``)."""
-    if mix is None or len(sources) == 1:
+    """``norm(mix(sources))``, the mix and the norm as one region where they can be (``AttnResMix.normed``);
+    without a mix (layer 0's attention) the one source normed."""
+    if mix is None:
         (x_BTD,) = sources
         return norm(x_BTD)
     return mix.normed(sources, norm)
