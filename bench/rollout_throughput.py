@@ -160,7 +160,7 @@ ENGINES = {
     "ours_fast_regions": EngineSpec("ours", enforce_eager=False, compile_scope="regions"),  # the default until 2026-12-02
     "ours_fast_moe": EngineSpec("ours", enforce_eager=False, compile_scope="moe"),
     # the first call with the KDA kernels compiled by a child process during start-up (off by default: on the
-    # H200 the weight load beside it was 10-25x slower; now under SCHED_IDLE, to be measured against ours_fast)
+    # H200 the weight load beside it was 10-25x slower, and 5x under SCHED_IDLE: 7.6 against 1.4 s, 2026-12-04)
     "ours_fast_warmup": EngineSpec("ours", enforce_eager=False, kernel_warmup=True),
     # the MLA cache forms by name (the engines above take the default, auto: latent on CUDA, expanded on CPU):
     # the absorbed MLA over one latent KV head (320 wide on CUDA, vLLM's Triton attention backend) reads 4.8x fewer
@@ -1060,10 +1060,10 @@ def markdown(res: dict) -> str:
             if "skipped" in row:
                 lines.append(f"| {key} | {n} | skipped: {row['skipped']} |")
                 continue
-            earlier = ", ".join(f"{r['generated_tok_s']:.0f}" for r in row.get("other_passes", [])) or "-"
+            others = ", ".join(f"{r['generated_tok_s']:.0f}" for r in row.get("other_passes", [])) or "-"
             lines.append(
                 f"| {key} | {n} | {row['prompt_tokens']} | {row['generated_tokens']} | {row['prefill_tok_s']:.0f} | "
-                f"{row['generated_tok_s']:.0f} | {row['generated_tok_s_overall']:.0f} | {row['wall_s']:.1f} | {earlier} |"
+                f"{row['generated_tok_s']:.0f} | {row['generated_tok_s_overall']:.0f} | {row['wall_s']:.1f} | {others} |"
             )
     ratios = s.get("ours_fast_over_peer") or {}
     if ratios:

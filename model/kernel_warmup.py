@@ -21,7 +21,9 @@ against 51.0 s without. The suspect is the host's CPUs: the load is ~1,000 small
 the engine's OpenMP threads, one per core, and a busy child on one of those cores stalls every barrier of
 them (on the 2-core CPU machine a busy normal-priority process slowed such a loop 1.7x, the same process under
 SCHED_IDLE not at all). So the child now runs with one thread under SCHED_IDLE (``yield_cpus``: only on CPUs
-nothing else wants); not yet measured on the GPU. vLLM-free: the child imports torch and our model only.
+nothing else wants); that did not cure it: the next H200 run loaded the weights in 7.6 s beside it against 1.4
+s without (first call 61.8 against 55.2 s), so the host's CPUs are not the whole cause and it stays off.
+vLLM-free: the child imports torch and our model only.
 """
 
 from __future__ import annotations
