@@ -723,6 +723,11 @@ def part_reuse(run: Run) -> None:
 
     head = [m for m in modes[:2] if start(m, 60)]
     reuse_turns(run, [runs[m] for m in head], out)
+    if a.profile_turn and "session" in head and run.enough(40, "profiled turn"):
+        extra = reuse.episode_chunks(SimpleNamespace(**{**vars(cfg), "turns": cfg.turns + 1}), ChatRenderer())
+        out["profiled_turn"] = guarded(lambda: profiled_turn(runs["session"].worker, [c[-1] for c in extra], cfg.gen, run.cuda))
+        log(f"profiled turn: { {k: v.get('batch', v) for k, v in out['profiled_turn'].items()} }")
+        run.save()
     if "session" in head and run.enough(30, "decode rate"):
         w = runs["session"].worker
         w.end_sessions(list(w.sessions))
@@ -812,6 +817,62 @@ def reuse_summary(turns: dict) -> dict:
             wall = sum(x["seconds"] for x in rows[:n])
             s[mode][f"speedup_vs_{base}"] = sum(x["seconds"] for x in turns[base][:n]) / wall if wall else None
     return s
+
+
+def profiled_turn(worker, chunks: list[list[int]], gen: int, cuda: bool) -> dict:
+    """One more turn of every resident session (``chunks``: each its new tokens) under ``torch.profiler``, in two
+    parts: the steps until every turn has its first token (the new tokens' prefill over the kept state; with
+    async scheduling a step's tokens come back one step late, so the first decode step counts here) and the
+    rest (decode). Each part: its steps, seconds and top kernels (``rollout_throughput.profile_summary``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import rollout_throughput
+    from rollout.worker import TurnRequest
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sids = list(worker.sessions)[: len(chunks)]
+    reqs = [TurnRequest(s, c, max_tokens=gen, temperature=0.0) for s, c in zip(sids, chunks)]
+    eng, started, parts = worker.engine, set(), {}
+
+    def step():
+        phase = "prefill" if len(started) < len(reqs) else "decode"
+        if phase not in parts:
+            for p in parts.values():
+                _stop(p, cuda)
+            parts[phase] = {"prof": profile(activities=acts), "steps": 0, "seconds": 0.0, "open": True}
+            parts[phase]["prof"].__enter__()
+        t0 = time.perf_counter()
+        outs = type(eng).step(eng)
+        parts[phase]["seconds"] += time.perf_counter() - t0
+        parts[phase]["steps"] += 1
+        started.update(o.request_id for o in outs if o.outputs and o.outputs[0].token_ids)
+        return outs
+
+    eng.step = step
+    try:
+        worker.generate(reqs)
+    finally:
+        del eng.step  # the class's method again
+        for p in parts.values():
+            _stop(p, cuda)
+    return {
+        phase: rollout_throughput.profile_summary(
+            p["prof"], dict(sequences=len(reqs), new_tokens=sum(map(len, chunks)), steps=p["steps"],
+                            seconds=round(p["seconds"], 4), step_ms=round(1e3 * p["seconds"] / max(p["steps"], 1), 3)),
+            cuda, top=40)
+        for phase, p in parts.items()
+    }  # fmt: skip
+
+
+def _stop(part: dict, cuda: bool) -> None:
+    """End a part's profiler once the kernels it saw launched have run (once)."""
+    if not part.pop("open", False):
+        return
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+    part["prof"].__exit__(None, None, None)
 
 
 def decode_rate(worker, n: int, gen: int) -> dict:
@@ -1231,6 +1292,13 @@ def markdown(res: dict) -> str:
                 f"| {m} | {s['turns']} | {s['wall_s']:.2f} | {s['computed_over_new']:.3f} | "
                 f"{later or float('nan'):.3f} | {speedup or float('nan'):.2f}x | {vs_peer or float('nan'):.2f}x |"
             )
+        for phase, v in (res["reuse"].get("profiled_turn") or {}).items():
+            if not isinstance(v, dict) or "top" not in v:
+                lines.append(f"\nprofiled turn, {phase}: {v}")
+                continue
+            lines += ["", f"profiled turn, {phase}: {v['batch']}; device time {v['device_time_ms']:.1f} ms "
+                      f"({v['per_step_ms']:.2f} ms a step); top kernels [name, ms, calls]:", "```"]
+            lines += [json.dumps(k) for k in v["top"][:25]] + ["```"]
         if "decode" in res["reuse"]:
             dec = {k: v for k, v in res["reuse"]["decode"].items() if k != "profile"}
             lines.append(f"\ndecode: {dec}")
@@ -1340,6 +1408,8 @@ def main() -> None:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="reuse part: engines with enforce_eager=False (vLLM's CUDA graphs; checked equal to eager "
                         "by bench/rollout_throughput.py)")  # fmt: skip
+    p.add_argument("--profile-turn", action="store_true",
+                   help="reuse part: one more session turn under torch.profiler, its prefill and decode steps apart")
     p.add_argument("--engine-process", choices=("in", "separate"), default="in",
                    help="reuse part: each engine's core in this process (the workers' default) or in a process "
                         "of its own (vLLM's default: its scheduler and the model step overlap this process's "

@@ -93,6 +93,9 @@ def warmup_prompts(chunks) -> list[list[int]]:
     return [c[0][::-1] for c in chunks]
 
 
+FIRST_STEPS = 4  # StepTimer.summary lists the first steps of a turn in order
+
+
 class StepTimer:
     """Times every ``step()`` of a ``SessionEngine`` while in use: a turn's seconds split into the engine's
     steps (scheduling, the forward, sampling, output processing) and the worker's own work around them
@@ -121,7 +124,9 @@ class StepTimer:
         ms = sorted(self.ms)
         in_steps = sum(ms) / 1e3
         return {"count": len(ms), "engine_s": round(in_steps, 4), "worker_s": round(seconds - in_steps, 4),
-                "median_ms": round(ms[len(ms) // 2], 3) if ms else None, "max_ms": round(ms[-1], 3) if ms else None}  # fmt: skip
+                "median_ms": round(ms[len(ms) // 2], 3) if ms else None, "max_ms": round(ms[-1], 3) if ms else None,
+                # in order: a turn's prefill is its first step or two (one more with async scheduling)
+                "first_ms": [round(x, 3) for x in self.ms[:FIRST_STEPS]]}  # fmt: skip
 
 
 class ModeRun:
