@@ -170,9 +170,7 @@ def measure_shape(name: str, R: int, C: int, iters: int, device: str) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/glu_kernel")))
-    p.add_argument(
-        "--small", action="store_true", help="tiny shapes on the CPU through the Triton interpreter"
-    )
+    p.add_argument("--small", action="store_true", help="tiny shapes on the CPU through the Triton interpreter")
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args()
     import torch

@@ -413,11 +413,7 @@ def check_fast_vs_reference(report: Report, learner, batches: list, half: bool) 
         row.update(vs="float32 reference step", reference_error=ref_err,
                    per_batch={"reference_error": ref_errs, "fast_error": fast_errs})  # fmt: skip
     else:
-        tol = {
-            "loss_abs": min(r["loss_tolerance"] for r in rows),
-            "grad_norm_rel": 1e-3,
-            "logprob_mean_abs": 1e-4,
-        }
+        tol = {"loss_abs": min(r["loss_tolerance"] for r in rows), "grad_norm_rel": 1e-3, "logprob_mean_abs": 1e-4}
     ok = all(got[k] <= v for k, v in tol.items())
     row.update(ok=ok, measured=got, tolerance=tol)
     report.checks.append(row)
@@ -475,10 +471,7 @@ def component_times(learner, batch, clock: Clock, counts: dict) -> dict:
     targets = batch.input_ids_T.to(h.device).roll(-1)[None]
     model = learner.base_model
     head = model.lm_head
-    fns = (
-        model.head_stats_fn,
-        model.head_grad_fn,
-    )  # the step's per-chunk math: compiled under learner.compile
+    fns = (model.head_stats_fn, model.head_grad_fn)  # the step's per-chunk math: compiled under learner.compile
 
     def run_head():
         with learner._paths(), learner._autocast():
@@ -560,9 +553,7 @@ def profile_step(learner, batch, cuda: bool, table: Path | None = None) -> dict:
     if table is not None:
         avg = prof.key_averages()
         by = ["self_cpu_time_total"] + (["self_device_time_total"] if cuda else [])
-        table.write_text(
-            "\n\n".join(avg.table(sort_by=k, row_limit=60, max_name_column_width=70) for k in by)
-        )
+        table.write_text("\n\n".join(avg.table(sort_by=k, row_limit=60, max_name_column_width=70) for k in by))
     syncs = syncs_fwd_bwd = None
     if cuda:
         torch.cuda.set_sync_debug_mode("warn")
@@ -614,9 +605,7 @@ def count_fwd_bwd_syncs(learner, batch) -> dict:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             fwd = learner.forward(batch, need_entropy=True)
-            loss, _ = policy_loss(
-                learner._loss_inputs(batch, fwd, fwd.logprobs_T.detach(), None), learner.algo
-            )
+            loss, _ = policy_loss(learner._loss_inputs(batch, fwd, fwd.logprobs_T.detach(), None), learner.algo)
             with learner._paths():
                 loss.backward()
             torch.cuda.synchronize()
@@ -735,9 +724,7 @@ def memory_ledger(learner, batch, cpu_bf16: bool = True) -> dict:
 
     model = learner.base_model
     layers = model.model.layers
-    kinds = {
-        i: ("kda" if l.is_kda else "mla") + ("+moe" if l.is_moe else "+dense") for i, l in enumerate(layers)
-    }
+    kinds = {i: ("kda" if l.is_kda else "mla") + ("+moe" if l.is_moe else "+dense") for i, l in enumerate(layers)}
     ledger = SavedTensorLedger(model)
     cuda = learner.device.type == "cuda"
     learner.policy.train()
@@ -759,9 +746,7 @@ def memory_ledger(learner, batch, cpu_bf16: bool = True) -> dict:
     for (path, dtype, shape), (count, nbytes) in ledger.rows.items():
         site = _site(path, kinds)
         sites[site] = sites.get(site, 0) + nbytes
-        tensors.append(
-            {"where": " / ".join(site), "dtype": dtype, "shape": shape, "count": count, "bytes": nbytes}
-        )
+        tensors.append({"where": " / ".join(site), "dtype": dtype, "shape": shape, "count": count, "bytes": nbytes})
     merged: dict[tuple[str, str, str], dict] = {}
     for t in tensors:  # the same tensor kind in every layer of a kind: one row
         key = (t["where"], t["dtype"], t["shape"])
@@ -791,11 +776,7 @@ def fit_per_token(small: dict, large: dict, target: int) -> dict:
         b0, b1 = small["per_site_bytes"].get(key, 0), large["per_site_bytes"][key]
         per_token = (b1 - b0) / dt
         const = b1 - per_token * large["tokens"]
-        out[key] = {
-            "const_bytes": const,
-            "bytes_per_token": per_token,
-            "at_target_bytes": const + per_token * target,
-        }
+        out[key] = {"const_bytes": const, "bytes_per_token": per_token, "at_target_bytes": const + per_token * target}
     return out
 
 
@@ -808,9 +789,7 @@ def checkpoint_scope(model, scope: str):
     layers = model.model.layers
     names = CHECKPOINT_SCOPES.get(scope, ())
     if any(n in vars(layer) for layer in layers for n in ("attention", "ffn")):
-        raise ValueError(
-            "the learner was built with checkpointing on: run --memory-breakdown with --checkpoint none"
-        )
+        raise ValueError("the learner was built with checkpointing on: run --memory-breakdown with --checkpoint none")
     if scope != "none":
         _checkpoint_layers(model, scope)
     try:
@@ -890,11 +869,7 @@ def memory_markdown(report: Report) -> str:
                          f"{v['const_bytes'] / 2**20:.0f} |")  # fmt: skip
     steps = [r for r in report.memory if r["kind"] == "memory" and ("peak_mem_gib" in r or "error" in r)]
     if steps:
-        lines += [
-            "",
-            "| checkpoint | tokens | step | peak memory | saved (ledger) | allocator growth |",
-            "|---|---|---|---|---|---|",
-        ]
+        lines += ["", "| checkpoint | tokens | step | peak memory | saved (ledger) | allocator growth |", "|---|---|---|---|---|---|"]
         for r in steps:
             led = r.get("ledger", {})
             grow = led.get("allocated_growth_bytes")
@@ -946,14 +921,9 @@ def run_ours(
         "checkpoint": args.checkpoint, "compile": args.compile and args.compile_scope, "fast_paths": str(learner.fast_paths), **prof,
     }  # fmt: skip
     if learner.compiled_regions:  # one graph per call signature; a limit hit would leave variants eager
-        row["compiled_regions"] = {
-            r.name: {"graphs": r.graphs(), "failed": r.failed} for r in learner.compiled_regions
-        }
+        row["compiled_regions"] = {r.name: {"graphs": r.graphs(), "failed": r.failed} for r in learner.compiled_regions}
         row["recompile_limit_hits"] = list(RECOMPILE_HITS.messages)
-        print(
-            f"[compile] {row['compiled_regions']}; recompile limit hits: {len(RECOMPILE_HITS.messages)}",
-            flush=True,
-        )
+        print(f"[compile] {row['compiled_regions']}; recompile limit hits: {len(RECOMPILE_HITS.messages)}", flush=True)
     report.runs.append(row)
     print(f"[{impl}] {tokens} tokens ({len(lengths)} episodes): {step_s * 1e3:.0f} ms/step, "
           f"{row['tokens_per_s']:.0f} tok/s, MFU {row['mfu'] * 100:.1f}%, peak "
@@ -1049,11 +1019,7 @@ def release_learner(learner, cuda: bool) -> float | None:
     the allocator's cache. Returns the GiB still allocated afterwards (the peer's baseline)."""
     learner.optimizer.zero_grad(set_to_none=True)
     learner.optimizer.state.clear()
-    models = [
-        m
-        for m in (learner.policy, learner.base_model, learner.reference, learner.value_head)
-        if m is not None
-    ]
+    models = [m for m in (learner.policy, learner.base_model, learner.reference, learner.value_head) if m is not None]
     for m in models:
         for t in [*m.parameters(), *m.buffers()]:
             t.grad = None
@@ -1101,22 +1067,14 @@ def markdown(report: Report) -> str:
     for r in report.runs:  # the optimizer apart: clip and AdamW, host dispatch vs device busy time
         o = r.get("components", {}).get("optimizer")
         if o and "clip_s" in o:
-            busy = (
-                f", device busy {o['device_busy_s'] * 1e3:.0f} ms in {o['kernels']} kernels"
-                if "device_busy_s" in o
-                else ""
-            )
+            busy = f", device busy {o['device_busy_s'] * 1e3:.0f} ms in {o['kernels']} kernels" if "device_busy_s" in o else ""
             lines.append(f"\n{r['tokens']} tokens, optimizer {o['s'] * 1e3:.0f} ms: clip {o['clip_s'] * 1e3:.0f} ms, AdamW "
                          f"{o['adamw_s'] * 1e3:.0f} ms, host dispatch {o['host_dispatch_s'] * 1e3:.0f} ms{busy}; "
                          f"{o['param_tensors']} parameter tensors, clip foreach: {o['clip_foreach']}")  # fmt: skip
     for r in report.runs:  # host-bound or kernel-bound: the GPU's busy share of the profiled step
         if r.get("device_busy_frac") is not None:
             calls = r.get("compiled_graph_calls") or {}
-            graphs = (
-                f", compiled-graph calls {calls['forward']} forward / {calls['backward']} backward"
-                if calls
-                else ""
-            )
+            graphs = f", compiled-graph calls {calls['forward']} forward / {calls['backward']} backward" if calls else ""
             lines.append(f"\n{r['tokens']} tokens, profiled step: GPU busy {r['device_busy_ms']:.0f} of "
                          f"{r['device_span_ms']:.0f} ms ({r['device_busy_frac'] * 100:.0f}%), {r['device_kernels']} kernels"
                          f"{graphs}")  # fmt: skip
@@ -1127,9 +1085,7 @@ def markdown(report: Report) -> str:
             lines.append(f"\n{r['tokens']} tokens, compiled: {regions}; recompile limit hits: "
                          f"{len(r.get('recompile_limit_hits', []))}")  # fmt: skip
     if report.env.get("resident_before_peer_gib") is not None:
-        lines.append(
-            f"\npeer measured alone: {report.env['resident_before_peer_gib']:.2f} GiB of ours left allocated"
-        )
+        lines.append(f"\npeer measured alone: {report.env['resident_before_peer_gib']:.2f} GiB of ours left allocated")
     return "\n".join(lines)
 
 
@@ -1156,62 +1112,34 @@ def main() -> int:
     ap.add_argument("--preset", type=Path, default=ROOT / "configs/model/gpu_1b.yaml")
     ap.add_argument("--tokens", default="16384,65536", help="micro-batch sizes to time")
     ap.add_argument("--check-tokens", type=int, default=4096, help="micro-batch of the bf16 check")
-    ap.add_argument(
-        "--check-batches", type=int, default=3, help="bf16 check: batches its errors are pooled over"
-    )
+    ap.add_argument("--check-batches", type=int, default=3, help="bf16 check: batches its errors are pooled over")
     ap.add_argument("--check-fp32-tokens", type=int, default=2048, help="micro-batch of the fp32 check (GPU)")
     ap.add_argument("--no-fp32-check", dest="fp32_check", action="store_false", help="GPU: bf16 check only")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--checkpoint", default="none", choices=["none", "layer", "ffn", "attention"])
     ap.add_argument("--compile", action="store_true", help="learner.compile (regional torch.compile)")
-    ap.add_argument(
-        "--compile-scope",
-        default="auto",
-        help="learner.compile_scope: auto (blocks on a GPU), regions, moe or blocks",
-    )
+    ap.add_argument("--compile-scope", default="auto", help="learner.compile_scope: auto (blocks on a GPU), regions, moe or blocks")
     ap.add_argument("--no-peer", dest="peer", action="store_false")
     ap.add_argument("--peer-row", type=int, default=1024, help="the peer's row length (tokens per sequence)")
     ap.add_argument("--no-components", dest="components", action="store_false")
     ap.add_argument("--profile", action="store_true", help="kernel launches and host syncs of one step")
-    ap.add_argument(
-        "--no-probe", dest="probe", action="store_false", help="skip the per-op probes (auto paths)"
-    )
+    ap.add_argument("--no-probe", dest="probe", action="store_false", help="skip the per-op probes (auto paths)")
     ap.add_argument("--also-fast-paths", default=[], type=_fast_paths_list,
                     help="an A/B in the same process: check and time ours again on these fast paths after each "
                          "size, e.g. glu=recompute; several variants separated by ';'")  # fmt: skip
-    ap.add_argument(
-        "--fast-paths",
-        default=None,
-        type=_fast_paths_arg,
-        help="learner.fast_paths for the timed learner, e.g. glu=recompute (skips the probes)",
-    )
-    ap.add_argument(
-        "--memory-breakdown",
-        action="store_true",
-        help="saved-for-backward bytes per layer kind and sub-module (and on a GPU each mode's step peak), first",
-    )
-    ap.add_argument(
-        "--memory-tokens",
-        default="4096,16384",
-        help="micro-batch sizes of the memory breakdown (two or more)",
-    )
-    ap.add_argument(
-        "--memory-modes",
-        default="none-autograd,none,ffn,attention,layer",
-        help="checkpoint modes of the breakdown; none-autograd: no checkpointing and the element-wise "
-        "regions (model.fast glu, attn_res, norm) by plain autograd instead of recomputed",
-    )
+    ap.add_argument("--fast-paths", default=None, type=_fast_paths_arg,
+                    help="learner.fast_paths for the timed learner, e.g. glu=recompute (skips the probes)")
+    ap.add_argument("--memory-breakdown", action="store_true",
+                    help="saved-for-backward bytes per layer kind and sub-module (and on a GPU each mode's step peak), first")
+    ap.add_argument("--memory-tokens", default="4096,16384", help="micro-batch sizes of the memory breakdown (two or more)")
+    ap.add_argument("--memory-modes", default="none-autograd,none,ffn,attention,layer",
+                    help="checkpoint modes of the breakdown; none-autograd: no checkpointing and the element-wise "
+                         "regions (model.fast glu, attn_res, norm) by plain autograd instead of recomputed")
     ap.add_argument("--memory-target", type=int, default=16384, help="tokens the breakdown extrapolates to")
-    ap.add_argument(
-        "--memory-episode", type=int, default=2048, help="episode length of the breakdown's batches"
-    )
-    ap.add_argument(
-        "--memory-fp32-cpu",
-        dest="memory_cpu_bf16",
-        action="store_false",
-        help="CPU: the breakdown in fp32 (default: under bf16 autocast, as the GPU learner runs)",
-    )
+    ap.add_argument("--memory-episode", type=int, default=2048, help="episode length of the breakdown's batches")
+    ap.add_argument("--memory-fp32-cpu", dest="memory_cpu_bf16", action="store_false",
+                    help="CPU: the breakdown in fp32 (default: under bf16 autocast, as the GPU learner runs)")
     ap.add_argument("--skip-check", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, default=560.0, help="seconds: no new part starts after this")
     args = ap.parse_args()
@@ -1252,9 +1180,7 @@ def main() -> int:
     report.env["fast_paths_spec"] = str(fast_paths)
     report.save(args.out)
     device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
-    sizes = [
-        int(t) for t in f"{args.tokens},{args.memory_tokens if args.memory_breakdown else ''}".split(",") if t
-    ]
+    sizes = [int(t) for t in f"{args.tokens},{args.memory_tokens if args.memory_breakdown else ''}".split(",") if t]
     learner = make_learner(arch, device, dtype, max(sizes), args, fast_paths)
     if not args.skip_check:
         config = learner.base_model.config
@@ -1265,10 +1191,7 @@ def main() -> int:
         )
         checks += [("bfloat16", args.check_tokens)] if cuda else []
         for variant in (None, *args.also_fast_paths):
-            for (
-                check_dtype,
-                tokens,
-            ) in checks:  # fp32 holds the kernels to the references tightly; bf16 as timed
+            for check_dtype, tokens in checks:  # fp32 holds the kernels to the references tightly; bf16 as timed
                 n = args.check_batches if check_dtype == "bfloat16" else 1
                 batches = [make_batch(episode_lengths(tokens, np.random.default_rng(s)), config, seed=s)
                            for s in range(1, n + 1)]  # fmt: skip

@@ -43,9 +43,7 @@ VARIANTS: dict[str, dict] = {
     "threads16": {"threads": 16},
     "no_pointwise_autotune": {"options": {"triton.autotune_pointwise": False}},
     "no_autotune_t16": {"options": {"triton.autotune_pointwise": False}, "threads": 16},
-    "serial": {
-        "threads": 1
-    },  # every Triton compile in this process: each kernel's compile seconds (``kernel_compiles``)
+    "serial": {"threads": 1},  # every Triton compile in this process: each kernel's compile seconds (``kernel_compiles``)
     # the expert GEMMs on our Triton grouped kernel instead of torch's CUTLASS one (kernels.moe.GROUPED_MM)
     "triton_gmm": {"env": {"LONGHORIZON_GROUPED_MM": "triton"}},
 }
@@ -64,9 +62,7 @@ def child(spec: dict) -> dict:
     small = spec["small"]
     device = torch.device("cpu" if small else "cuda")
     dtype = torch.bfloat16
-    threads = inductor_compile_threads(
-        None if spec["threads"] is None else str(spec["threads"]), device.type == "cuda"
-    )
+    threads = inductor_compile_threads(None if spec["threads"] is None else str(spec["threads"]), device.type == "cuda")
     kernels = listen_triton_compiles()
     moe = build_block(spec["preset"], small).to(device, dtype)
     prepare_for_serving(moe, spec["step_tokens"])

@@ -725,9 +725,7 @@ def part_reuse(run: Run) -> None:
     reuse_turns(run, [runs[m] for m in head], out)
     if a.profile_turn and "session" in head and run.enough(40, "profiled turn"):
         extra = reuse.episode_chunks(SimpleNamespace(**{**vars(cfg), "turns": cfg.turns + 1}), ChatRenderer())
-        out["profiled_turn"] = guarded(
-            lambda: profiled_turn(runs["session"].worker, [c[-1] for c in extra], cfg.gen, run.cuda)
-        )
+        out["profiled_turn"] = guarded(lambda: profiled_turn(runs["session"].worker, [c[-1] for c in extra], cfg.gen, run.cuda))
         log(f"profiled turn: { {k: v.get('batch', v) for k, v in out['profiled_turn'].items()} }")
         run.save()
     if "session" in head and run.enough(30, "decode rate"):
@@ -772,10 +770,8 @@ def reuse_turns(run: Run, runs: list, out: dict) -> None:
         for r in runs:
             r.turn(t)
             x = r.turns[-1]
-            log(
-                f"reuse {r.mode} turn {t + 1}: new {x['new']} computed {x['computed']} {x['seconds']:.2f} s"
-                f"{'; steps ' + json.dumps(x['steps']) if 'steps' in x else ''}"
-            )
+            log(f"reuse {r.mode} turn {t + 1}: new {x['new']} computed {x['computed']} {x['seconds']:.2f} s"
+                f"{'; steps ' + json.dumps(x['steps']) if 'steps' in x else ''}")
         last = sum(r.turns[-1]["seconds"] for r in runs)
         out.setdefault("turns", {}).update({r.mode: r.turns for r in runs})
         run.save()
@@ -819,9 +815,7 @@ def reuse_summary(turns: dict) -> dict:
         for mode, rows in turns.items():
             n = min(len(rows), len(turns[base]))
             wall = sum(x["seconds"] for x in rows[:n])
-            s[mode][f"speedup_vs_{base}"] = (
-                sum(x["seconds"] for x in turns[base][:n]) / wall if wall else None
-            )
+            s[mode][f"speedup_vs_{base}"] = sum(x["seconds"] for x in turns[base][:n]) / wall if wall else None
     return s
 
 
@@ -1290,17 +1284,10 @@ def markdown(res: dict) -> str:
                 f"KL k3 {v['kl_k3']:.2e}; replayed {replayed}"
             )
     if "reuse" in res and "summary" in res["reuse"]:
-        lines += [
-            "",
-            "| mode | turns | wall s | computed/new | turns>=2 computed/new | speedup vs none | vs peer |",
-        ]
+        lines += ["", "| mode | turns | wall s | computed/new | turns>=2 computed/new | speedup vs none | vs peer |"]
         lines.append("|---|---|---|---|---|---|---|")
         for m, s in res["reuse"]["summary"].items():
-            later, speedup, vs_peer = (
-                s["later_computed_over_new"],
-                s.get("speedup_vs_none"),
-                s.get("speedup_vs_peer"),
-            )
+            later, speedup, vs_peer = s["later_computed_over_new"], s.get("speedup_vs_none"), s.get("speedup_vs_peer")
             lines.append(
                 f"| {m} | {s['turns']} | {s['wall_s']:.2f} | {s['computed_over_new']:.3f} | "
                 f"{later or float('nan'):.3f} | {speedup or float('nan'):.2f}x | {vs_peer or float('nan'):.2f}x |"
@@ -1309,12 +1296,8 @@ def markdown(res: dict) -> str:
             if not isinstance(v, dict) or "top" not in v:
                 lines.append(f"\nprofiled turn, {phase}: {v}")
                 continue
-            lines += [
-                "",
-                f"profiled turn, {phase}: {v['batch']}; device time {v['device_time_ms']:.1f} ms "
-                f"({v['per_step_ms']:.2f} ms a step); top kernels [name, ms, calls]:",
-                "```",
-            ]
+            lines += ["", f"profiled turn, {phase}: {v['batch']}; device time {v['device_time_ms']:.1f} ms "
+                      f"({v['per_step_ms']:.2f} ms a step); top kernels [name, ms, calls]:", "```"]
             lines += [json.dumps(k) for k in v["top"][:25]] + ["```"]
         if "decode" in res["reuse"]:
             dec = {k: v for k, v in res["reuse"]["decode"].items() if k != "profile"}
@@ -1425,11 +1408,8 @@ def main() -> None:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="reuse part: engines with enforce_eager=False (vLLM's CUDA graphs; checked equal to eager "
                         "by bench/rollout_throughput.py)")  # fmt: skip
-    p.add_argument(
-        "--profile-turn",
-        action="store_true",
-        help="reuse part: one more session turn under torch.profiler, its prefill and decode steps apart",
-    )
+    p.add_argument("--profile-turn", action="store_true",
+                   help="reuse part: one more session turn under torch.profiler, its prefill and decode steps apart")
     p.add_argument("--engine-process", choices=("in", "separate"), default="in",
                    help="reuse part: each engine's core in this process (the workers' default) or in a process "
                         "of its own (vLLM's default: its scheduler and the model step overlap this process's "

@@ -144,14 +144,11 @@ class ModeRun:
                 max_num_seqs=max(8, args.episodes + 1),
                 kv_cache_memory_bytes=args.kv_mib << 20,
                 block_size=args.block_size,
-                **getattr(
-                    args, "engine", {}
-                ),  # further WorkerConfig fields (bench/rollout_gpu.py: dtype, ...)
+                **getattr(args, "engine", {}),  # further WorkerConfig fields (bench/rollout_gpu.py: dtype, ...)
             )
         )
         warm = [
-            TurnRequest(f"w{i}", p, max_tokens=4, temperature=0.0)
-            for i, p in enumerate(warmup_prompts(chunks))
+            TurnRequest(f"w{i}", p, max_tokens=4, temperature=0.0) for i, p in enumerate(warmup_prompts(chunks))
         ]
         self.worker.generate(warm)
         self.worker.end_sessions([r.session_id for r in warm])

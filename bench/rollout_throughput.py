@@ -126,14 +126,7 @@ RESULTS = "rollout_throughput"
 BAR_RATIO, BAR_CONCURRENCY, BAR_FIRST_CALL_S = 0.8, (64, 128), 60.0
 MIN_CHILD_S = 45.0  # do not start an engine with less budget left than this
 # budget an engine leaves for a later timing run of the engines the bar needs (start, warm-up, 3 batches)
-RESERVE_S = {
-    "ours_fast": 150.0,
-    "ours_fast_moe": 150.0,
-    "ours_fast_warmup": 150.0,
-    "ours_fast_latent": 150.0,
-    "ours_fast_expanded": 150.0,
-    "peer": 300.0,
-}  # the peer: its cold first call alone took 213 s and > 170 s on the H200
+RESERVE_S = {"ours_fast": 150.0, "ours_fast_moe": 150.0, "ours_fast_warmup": 150.0, "ours_fast_latent": 150.0, "ours_fast_expanded": 150.0, "peer": 300.0}  # the peer: its cold first call alone took 213 s and > 170 s on the H200
 PEER_FALLBACK_BACKEND = "TRITON_MLA"  # the peer's attention backend if vLLM's pick does not start
 
 
@@ -152,11 +145,10 @@ class EngineSpec:
     enforce_eager: bool
     compile_regions: bool = True  # ours with enforce_eager=False: its element-wise regions compiled
     dtype: str | None = None  # None: the run's (bf16 on a GPU)
-    compile_scope: str = (
-        "auto"  # model.compile's scope: the engine's default (moe on a GPU: each MoE block whole)
-    )
+    compile_scope: str = "auto"  # model.compile's scope: the engine's default (moe on a GPU: each MoE block whole)
     mla_cache_form: str | None = None  # ours: overrides the checkpoint's MLA cache form (rollout.vllm_layers)
     kernel_warmup: bool = False  # ours: LONGHORIZON_KERNEL_WARMUP=1 (model.kernel_warmup's child process)
+    grouped_mm: str = "auto"  # ours: LONGHORIZON_GROUPED_MM, the expert GEMMs' backend (kernels.moe)
 
 
 ENGINES = {
@@ -166,9 +158,7 @@ ENGINES = {
     # the greedy check in fp32: compiled regions round bf16 where eager does (emulated casts) but may sum
     # in another order, enough to flip a near-tied token of a random-init model in bf16, not in fp32
     "ours_fast_fp32": EngineSpec("ours", enforce_eager=False, dtype="float32"),
-    "ours_fast_regions": EngineSpec(
-        "ours", enforce_eager=False, compile_scope="regions"
-    ),  # the default until 2026-12-02
+    "ours_fast_regions": EngineSpec("ours", enforce_eager=False, compile_scope="regions"),  # the default until 2026-12-02
     "ours_fast_moe": EngineSpec("ours", enforce_eager=False, compile_scope="moe"),
     # the first call with the KDA kernels compiled by a child process during start-up (off by default: on the
     # H200 the weight load beside it was 10-25x slower, and 5x under SCHED_IDLE: 7.6 against 1.4 s, 2026-12-04)
@@ -178,24 +168,18 @@ ENGINES = {
     # KV bytes a token than the expanded form's 8 heads x (192 + 192) (FlashAttention-3 on CUDA)
     "ours_fast_latent": EngineSpec("ours", enforce_eager=False, mla_cache_form="latent"),
     "ours_fast_expanded": EngineSpec("ours", enforce_eager=False, mla_cache_form="expanded"),
+    # every expert GEMM on torch's CUTLASS kernel, the default before 2026-12-04's small-rows kernel for decode steps
+    "ours_fast_cutlass": EngineSpec("ours", enforce_eager=False, grouped_mm="torch"),
     "ours_fast_moe_fp32": EngineSpec("ours", enforce_eager=False, dtype="float32", compile_scope="moe"),
     "ours_eager_fp32": EngineSpec("ours", enforce_eager=True, dtype="float32"),
     "peer": EngineSpec("peer", enforce_eager=False),
     "peer_eager": EngineSpec("peer", enforce_eager=True),
 }
 TASKS = ("check", "time", "profile", "profile_prefill")
-ENGINE_PROCESSES = (
-    "in",
-    "separate",
-)  # where an engine's core runs: its child process, or a process of its own
+ENGINE_PROCESSES = ("in", "separate")  # where an engine's core runs: its child process, or a process of its own
 FAST_ENGINES = ("ours_fast", "ours_fast_moe")  # the bar's engine: the first of these a run timed
 PROFILE_N, PROFILE_GEN = 8, 32  # the profiled batch: where a decode step's device time goes
-PASS_FIELDS = (
-    "prefill_tok_s",
-    "generated_tok_s",
-    "wall_s",
-    "decode_steps",
-)  # what the report keeps of a batch's other passes
+PASS_FIELDS = ("prefill_tok_s", "generated_tok_s", "wall_s", "decode_steps")  # what the report keeps of a batch's other passes
 # the bar's parts in one 10-minute device call: the fp32 greedy check, then ours and the peer timed (add
 # ours_eager:check to ours_fast's tasks for the bf16 check, ours_graphs:time for graphs without compile)
 DEFAULT_PLAN = "ours_eager_fp32:check,ours_fast_fp32:check,ours_fast:time,peer:time"
@@ -344,9 +328,7 @@ def replayed_check(llm, prompts: list[list[int]], ref_file: str, gen: int) -> di
         applied = bool((seen_PLK[: len(p)] >= 0).all()) and not _other_sets_PL(seen_PLK, table_PLK).any()
         rows.append({"equal": first is None, "first_mismatch": first, "routes_applied": applied,
                      "logprob_max_abs": float(np.abs(lps[:agree] - ref[f"l{i}"][:agree]).max(initial=0.0))})  # fmt: skip
-    mismatch = next(
-        ({"prompt": i, "position": r["first_mismatch"]} for i, r in enumerate(rows) if not r["equal"]), None
-    )
+    mismatch = next(({"prompt": i, "position": r["first_mismatch"]} for i, r in enumerate(rows) if not r["equal"]), None)
     return {"equal": mismatch is None, "first_mismatch": mismatch,
             "routes_applied": all(r["routes_applied"] for r in rows),
             "logprob_max_abs": max(r["logprob_max_abs"] for r in rows), "prompts": rows}  # fmt: skip
@@ -521,11 +503,10 @@ class Parent:
         env = dict(os.environ)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.args.engine_process == "separate" else "0"
         if not spec.compile_regions:
-            env["LONGHORIZON_COMPILE_BACKEND"] = (
-                "none"  # rollout.vllm_model: CUDA graphs, no compiled regions
-            )
+            env["LONGHORIZON_COMPILE_BACKEND"] = "none"  # rollout.vllm_model: CUDA graphs, no compiled regions
         env["LONGHORIZON_COMPILE_SCOPE"] = spec.compile_scope
         env["LONGHORIZON_KERNEL_WARMUP"] = "1" if spec.kernel_warmup else "0"
+        env["LONGHORIZON_GROUPED_MM"] = spec.grouped_mm
         env.setdefault("TORCH_LOGS", "recompiles")  # why a region compiled again: one line each, into the log
         if self.args.compile_threads:  # inductor's compile workers in our engines (vLLM pins them to 1)
             env["LONGHORIZON_COMPILE_THREADS"] = str(self.args.compile_threads)
@@ -603,9 +584,7 @@ class Child:
         self.res: dict[str, Any] = {
             "engine": job["engine"],
             "tasks": job["tasks"],
-            "enforce_eager": job["enforce_eager"],
-            "dtype": job["dtype"],
-            "engine_process": job["engine_process"],
+            "enforce_eager": job["enforce_eager"], "dtype": job["dtype"], "engine_process": job["engine_process"],
         }
 
     def left(self) -> float:
@@ -632,9 +611,7 @@ class Child:
         if job["max_num_batched_tokens"]:
             kwargs["max_num_batched_tokens"] = job["max_num_batched_tokens"]
         backend = job.get("attention_backend")
-        if (
-            job["model_kind"] == "ours"
-        ):  # as RolloutWorker does: the form's override, the backend it picks for it
+        if job["model_kind"] == "ours":  # as RolloutWorker does: the form's override, the backend it picks for it
             from rollout.worker import latent_attention_backend
 
             if job.get("mla_cache_form"):
@@ -693,9 +670,7 @@ class Child:
         routes_path = Path(self.job["result"]).with_suffix(".routes.npz")
         ref = self.job.get("reference")
         gen = self.sz.check_gen
-        if (
-            ref is None and self.job["model_kind"] == "ours"
-        ):  # a reference: each prompt alone, routes recorded
+        if ref is None and self.job["model_kind"] == "ours":  # a reference: each prompt alone, routes recorded
             self.res["check_routes_file"] = save_greedy_routes(llm, ps, gen, routes_path)
         if ref is not None:
             mismatch = first_mismatch(self.res["greedy"], ref)
@@ -784,9 +759,7 @@ class Child:
             return {}
         t = self.torch.cuda
         free, total = t.mem_get_info()
-        if (
-            self.job["engine_process"] == "separate"
-        ):  # the engine allocates in its own process: the device's use
+        if self.job["engine_process"] == "separate":  # the engine allocates in its own process: the device's use
             return {"device_used_gib": (total - free) / 2**30}
         return {
             "max_allocated_gib": t.max_memory_allocated() / 2**30,
@@ -858,9 +831,7 @@ def profile_summary(prof, row: dict, cuda: bool, top: int = 60) -> dict:
     kernels = sorted(events, key=lambda e: getattr(e, attr, 0.0), reverse=True)
     total_ms = sum(getattr(e, attr, 0.0) for e in events) / 1e3
     return {
-        "batch": row,
-        "device_time_ms": total_ms,
-        "per_step_ms": total_ms / max(row["steps"], 1),
+        "batch": row, "device_time_ms": total_ms, "per_step_ms": total_ms / max(row["steps"], 1),
         "top": [[e.key[:90], round(getattr(e, attr, 0.0) / 1e3, 3), e.count] for e in kernels[:top]],
     }
 
@@ -917,11 +888,7 @@ class GcPauses:
             self._t = time.perf_counter()
             return
         pause = time.perf_counter() - self._t
-        self.count, self.seconds, self.longest = (
-            self.count + 1,
-            self.seconds + pause,
-            max(self.longest, pause),
-        )
+        self.count, self.seconds, self.longest = self.count + 1, self.seconds + pause, max(self.longest, pause)
         if info.get("generation") == 2:
             self.full_s += pause
 
@@ -1121,12 +1088,8 @@ def markdown(res: dict) -> str:
                       f"in {b['steps']} steps, {prof['per_token_us']:.2f} us of kernel time a token", "",
                       "| kernel | ms | calls |", "|---|---|---|"]  # fmt: skip
             lines += [f"| `{name}` | {ms:.2f} | {calls} |" for name, ms, calls in prof["top"]]
-    lines += [
-        "",
-        f"check in fp32 ({s.get('fast_engine')}_fp32 vs ours_eager_fp32 greedy): {s.get('check_fp32')}",
-        f"check in the run's dtype (ours_fast vs ours_eager greedy): {s.get('check')}",
-        f"bar: {s.get('bar')}",
-    ]
+    lines += ["", f"check in fp32 ({s.get('fast_engine')}_fp32 vs ours_eager_fp32 greedy): {s.get('check_fp32')}",
+              f"check in the run's dtype (ours_fast vs ours_eager greedy): {s.get('check')}", f"bar: {s.get('bar')}"]
     return "\n".join(lines) + "\n"
 
 
@@ -1147,23 +1110,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen-max", type=int, default=256)
     p.add_argument("--check-prompts", type=int, default=4)
     p.add_argument("--check-gen", type=int, default=32)
-    p.add_argument(
-        "--capture-sizes",
-        default=None,
-        help="CUDA-graph batch sizes of every engine, e.g. 1,2,4,8,16,32,64,128; 'vllm': vLLM's own (54 "
-        "graphs for 128); default: RolloutWorker's, powers of two from 2 up to the largest batch",
-    )
-    p.add_argument(
-        "--compile-threads",
-        type=int,
-        default=None,
-        help="inductor compile workers of our fast engines (LONGHORIZON_COMPILE_THREADS; vLLM pins 1)",
-    )
-    p.add_argument(
-        "--check-replay",
-        action="store_true",
-        help="also the replayed-routes check when the free greedy check is equal (it runs on a mismatch)",
-    )
+    p.add_argument("--capture-sizes", default=None,
+                   help="CUDA-graph batch sizes of every engine, e.g. 1,2,4,8,16,32,64,128; 'vllm': vLLM's own (54 "
+                        "graphs for 128); default: RolloutWorker's, powers of two from 2 up to the largest batch")
+    p.add_argument("--compile-threads", type=int, default=None,
+                   help="inductor compile workers of our fast engines (LONGHORIZON_COMPILE_THREADS; vLLM pins 1)")
+    p.add_argument("--check-replay", action="store_true",
+                   help="also the replayed-routes check when the free greedy check is equal (it runs on a mismatch)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-gib", type=float, default=32.0, help="vLLM KV cache budget per engine")
     p.add_argument(
@@ -1174,15 +1127,9 @@ def main(argv: list[str] | None = None) -> int:
         "--peer-backend", default=None, help="the peer's attention backend (vLLM's pick when unset)"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--passes",
-        type=int,
-        default=4,
-        help="runs of each timed batch (>= 1): the first warms it, the median of the others is reported",
-    )
-    p.add_argument(
-        "--profile-n", type=int, default=PROFILE_N, help="sequences of the profiled batch (task profile)"
-    )
+    p.add_argument("--passes", type=int, default=4,
+                   help="runs of each timed batch (>= 1): the first warms it, the median of the others is reported")
+    p.add_argument("--profile-n", type=int, default=PROFILE_N, help="sequences of the profiled batch (task profile)")
     p.add_argument("--warm-caches", action="store_true", help="children share vLLM/inductor/Triton caches")
     p.add_argument("--engine-process", choices=ENGINE_PROCESSES, default="in",
                    help="each engine's core in its child process (in), or in a process of its own (separate, "

@@ -91,9 +91,7 @@ class _Recorder:
     def __init__(self, model: torch.nn.Module, positions: int) -> None:
         self.model, self.positions_T = model, None
         routed = model.routed_experts_TLK
-        self.table_PLK = torch.full(
-            (positions, *routed.shape[1:]), -1, dtype=torch.long, device=routed.device
-        )
+        self.table_PLK = torch.full((positions, *routed.shape[1:]), -1, dtype=torch.long, device=routed.device)
         self.handles = [
             model.register_forward_pre_hook(self._keep_positions, with_kwargs=True),
             model.register_forward_hook(self._record),

@@ -123,11 +123,7 @@ class StartupProbe(logging.Handler):
     def compile_snapshot(self) -> dict[str, Any]:
         from model.compile import compile_record
 
-        return {
-            "dynamo": dynamo_compile_times(),
-            "triton_jit": dict(self.triton),
-            "regions": compile_record(),
-        }
+        return {"dynamo": dynamo_compile_times(), "triton_jit": dict(self.triton), "regions": compile_record()}
 
 
 def listen_triton(on_compile) -> bool:
@@ -142,9 +138,7 @@ def listen_triton(on_compile) -> bool:
     def listener(*, src, metadata, metadata_group, times, cache_hit) -> None:
         on_compile(src, times.total / 1e6, cache_hit)
         if previous is not None:
-            previous(
-                src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit
-            )
+            previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
 
     knobs.compilation.listener = listener
     return True
@@ -163,7 +157,7 @@ def dynamo_compile_times() -> dict[str, float]:
 
 
 def _each(region: dict) -> str:
-    """ " [frame/compile seconds, ...]" of a region compiled more than once: a recompile or a graph break."""
+    """" [frame/compile seconds, ...]" of a region compiled more than once: a recompile or a graph break."""
     each = region.get("each") or []
     return f" [{', '.join(f'{cid} {sec:.1f}' for cid, sec in each)}]" if len(each) > 1 else ""
 
@@ -177,9 +171,7 @@ def breakdown_line(res: dict) -> str:
     dyn = " ".join(f"{label} {comp[k]:.1f}" for label, k in DYNAMO_LINE if isinstance(comp.get(k), float))
     tri = compile_.get("triton_jit", {})
     regions = compile_.get("regions") or {}
-    top = ", ".join(
-        f"{name} {r['compiles']} x {r['seconds']:.1f} s{_each(r)}" for name, r in list(regions.items())[:6]
-    )
+    top = ", ".join(f"{name} {r['compiles']} x {r['seconds']:.1f} s{_each(r)}" for name, r in list(regions.items())[:6])
     return (f"first call {res.get('first_call_s', float('nan')):.1f} s (engine init "
             f"{res.get('engine_init_s', float('nan')):.1f}); vLLM s: {phases or '-'}; dynamo s: {dyn or '-'}; "
             f"Triton JIT: {tri.get('compiles', 0)} compiles {tri.get('compile_s', 0.0):.1f} s, "

@@ -35,8 +35,11 @@ in ``triton.py``; the rest (float64, unaligned CPU shapes) the loop in ``naive.p
 ``align = grouped_mm_alignment(...)`` pads each group to 16 bytes of rows on CUDA (torchtitan
 pads likewise for the weight-gradient product, whose contraction runs over a group's rows).
 ``LONGHORIZON_GROUPED_MM`` (read at import; ``GROUPED_MM_BACKENDS``) names a backend instead of that
-choice, to compare them (bench/moe_compile.py): "triton" runs the Triton kernel on CUDA bf16 too, where
-the CUTLASS kernel reads a decode step's expert weights at about half the H200's bandwidth.
+choice, to compare them (bench/moe_compile.py, bench/rollout_throughput.py): "triton" runs the Triton
+kernel on CUDA bf16 too, "torch" the CUTLASS kernel for every product. Under "auto" the MoE nodes' forward
+product on CUDA picks by rows (``triton.grouped_mm_forward``): a decode step's few rows a group run on a
+one-launch Triton kernel, since the CUTLASS kernel read a decode step's expert weights at about 40% of the
+H200's bandwidth; larger products (prefill chunks, learner micro-batches) stay on CUTLASS.
 """
 
 from __future__ import annotations
@@ -348,8 +351,14 @@ def grouped_mm_dw(
 def _grouped_mm_forward(
     x_SK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor, backend: str
 ) -> torch.Tensor:
-    """``grouped_mm`` without its autograd node (inside the nodes below, which make their own)."""
+    """``grouped_mm`` without its autograd node (inside the nodes below, which make their own). On CUDA under
+    the "auto" choice the torch backend's forward picks its kernel by rows (``triton.grouped_mm_forward``:
+    a decode step's few rows a group on our Triton kernel); its gradient products stay torch's."""
     if backend == "torch":
+        if x_SK.is_cuda and GROUPED_MM == "auto":
+            from kernels.moe.triton import grouped_mm_forward
+
+            return grouped_mm_forward(x_SK, w_GNK, offs_G)
         return torch._grouped_mm(x_SK, w_GNK.transpose(-2, -1), offs=offs_G)
     return grouped_mm_dx(x_SK, w_GNK.transpose(1, 2), offs_G, backend)
 

@@ -11,11 +11,22 @@ with fp32 accumulation. Tested under TRITON_INTERPRET=1 against ``naive.py``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 BM, BN, BK = 64, 64, 32
+# ``grouped_mm_forward``'s kernel for few rows a group (a decode step's: gpu_1b's 64 sequences put ~4-11 rows on
+# each of 128 experts): one program per (group, column tile), the group's rows in 16-row tiles
+SMALL_BM, SMALL_BN, SMALL_BK = 16, 64, 64
+# rows up to which ``grouped_mm_forward`` runs that kernel: a decode step of up to 512 sequences at top-8 (with
+# the groups' padding); larger products (prefill chunks, learner micro-batches) take torch's CUTLASS kernel
+SMALL_ROWS_MAX = 4096
+# the custom op's name carries the module's flavour (as kernels/glu/triton.py's): tests import this module again
+# for the interpreter, and under one name the later import would serve both
+_OP = "longhorizon::grouped_mm_forward" + ("_interpreted" if os.environ.get("TRITON_INTERPRET") == "1" else "")
 
 
 def _tile_schedule(offs_G: torch.Tensor, block_m: int, max_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +87,64 @@ def _gmm_dw(dy_ptr, x_ptr, dw_ptr, offs_ptr, N, K, sdm, sdn, sxm, sxk,
         acc += tl.dot(tl.trans(d), a, input_precision=PREC)
     out = dw_ptr + g.to(tl.int64) * N * K + cols[:, None] * K + ks[None, :]
     tl.store(out, acc.to(dw_ptr.dtype.element_ty), mask=cm[:, None] & km[None, :])
+
+
+@triton.jit
+def _gmm_groups(x_ptr, w_ptr, y_ptr, offs_ptr, N, K, sxm, sxk, swg, swn, swk, sym, syn,
+                PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """y[rows of g, cols] = x[rows of g] @ w[g][cols]^T for program (g, column tile): no tile schedule to build
+    (an empty group's program exits at once, having read no weight); its rows in BM-row tiles."""
+    g = tl.program_id(0)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cm = cols < N
+    row_end = tl.load(offs_ptr + g)
+    row_start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    for r0 in range(row_start, row_end, BM):
+        rows = r0 + tl.arange(0, BM)
+        rm = rows < row_end
+        acc = tl.full([BM, BN], 0.0, dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            km = ks < K
+            a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * sxm + ks[None, :] * sxk,
+                        mask=rm[:, None] & km[None, :], other=0.0)  # fmt: skip
+            b = tl.load(w_ptr + g.to(tl.int64) * swg + cols[None, :] * swn + ks[:, None] * swk,
+                        mask=km[:, None] & cm[None, :], other=0.0)  # fmt: skip
+            acc += tl.dot(a, b, input_precision=PREC)
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * sym + cols[None, :] * syn,
+                 acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] & cm[None, :])  # fmt: skip
+
+
+def grouped_mm_small(x_SK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    """y [S, N] with y[rows of g] = x[rows of g] @ w[g]^T, forward only, in one launch (``_gmm_groups``): the
+    product for few rows a group. offs: int32 [G] group ends; rows past offs[-1] are left unwritten (callers
+    never read them, as with torch's kernel)."""
+    S, K = x_SK.shape
+    G, N, _ = w_GNK.shape
+    y = torch.empty(S, N, device=x_SK.device, dtype=x_SK.dtype)
+    if S and N and G:
+        _gmm_groups[(G, triton.cdiv(N, SMALL_BN))](
+            x_SK, w_GNK, y, offs_G, N, K, x_SK.stride(0), x_SK.stride(1), *w_GNK.stride(), y.stride(0), y.stride(1),
+            PREC=_prec(x_SK.dtype), BM=SMALL_BM, BN=SMALL_BN, BK=SMALL_BK,
+        )  # fmt: skip
+    return y
+
+
+@torch.library.custom_op(_OP, mutates_args=())
+def grouped_mm_forward(x_SK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    """The forward product of ``kernels.moe``'s "torch" backend on CUDA under the "auto" choice, by rows: up to
+    ``SMALL_ROWS_MAX`` rows ``grouped_mm_small``, which read a decode step's expert weights faster than torch's
+    CUTLASS kernel (bench/RESULTS.md, "MoE block compile"), else that kernel. A custom op, so the rows are looked
+    at when it runs: in a compiled MoE block a rule on the traced row count would be a guard, and a step across
+    it a second compile of the block. Rows past offs[-1] are undefined, as with torch's kernel."""
+    if x_SK.shape[0] <= SMALL_ROWS_MAX:
+        return grouped_mm_small(x_SK, w_GNK, offs_G.to(torch.int32).contiguous())
+    return torch._grouped_mm(x_SK, w_GNK.transpose(-2, -1), offs=offs_G.to(torch.int32))
+
+
+@grouped_mm_forward.register_fake
+def _(x_SK, w_GNK, offs_G):
+    return x_SK.new_empty(x_SK.shape[0], w_GNK.shape[1])
 
 
 def _prec(dtype: torch.dtype) -> str:

@@ -155,6 +155,38 @@ def test_triton_grouped_mm_matches_the_loop_fwd_bwd(monkeypatch, N, K):
     assert_close("dw", want[1], got[1], 1e-6)
 
 
+@pytest.mark.parametrize("N, K", [(64, 64), (40, 24)])  # one tile; partial tiles in both dims
+def test_small_grouped_mm_matches_the_loop(monkeypatch, N, K):
+    """The decode step's kernel under TRITON_INTERPRET=1: groups empty, of one row, longer than its 16-row tile
+    (three tiles), the weight a strided view, rows past offs[-1] never computed."""
+    mod = _interpreted_triton_module()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    offs = torch.tensor([0, 1, 1, 40, 47], dtype=torch.int32)
+    x = torch.randn(52, K)
+    w = torch.randn(5, K, N).transpose(1, 2)  # [G, N, K], not contiguous
+    y = mod.grouped_mm_small(x, w, offs)
+    assert_close("y", grouped_mm_naive(x, w, offs)[:47], y[:47], 1e-6)
+
+
+def test_grouped_mm_forward_picks_its_kernel_by_rows(monkeypatch):
+    """The custom op runs the small-rows kernel up to SMALL_ROWS_MAX rows and torch's kernel above, both equal to
+    the loop; its fake gives the real output's shape and dtype (``torch.library.opcheck``)."""
+    mod = _interpreted_triton_module()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+    small = mod.grouped_mm_small
+    monkeypatch.setattr(mod, "grouped_mm_small", lambda *a: calls.append(a[0].shape[0]) or small(*a))
+    offs = torch.tensor([8, 8, 24, 32], dtype=torch.int32)
+    x, w = torch.randn(32, 16), torch.randn(4, 8, 16)
+    want = grouped_mm_naive(x, w, offs)
+    for limit, used_small in ((32, True), (31, False)):
+        monkeypatch.setattr(mod, "SMALL_ROWS_MAX", limit)
+        calls.clear()
+        assert_close(f"y (rows limit {limit})", want, mod.grouped_mm_forward(x, w, offs), 1e-6)
+        assert calls == ([32] if used_small else [])
+    torch.library.opcheck(mod.grouped_mm_forward, (x, w, offs), test_utils=("test_schema", "test_faketensor"))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_scale_rows_equals_the_mixed_dtype_mul(monkeypatch, dtype):
     """The MoE backward's row scaling: fp32 weights times the rows in fp32, rounded once, as ``mul_`` does (a
