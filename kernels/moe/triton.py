@@ -43,28 +43,35 @@ def _tile_schedule(offs_G: torch.Tensor, block_m: int, max_tiles: int) -> tuple[
 
 
 @triton.jit
+def _tile(x_ptr, w_ptr, y_ptr, g, r0, row_end, col0, N, K, sxm, sxk, swg, swn, swk, sym, syn,
+          PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """One output tile of group g: y[rows, cols] = x[rows] @ w[g][cols]^T for the rows r0 .. r0 + BM below row_end
+    and the columns col0 .. col0 + BN below N, accumulated in fp32."""
+    rows = r0 + tl.arange(0, BM)
+    cols = col0 + tl.arange(0, BN)
+    rm, cm = rows < row_end, cols < N
+    acc = tl.full([BM, BN], 0.0, dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        km = ks < K
+        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * sxm + ks[None, :] * sxk,
+                    mask=rm[:, None] & km[None, :], other=0.0)  # fmt: skip
+        b = tl.load(w_ptr + g.to(tl.int64) * swg + cols[None, :] * swn + ks[:, None] * swk,
+                    mask=km[:, None] & cm[None, :], other=0.0)  # fmt: skip
+        acc += tl.dot(a, b, input_precision=PREC)
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * sym + cols[None, :] * syn,
+             acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] & cm[None, :])  # fmt: skip
+
+
+@triton.jit
 def _gmm_rows(x_ptr, w_ptr, y_ptr, offs_ptr, tile_group_ptr, tile_row_ptr, N, K, G,
               sxm, sxk, swg, swn, swk, sym, syn,
               PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
     tile = tl.program_id(0)
     g = tl.load(tile_group_ptr + tile)
     if g < G:
-        row0 = tl.load(tile_row_ptr + tile)
-        row_end = tl.load(offs_ptr + g)
-        rows = row0 + tl.arange(0, BM)
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
-        rm, cm = rows < row_end, cols < N
-        acc = tl.full([BM, BN], 0.0, dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            ks = k0 + tl.arange(0, BK)
-            km = ks < K
-            a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * sxm + ks[None, :] * sxk,
-                        mask=rm[:, None] & km[None, :], other=0.0)  # fmt: skip
-            b = tl.load(w_ptr + g.to(tl.int64) * swg + cols[None, :] * swn + ks[:, None] * swk,
-                        mask=km[:, None] & cm[None, :], other=0.0)  # fmt: skip
-            acc += tl.dot(a, b, input_precision=PREC)
-        tl.store(y_ptr + rows.to(tl.int64)[:, None] * sym + cols[None, :] * syn,
-                 acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] & cm[None, :])  # fmt: skip
+        _tile(x_ptr, w_ptr, y_ptr, g, tl.load(tile_row_ptr + tile), tl.load(offs_ptr + g), tl.program_id(1) * BN,
+              N, K, sxm, sxk, swg, swn, swk, sym, syn, PREC, BM, BN, BK)  # fmt: skip
 
 
 @triton.jit
@@ -95,24 +102,11 @@ def _gmm_groups(x_ptr, w_ptr, y_ptr, offs_ptr, N, K, sxm, sxk, swg, swn, swk, sy
     """y[rows of g, cols] = x[rows of g] @ w[g][cols]^T for program (g, column tile): no tile schedule to build
     (an empty group's program exits at once, having read no weight); its rows in BM-row tiles."""
     g = tl.program_id(0)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    cm = cols < N
     row_end = tl.load(offs_ptr + g)
     row_start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
     for r0 in range(row_start, row_end, BM):
-        rows = r0 + tl.arange(0, BM)
-        rm = rows < row_end
-        acc = tl.full([BM, BN], 0.0, dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            ks = k0 + tl.arange(0, BK)
-            km = ks < K
-            a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * sxm + ks[None, :] * sxk,
-                        mask=rm[:, None] & km[None, :], other=0.0)  # fmt: skip
-            b = tl.load(w_ptr + g.to(tl.int64) * swg + cols[None, :] * swn + ks[:, None] * swk,
-                        mask=km[:, None] & cm[None, :], other=0.0)  # fmt: skip
-            acc += tl.dot(a, b, input_precision=PREC)
-        tl.store(y_ptr + rows.to(tl.int64)[:, None] * sym + cols[None, :] * syn,
-                 acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] & cm[None, :])  # fmt: skip
+        _tile(x_ptr, w_ptr, y_ptr, g, r0, row_end, tl.program_id(1) * BN, N, K, sxm, sxk, swg, swn, swk, sym, syn,
+              PREC, BM, BN, BK)  # fmt: skip
 
 
 def grouped_mm_small(x_SK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:

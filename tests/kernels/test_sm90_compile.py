@@ -58,6 +58,18 @@ def _kernels():
                           "K": "constexpr", "BR": "constexpr", "BC": "constexpr"}, {"K": 4, "BR": 64, "BC": 64}),
         (moe._scale_rows, {"x_ptr": "*bf16", "w_ptr": "*fp32", "R": "i32", "N": "constexpr", "sx": "constexpr",
                            "BR": "constexpr", "BN": "constexpr"}, {"N": 512, "sx": 512, "BR": 8, "BN": 256}),
+        # the expert GEMMs: the decode step's one-launch kernel (bf16) and the scheduled one (the fp32 engines')
+        (moe._gmm_groups,
+         {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "offs_ptr": "*i32", "N": "i32", "K": "i32",
+          **{s: "i64" for s in ("sxm", "sxk", "swg", "swn", "swk", "sym", "syn")}, "PREC": "constexpr",
+          "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"},
+         {"PREC": "tf32", "BM": moe.SMALL_BM, "BN": moe.SMALL_BN, "BK": moe.SMALL_BK}),
+        (moe._gmm_rows,
+         {"x_ptr": "*fp32", "w_ptr": "*fp32", "y_ptr": "*fp32", "offs_ptr": "*i32", "tile_group_ptr": "*i32",
+          "tile_row_ptr": "*i32", "N": "i32", "K": "i32", "G": "i32",
+          **{s: "i64" for s in ("sxm", "sxk", "swg", "swn", "swk", "sym", "syn")}, "PREC": "constexpr",
+          "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"},
+         {"PREC": "ieee", "BM": moe.BM, "BN": moe.BN, "BK": moe.BK}),
         # the engine's decode step: vLLM's int32 slot ids read as they are, token rows from n * T
         (decode._decode_kernel,
          {**{n: "*fp32" for n in ("q", "k", "v", "g", "beta")}, "o": "*fp32", "h_in": "*fp32", "h_out": "*fp32",
@@ -68,7 +80,7 @@ def _kernels():
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("index", range(7))
 def test_kernel_compiles_for_sm90(index):
     fn, signature, constexprs = _kernels()[index]
     # keyword order is the kernel's own: the signature must name every parameter
