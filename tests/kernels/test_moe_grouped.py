@@ -170,7 +170,8 @@ def test_small_grouped_mm_matches_the_loop(monkeypatch, N, K):
 
 def test_grouped_mm_forward_picks_its_kernel_by_rows(monkeypatch):
     """The custom op runs the small-rows kernel up to SMALL_ROWS_MAX rows and torch's kernel above, both equal to
-    the loop; its fake gives the real output's shape and dtype (``torch.library.opcheck``)."""
+    the loop; ``torch.library.opcheck`` holds its fake to the real output and runs it under AOT autograd with
+    dynamic shapes (what a compiled MoE block does with it)."""
     mod = _interpreted_triton_module()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     calls = []
@@ -184,7 +185,7 @@ def test_grouped_mm_forward_picks_its_kernel_by_rows(monkeypatch):
         calls.clear()
         assert_close(f"y (rows limit {limit})", want, mod.grouped_mm_forward(x, w, offs), 1e-6)
         assert calls == ([32] if used_small else [])
-    torch.library.opcheck(mod.grouped_mm_forward, (x, w, offs), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(mod.grouped_mm_forward, (x, w, offs))  # schema, fake, autograd registration, AOT dynamic
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
