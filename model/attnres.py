@@ -76,6 +76,10 @@ class AttnResMix(nn.Module):
         # inference: ``attn_res_mix_stacked`` over the sources stacked first (``model.serving.prepare_for_serving``
         # sets it; compiled likewise), None: ``mix_fn``
         self.stacked_mix_fn: Callable | None = None
+        # inference on CUDA: the mix and the sub-layer's norm as one kernel over the stacked sources
+        # (``kernels.attnres.attn_res_mix_norm_triton``, same arguments as ``attn_res_mix_norm`` but the sources
+        # stacked; set by ``prepare_for_serving``), None: the mix, then the norm
+        self.stacked_mix_norm_fn: Callable | None = None
         self.mix_norm_fn: Callable = attn_res_mix_norm  # compiled likewise
 
     def forward(self, sources: list[torch.Tensor], norm: RMSNorm | None = None) -> torch.Tensor:
@@ -99,8 +103,14 @@ class AttnResMix(nn.Module):
         """``norm(self(sources))``: the input of the sub-layer that ``norm`` belongs to. With ``model.fast`` op
         "attn_res" = fused (the default) and the sources unstacked (the learner), one region
         (``attn_res_mix_norm``, recomputed in backward as one; the norm goes with the mix whatever op "norm"
-        says); else the two modules one after the other."""
-        if fast.pick("attn_res", sources[0].device) == "fused" and self.stacked_mix_fn is None:
+        says); an engine's (``stacked_mix_norm_fn``) as one kernel over the stacked sources unless op "attn_res"
+        names the reference; else the two modules one after the other."""
+        op = fast.pick("attn_res", sources[0].device)
+        if self.stacked_mix_norm_fn is not None and len(sources) > 1 and op != "torch":
+            return self.stacked_mix_norm_fn(
+                self.query, self.norm.weight, self.norm.eps, norm.weight, norm.eps, torch.stack(sources)
+            )
+        if op == "fused" and self.stacked_mix_fn is None:
             return self(sources, norm)  # one source: ``forward`` norms it
         return norm(self(sources))
 

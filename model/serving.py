@@ -18,6 +18,7 @@ import os
 import torch
 from torch import nn
 
+from kernels.attnres import attn_res_mix_norm_triton
 from model.attnres import AttnResMix, attn_res_mix_stacked
 from model.layers import GLUMLP
 from model.moe import GroupedExperts, MoEGate, SparseMoE
@@ -117,12 +118,17 @@ def prepare_for_serving(model: nn.Module, max_step_tokens: int) -> None:
     most ``max_step_tokens`` tokens: eval mode, no gradients, each feed-forward block's inputs fused (a MoE's
     shared expert is fused with the MoE's latent projection, not on its own), the route layout counted over
     the largest step (top-k slots a token), and the AttnRes mixes given their sources stacked
-    (``attn_res_mix_stacked``: one compiled graph whatever the number of sources)."""
+    (``attn_res_mix_stacked``: one compiled graph whatever the number of sources); on CUDA each mix and the
+    sub-layer's norm after it are one Triton kernel over the stacked sources
+    (``kernels.attnres.attn_res_mix_norm_triton``: 2 launches a mix where the compiled mix and the norm made 5,
+    and no compile of the mix at the engine's start)."""
     model.eval()
     model.requires_grad_(False)
+    on_cuda = any(p.is_cuda for p in model.parameters())
     for m in model.modules():
         if isinstance(m, AttnResMix):  # sources stacked before the mix: one compiled graph for every count
             m.stacked_mix_fn = attn_res_mix_stacked
+            m.stacked_mix_norm_fn = attn_res_mix_norm_triton if on_cuda else None
     shared = {id(m.shared_experts) for m in model.modules() if isinstance(m, SparseMoE)}
     for m in list(model.modules()):
         if isinstance(m, SparseMoE) or (isinstance(m, GLUMLP) and id(m) not in shared):

@@ -44,6 +44,7 @@ def _kernels():
     conv = _import_for_gpu("kernels.conv.triton")
     moe = _import_for_gpu("kernels.moe.triton")
     decode = _import_for_gpu("kernels.kda.triton.decode", "kernels.kda.triton.common")
+    attnres = _import_for_gpu("kernels.attnres.triton")
 
     io = {"x_ptr": "*bf16", "w_ptr": "*fp32", "pos_ptr": "*i32"}
     return [
@@ -70,6 +71,12 @@ def _kernels():
           **{s: "i64" for s in ("sxm", "sxk", "swg", "swn", "swk", "sym", "syn")}, "PREC": "constexpr",
           "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"},
          {"PREC": "ieee", "BM": moe.BM, "BN": moe.BN, "BK": moe.BK}),
+        # the engine's AttnRes mix and the sub-layer's norm after it: bf16 sources, fp32 weights
+        (attnres._mix_norm_row,
+         {"v_ptr": "*bf16", **{n: "*fp32" for n in ("q_ptr", "kw_ptr", "ow_ptr")}, "y_ptr": "*bf16", "S": "i32",
+          "D": "i32", "sv_s": "i64", "sv_n": "i32", "sy_n": "i32", "eps": "fp32", "out_eps": "fp32",
+          "BD": "constexpr"},
+         {"BD": 1024}),
         # the engine's decode step: vLLM's int32 slot ids read as they are, token rows from n * T
         (decode._decode_kernel,
          {**{n: "*fp32" for n in ("q", "k", "v", "g", "beta")}, "o": "*fp32", "h_in": "*fp32", "h_out": "*fp32",
@@ -80,7 +87,7 @@ def _kernels():
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("index", range(7))
+@pytest.mark.parametrize("index", range(8))
 def test_kernel_compiles_for_sm90(index):
     fn, signature, constexprs = _kernels()[index]
     # keyword order is the kernel's own: the signature must name every parameter

@@ -92,3 +92,38 @@ def test_mix_and_norm_as_one_region_equal_the_two_modules():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         for a, b in zip(grads, want_grads):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_served_mixes_on_the_engine_kernel_give_the_model_logits(monkeypatch):
+    """An engine's mixes (``prepare_for_serving``) with ``stacked_mix_norm_fn``, the one-kernel mix and norm that
+    CUDA engines get (here the Triton kernel interpreted on the CPU), give the logits of the stacked mix and the
+    norm one after the other (fp32, learned queries); ``model.fast``'s reference choice turns the kernel off."""
+    import pytest
+
+    pytest.importorskip("triton")
+    from kernels.testing import import_interpreted
+    from model.fast import use_fast_paths
+    from model.serving import prepare_for_serving
+
+    kernel = import_interpreted("kernels.attnres.triton")[0].mix_norm_rows
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    model = HybridForCausalLM(tiny_config(num_hidden_layers=6, attn_res_block_size=2, routed_expert_hidden_size=32))
+    prepare_for_serving(model, 64)
+    mixes = [m for m in model.modules() if isinstance(m, AttnResMix)]
+    assert mixes and all(m.stacked_mix_norm_fn is None for m in mixes)  # a CPU model: the compiled mix, the norm
+    with torch.no_grad():
+        for m in mixes:
+            m.query.copy_(torch.randn_like(m.query))
+        ids = torch.randint(0, 128, (1, 29))
+        want = model(ids).logits
+        calls = []
+        for m in mixes:
+            m.stacked_mix_norm_fn = lambda *a: calls.append(a[-1].shape[0]) or kernel(*a)
+        got = model(ids).logits
+        assert len(calls) >= len(mixes) and max(calls) >= 3  # every mix of 2+ sources took the kernel
+        calls.clear()
+        with use_fast_paths("reference"):
+            model(ids)
+        assert calls == []
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
