@@ -149,6 +149,7 @@ class EngineSpec:
     mla_cache_form: str | None = None  # ours: overrides the checkpoint's MLA cache form (rollout.vllm_layers)
     kernel_warmup: bool = False  # ours: LONGHORIZON_KERNEL_WARMUP=1 (model.kernel_warmup's child process)
     grouped_mm: str = "auto"  # ours: LONGHORIZON_GROUPED_MM, the expert GEMMs' backend (kernels.moe)
+    fast_paths: str = "auto"  # ours: LONGHORIZON_FAST_PATHS, the engine process's model.fast choice
 
 
 ENGINES = {
@@ -170,6 +171,8 @@ ENGINES = {
     "ours_fast_expanded": EngineSpec("ours", enforce_eager=False, mla_cache_form="expanded"),
     # every expert GEMM on torch's CUTLASS kernel, the default before 2026-12-04's small-rows kernel for decode steps
     "ours_fast_cutlass": EngineSpec("ours", enforce_eager=False, grouped_mm="torch"),
+    # each AttnRes mix compiled and its norm after it, the engine's path before kernels.attnres (2026-12-04)
+    "ours_fast_mix_compiled": EngineSpec("ours", enforce_eager=False, fast_paths="attn_res=torch"),
     "ours_fast_moe_fp32": EngineSpec("ours", enforce_eager=False, dtype="float32", compile_scope="moe"),
     "ours_eager_fp32": EngineSpec("ours", enforce_eager=True, dtype="float32"),
     "peer": EngineSpec("peer", enforce_eager=False),
@@ -507,6 +510,7 @@ class Parent:
         env["LONGHORIZON_COMPILE_SCOPE"] = spec.compile_scope
         env["LONGHORIZON_KERNEL_WARMUP"] = "1" if spec.kernel_warmup else "0"
         env["LONGHORIZON_GROUPED_MM"] = spec.grouped_mm
+        env["LONGHORIZON_FAST_PATHS"] = spec.fast_paths
         env.setdefault("TORCH_LOGS", "recompiles")  # why a region compiled again: one line each, into the log
         if self.args.compile_threads:  # inductor's compile workers in our engines (vLLM pins them to 1)
             env["LONGHORIZON_COMPILE_THREADS"] = str(self.args.compile_threads)

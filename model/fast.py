@@ -22,12 +22,15 @@ The CPU column is what was measured no slower on the 2-core CPU box (cpu_tiny, 2
 one thread, interleaved runs, best of 6-8: MoE layer fwd+bwd 53 vs 85 ms, LM head with logprob and
 entropy 116 vs 140 ms, whole learner step 1.40 vs 1.70 s); tests/model/test_fast_paths.py holds every
 fast path to its reference there. ``use_fast_paths("reference")`` runs everything
-through the references, e.g. to check a GPU step against them.
+through the references, e.g. to check a GPU step against them. ``LONGHORIZON_FAST_PATHS`` (the same spec,
+e.g. ``attn_res=torch``; read at import) sets the process-wide default: what a rollout engine's process runs,
+where no learner config reaches (the learner's ``learner.fast_paths`` applies inside its own steps).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 
@@ -83,7 +86,15 @@ class FastPaths:
         return cls(**dict(pairs))
 
 
-_current = FastPaths()
+def _from_environment() -> FastPaths:
+    spec = os.environ.get("LONGHORIZON_FAST_PATHS", "auto")
+    try:
+        return FastPaths.parse(spec)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"LONGHORIZON_FAST_PATHS={spec!r}: {e}") from None
+
+
+_current = _from_environment()
 
 
 def current() -> FastPaths:

@@ -224,6 +224,26 @@ def test_fast_path_choice_parses_resolves_and_names_bad_values():
         assert fast.pick("moe", cuda) == "loop" and fast.pick("attention", cuda) == "loop"
 
 
+def test_the_process_default_comes_from_the_environment():
+    """``LONGHORIZON_FAST_PATHS`` sets the default a process starts with (an engine's); a bad value is named."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+
+    def run(spec: str) -> subprocess.CompletedProcess:
+        code = "from model import fast; print(fast.current())"
+        env = {"PATH": "", "PYTHONPATH": str(root), "LONGHORIZON_FAST_PATHS": spec}
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+    ok = run("attn_res=torch,moe=loop")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.strip() == repr(FastPaths(attn_res="torch", moe="loop"))
+    bad = run("attn_res=kernel")
+    assert bad.returncode != 0 and "LONGHORIZON_FAST_PATHS='attn_res=kernel'" in bad.stderr
+
+
 # ------------------------------------------------------------------------------------------ LM head
 @pytest.mark.parametrize("with_entropy", [True, False])
 def test_chunked_lm_head_equals_plain_logits_fwd_bwd(with_entropy):
