@@ -128,7 +128,7 @@ def grouped_mm_small(x_SK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tens
 def grouped_mm_forward(x_SK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
     """The forward product of ``kernels.moe``'s "torch" backend on CUDA under the "auto" choice, by rows: up to
     ``SMALL_ROWS_MAX`` rows ``grouped_mm_small``, which read a decode step's expert weights faster than torch's
-    CUTLASS kernel (bench/RESULTS.md, "MoE block compile"), else that kernel. A custom op, so the rows are looked
+    CUTLASS kernel (bench/RESULTS.md, "Rollout throughput"), else that kernel. A custom op, so the rows are looked
     at when it runs: in a compiled MoE block a rule on the traced row count would be a guard, and a step across
     it a second compile of the block. Rows past offs[-1] are undefined, as with torch's kernel."""
     if x_SK.shape[0] <= SMALL_ROWS_MAX:
