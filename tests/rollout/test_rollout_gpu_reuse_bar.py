@@ -1,0 +1,30 @@
+"""bench/rollout_gpu.py's reuse bar over repeats: each repeat's session / none wall-time ratio, their median, and
+the bar read on the median (a single run's ratio moves with the host by more than the bar's margin)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "rollout_gpu.py"
+
+
+def _rows(*seconds: float) -> list[dict]:
+    return [{"seconds": s} for s in seconds]
+
+
+def test_the_bar_reads_the_median_of_the_repeats_that_finished(bench):
+    runs = {
+        "session": SimpleNamespace(reps=[_rows(1.0, 1.0), _rows(1.0, 0.5), _rows(2.0, 1.0), _rows(1.0)]),
+        "none": SimpleNamespace(reps=[_rows(3.0, 3.0), _rows(3.0, 3.0), _rows(4.0, 4.0)]),
+    }
+    out: dict = {}
+    bench.repeat_speedup(out, runs, turns=2)
+    assert out["speedup_vs_none_by_repeat"] == [3.0, 4.0, 8.0 / 3.0]  # the 4th repeat did not finish
+    assert out["speedup_vs_none_median"] == 3.0
+    summary = {"session": {"turns": 2, "later_computed_over_new": 1.004, "speedup_vs_none": 2.5},
+               "none": {"turns": 2, "later_computed_over_new": 12.9}}  # fmt: skip
+    assert bench.reuse_bar(summary, 2, out["speedup_vs_none_median"])["at_least_3x_vs_none"] is True
+    assert bench.reuse_bar(summary, 2)["at_least_3x_vs_none"] is False  # one run: the last repeat's 2.5x
+    bench.repeat_speedup(out := {}, {"session": runs["session"]}, turns=2)
+    assert out == {}  # without the none mode there is no ratio
