@@ -95,6 +95,7 @@ Results: ``DIR/rollout_throughput.json`` and ``DIR/rollout_throughput.md``, rewr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import json
@@ -559,8 +560,14 @@ def _read_json(path: Path) -> dict:
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> str:
+    """Wait for a child; at the budget end its process group. Either way nothing of the group outlives it: an
+    engine core in a process of its own (``--engine-process separate``) is not torn down by the child's
+    ``os._exit`` and would keep its memory (on a GPU, from the next engine of the plan)."""
     try:
-        return f"exit {proc.wait(timeout=max(1.0, timeout))}"
+        code = proc.wait(timeout=max(1.0, timeout))
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # what is left of the group: the child itself has exited
+        return f"exit {code}"
     except subprocess.TimeoutExpired:
         for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
             try:

@@ -214,10 +214,25 @@ def test_a_separate_engine_process_runs_the_time_task_only(bench, tmp_path, caps
         bench.main(["--small", "--engine-process", "separate", "--plan", "ours_eager:check+time", "--out", str(tmp_path)])
     assert "runs the time task only; the plan also has ours_eager:check" in capsys.readouterr().err
     args = ["--small", "--engine-process", "separate", "--plan", "ours_eager:time", "--concurrency", "2", "--passes", "1"]
+    before = _engine_core_processes()
     assert bench.main([*args, "--out", str(tmp_path)]) == 0
     e = json.loads((tmp_path / "rollout_throughput.json").read_text())["engines"]["ours_eager"]
     assert e["process"]["status"] == "exit 0" and e["engine_process"] == "separate"
     assert e["timings"]["2"]["generated_tokens"] > 0 and e["kv_cache"]["capacity_tokens"] > 0
+    # the child ends with os._exit, which does not tear its engine core down: the parent ends its group
+    assert _engine_core_processes() - before == set()
+
+
+def _engine_core_processes() -> set[int]:
+    """Live (not zombie) vLLM engine-core processes, by pid."""
+    import psutil
+
+    found = set()
+    for p in psutil.process_iter(["name", "cmdline", "status"]):
+        text = " ".join([p.info["name"] or "", *(p.info["cmdline"] or [])])
+        if "EngineCore" in text and p.info["status"] != psutil.STATUS_ZOMBIE:
+            found.add(p.pid)
+    return found
 
 
 def test_startup_line_lists_a_regions_compiles_by_frame():
