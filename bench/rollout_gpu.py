@@ -727,7 +727,8 @@ def part_reuse(run: Run) -> None:
         repeat_speedup(out, runs, cfg.turns)
     if a.profile_turn and "session" in head and run.enough(40, "profiled turn"):
         extra = reuse.episode_chunks(SimpleNamespace(**{**vars(cfg), "turns": cfg.turns + 1}), ChatRenderer())
-        out["profiled_turn"] = guarded(lambda: profiled_turn(runs["session"].worker, [c[-1] for c in extra], cfg.gen, run.cuda))
+        ninth = [c[-1] for c in extra]
+        out["profiled_turn"] = guarded(lambda: profiled_turn(runs["session"].worker, ninth, cfg.gen, run.cuda))
         log(f"profiled turn: { {k: v.get('batch', v) for k, v in out['profiled_turn'].items()} }")
         run.save()
     if "session" in head and run.enough(30, "decode rate"):
@@ -847,7 +848,7 @@ def profiled_turn(worker, chunks: list[list[int]], gen: int, cuda: bool) -> dict
     from rollout.worker import TurnRequest
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    sids = list(worker.sessions)[: len(chunks)]
+    sids = list(worker.sessions)[-len(chunks) :]  # the last repeat's, resident (most recently used last)
     reqs = [TurnRequest(s, c, max_tokens=gen, temperature=0.0) for s, c in zip(sids, chunks)]
     eng, started, parts = worker.engine, set(), {}
 
