@@ -8,7 +8,7 @@ the query, an online softmax over the sources, the weighted sum in fp32 rounded 
 reference rounds the mix), then the sub-layer's RMSNorm. No backward: the engine's mixes only
 (``model.serving.prepare_for_serving`` picks it on CUDA), where the compiled stacked mix and the norm after it
 were four to five kernels a mix and a compile of their own at the engine's start. The reference stays in
-``model.attnres``; tests/kernels/test_attnres.py holds the kernel to it under TRITON_INTERPRET=1.
+``model.attnres``; tests/kernels/test_attnres_mix_norm.py holds the kernel to it under TRITON_INTERPRET=1.
 Import-light: the Triton module loads on first use.
 """
 
