@@ -69,3 +69,13 @@ def test_importing_envs_first_registers_quietly():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "CountdownEnv"
     assert "could not register" not in out.stderr
+
+
+def test_test_modules_have_unique_basenames():
+    """pytest imports test modules by basename (the test directories are not packages): two with one name
+    fail the whole run at collection, which running either file alone does not show."""
+    tests = Path(__file__).resolve().parent
+    names: dict[str, list[str]] = {}
+    for path in tests.rglob("test_*.py"):
+        names.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    assert {n: p for n, p in names.items() if len(p) > 1} == {}
