@@ -65,6 +65,17 @@ def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, ratio: float) 
     return err
 
 
+def assert_within_ulps(name: str, ref: torch.Tensor, out: torch.Tensor, ulps: int) -> None:
+    """Assert every element of ``out`` within ``ulps`` units in the last place of ``ref``'s element, in ref's
+    (half) dtype: the check for a kernel that rounds as its reference does but, under the interpreter, toward
+    zero (a GPU rounds to nearest)."""
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != ref {tuple(ref.shape)}"
+    ulp = 2.0 ** torch.floor(torch.log2(ref.float().abs().clamp_min(1e-30))) * torch.finfo(ref.dtype).eps
+    diff = (out.float() - ref.float()).abs()
+    worst = float((diff / ulp).max()) if ref.numel() else 0.0
+    assert bool((diff <= ulps * ulp).all()), f"{name}: {worst:.1f} ulps off (limit {ulps})"
+
+
 def _poisoned(fn, only_prefixes: tuple[str, ...] | None):
     """Wrap an allocator so floating results called from the given modules are filled with NaN."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.testing import assert_close, import_interpreted
+from kernels.testing import assert_close, assert_within_ulps, import_interpreted
 from model.attnres import attn_res_mix_stacked
 from model.layers import rms_norm
 
@@ -38,8 +38,7 @@ def test_mix_norm_kernel_equals_the_mix_then_the_norm(monkeypatch, S, D, dtype):
     if dtype == torch.float32:
         assert_close("mix + norm", want, got, 1e-6)
     else:
-        ulp = 2.0 ** (torch.floor(torch.log2(want.float().abs().clamp_min(1e-30))) - 7)
-        assert bool(((got.float() - want.float()).abs() <= 3 * ulp).all())
+        assert_within_ulps("mix + norm", want, got, 3)
 
 
 def test_mix_norm_kernel_names_bad_shapes(monkeypatch):
