@@ -16,16 +16,11 @@ calls) and 2.9 -> 1.9 ms backward (31 calls) at gpu_1b and 16K tokens (profiled,
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-# the custom ops' names carry the module's flavour: Triton reads TRITON_INTERPRET when it decorates a kernel, and
-# tests import this module a second time for the interpreter (``kernels.testing.import_interpreted``); under one
-# name the later import's launcher would serve both modules' calls (the dispatcher keeps the last registration)
-_OP = "longhorizon::situ_glu_{}" + ("_interpreted" if os.environ.get("TRITON_INTERPRET") == "1" else "")
+from kernels.op_names import op_name
 
 BLOCK_C = 256
 BLOCK_R = 8  # rows per program: 2048 elements, enough work per program for a memory-bound kernel
@@ -86,7 +81,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-@torch.library.custom_op(_OP.format("fwd"), mutates_args=())
+@torch.library.custom_op(op_name("situ_glu_fwd"), mutates_args=())
 def situ_glu_fwd(g2: torch.Tensor, u2: torch.Tensor, beta: float, lb: float) -> torch.Tensor:
     """h [R, C] from [R, C] rows (contiguous last dim). A custom op: inside a compiled graph (the learner's
     MoE blocks) inductor calls it as it is and Triton launches the kernel with its own specialisations; where
@@ -106,7 +101,7 @@ def _(g2, u2, beta, lb):
     return g2.new_empty(g2.shape)
 
 
-@torch.library.custom_op(_OP.format("bwd"), mutates_args=())
+@torch.library.custom_op(op_name("situ_glu_bwd"), mutates_args=())
 def situ_glu_bwd(
     g2: torch.Tensor, u2: torch.Tensor, dh2: torch.Tensor, beta: float, lb: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,11 +11,11 @@ with fp32 accumulation. Tested under TRITON_INTERPRET=1 against ``naive.py``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels.op_names import op_name
 
 BM, BN, BK = 64, 64, 32
 # ``grouped_mm_forward``'s kernel for few rows a group (a decode step's: gpu_1b's 64 sequences put ~4-11 rows on
@@ -24,9 +24,6 @@ SMALL_BM, SMALL_BN, SMALL_BK = 16, 64, 64
 # rows up to which ``grouped_mm_forward`` runs that kernel: a decode step of up to 512 sequences at top-8 (with
 # the groups' padding); larger products (prefill chunks, learner micro-batches) take torch's CUTLASS kernel
 SMALL_ROWS_MAX = 4096
-# the custom op's name carries the module's flavour (as kernels/glu/triton.py's): tests import this module again
-# for the interpreter, and under one name the later import would serve both
-_OP = "longhorizon::grouped_mm_forward" + ("_interpreted" if os.environ.get("TRITON_INTERPRET") == "1" else "")
 
 
 def _tile_schedule(offs_G: torch.Tensor, block_m: int, max_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +121,7 @@ def grouped_mm_small(x_SK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tens
     return y
 
 
-@torch.library.custom_op(_OP, mutates_args=())
+@torch.library.custom_op(op_name("grouped_mm_forward"), mutates_args=())
 def grouped_mm_forward(x_SK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
     """The forward product of ``kernels.moe``'s "torch" backend on CUDA under the "auto" choice, by rows: up to
     ``SMALL_ROWS_MAX`` rows ``grouped_mm_small``, which read a decode step's expert weights faster than torch's
