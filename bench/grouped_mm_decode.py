@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from moe_compile import time_graph_replays
 
 from kernels.moe import grouped_mm_alignment, route_layout
 from kernels.moe.triton import grouped_mm_small
@@ -27,19 +28,10 @@ EXPERTS, TOP_K, Z, I = 128, 8, 512, 256  # gpu_1b (configs/model/gpu_1b.yaml)
 
 
 def graph_us(fn, calls: int = 10, reps: int = 200) -> float:
-    """Microseconds a call of ``fn`` inside a replayed CUDA graph of ``calls`` calls."""
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn(), fn()  # warm: compiled, allocated
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps / calls * 1e6
+    """Microseconds a call of ``fn`` inside a replayed CUDA graph of ``calls`` calls (``moe_compile``'s
+    replay timing, over several calls a graph so that a replay's own launch is spread thin)."""
+    ms = time_graph_replays(lambda: [fn() for _ in range(calls)], reps, torch.device("cuda"))
+    return ms * 1e3 / calls
 
 
 def one_size(tokens: int, n: int, k: int) -> dict:
