@@ -88,8 +88,10 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
             raise ValueError("the longhorizon vLLM model runs with tensor_parallel_size = 1 only")
         self.config = config
         # with LONGHORIZON_KERNEL_WARMUP=1 on a GPU, the KDA prefill's Triton kernels compile in a child process
-        # while this one loads and compiles (``model.kernel_warmup``; off by default: it slowed the weight load)
-        self.kernel_warmup = start_kda_warmup(config, vllm_config.model_config.dtype, vllm_config.device_config.device)
+        # started once the weights are in (``_start_kernel_warmup``), while this one compiles its regions and
+        # captures its graphs (``model.kernel_warmup``; off by default)
+        self._warmup_spec = (config, vllm_config.model_config.dtype, vllm_config.device_config.device)
+        self.kernel_warmup = None
         self.model = _PagedHybridModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -214,7 +216,16 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         loaded = {name for name, _ in items}
         # paged-attention bookkeeping tensors (kv scales) are not checkpoint weights
         loaded.update(n for n in targets if n.startswith("paged_mixers."))
+        self._start_kernel_warmup()
         return loaded
+
+    def _start_kernel_warmup(self) -> None:
+        """After the engine's first weight load (not a later update): the child that compiles the KDA prefill's
+        kernels (``model.kernel_warmup``), so that it overlaps the region compiles and the graph capture, not
+        the load it slowed when it started with the model."""
+        if self._warmup_spec is not None:
+            self.kernel_warmup = start_kda_warmup(*self._warmup_spec)
+            self._warmup_spec = None
 
     # --- recurrent-state sizing (called on the class before the model exists) --------------------------
     @classmethod

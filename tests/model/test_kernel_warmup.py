@@ -89,3 +89,19 @@ def test_the_child_yields_the_cpus():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["1", str(sys.platform.startswith("linux"))]
+
+
+def test_the_engine_starts_it_after_its_first_weight_load_only(monkeypatch):
+    """The engine's model starts the child when its weights are in (it slowed the load it overlapped when it
+    started with the model), and a later load (a weight update from the learner) starts none."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from rollout import vllm_model
+
+    started = []
+    monkeypatch.setattr(vllm_model, "start_kda_warmup", lambda *spec: started.append(spec) or f"child {len(started)}")
+    model = SimpleNamespace(_warmup_spec=("config", torch.bfloat16, "cuda:0"), kernel_warmup=None)
+    for _ in range(3):
+        vllm_model.VllmHybridForCausalLM._start_kernel_warmup(model)
+    assert started == [("config", torch.bfloat16, "cuda:0")] and model.kernel_warmup == "child 1"
