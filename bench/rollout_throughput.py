@@ -127,7 +127,7 @@ RESULTS = "rollout_throughput"
 BAR_RATIO, BAR_CONCURRENCY, BAR_FIRST_CALL_S = 0.8, (64, 128), 60.0
 MIN_CHILD_S = 45.0  # do not start an engine with less budget left than this
 # budget an engine leaves for a later timing run of the engines the bar needs (start, warm-up, 3 batches)
-RESERVE_S = {"ours_fast": 150.0, "ours_fast_moe": 150.0, "ours_fast_warmup": 150.0, "ours_fast_latent": 150.0, "ours_fast_expanded": 150.0, "ours_fast_cutlass": 150.0, "ours_fast_mix_compiled": 150.0, "peer": 300.0}  # the peer: its cold first call alone took 213 s and > 170 s on the H200
+RESERVE_S = {"ours_fast": 150.0, "ours_fast_moe": 150.0, "ours_fast_no_warmup": 150.0, "ours_fast_latent": 150.0, "ours_fast_expanded": 150.0, "ours_fast_cutlass": 150.0, "ours_fast_mix_compiled": 150.0, "peer": 300.0}  # the peer: its cold first call alone took 213 s and > 170 s on the H200
 PEER_FALLBACK_BACKEND = "TRITON_MLA"  # the peer's attention backend if vLLM's pick does not start
 
 
@@ -148,7 +148,7 @@ class EngineSpec:
     dtype: str | None = None  # None: the run's (bf16 on a GPU)
     compile_scope: str = "auto"  # model.compile's scope: the engine's default (moe on a GPU: each MoE block whole)
     mla_cache_form: str | None = None  # ours: overrides the checkpoint's MLA cache form (rollout.vllm_layers)
-    kernel_warmup: bool = False  # ours: LONGHORIZON_KERNEL_WARMUP=1 (model.kernel_warmup's child process)
+    kernel_warmup: bool = True  # ours: LONGHORIZON_KERNEL_WARMUP (model.kernel_warmup's child process; on by default)
     grouped_mm: str = "auto"  # ours: LONGHORIZON_GROUPED_MM, the expert GEMMs' backend (kernels.moe)
     fast_paths: str = "auto"  # ours: LONGHORIZON_FAST_PATHS, the engine process's model.fast choice
 
@@ -162,9 +162,9 @@ ENGINES = {
     "ours_fast_fp32": EngineSpec("ours", enforce_eager=False, dtype="float32"),
     "ours_fast_regions": EngineSpec("ours", enforce_eager=False, compile_scope="regions"),  # the default until 2026-12-02
     "ours_fast_moe": EngineSpec("ours", enforce_eager=False, compile_scope="moe"),
-    # the first call with the KDA kernels compiled by a child process during start-up (off by default: on the
-    # H200 the weight load beside it was 10-25x slower, and 5x under SCHED_IDLE: 7.6 against 1.4 s, 2026-12-04)
-    "ours_fast_warmup": EngineSpec("ours", enforce_eager=False, kernel_warmup=True),
+    # the first call without the child that compiles the KDA prefill's kernels during start-up (the default engine
+    # starts it after its weight load: first call 52.2 against 57.7 s without, 2026-12-04)
+    "ours_fast_no_warmup": EngineSpec("ours", enforce_eager=False, kernel_warmup=False),
     # the MLA cache forms by name (the engines above take the default, auto: latent on CUDA, expanded on CPU):
     # the absorbed MLA over one latent KV head (320 wide on CUDA, vLLM's Triton attention backend) reads 4.8x fewer
     # KV bytes a token than the expanded form's 8 heads x (192 + 192) (FlashAttention-3 on CUDA)

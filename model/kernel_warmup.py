@@ -6,23 +6,22 @@ JIT-compiled six KDA kernels one after the other, about 10 s of a first call of 
 and the CUDA-graph capture. Triton keeps what it compiles in its file cache (``TRITON_CACHE_DIR``), keyed by
 a kernel's source, constants, argument dtypes and specialisation and the target GPU; none of those depend on
 the number of tokens (our kernels take the sequence bounds as tensors). So one tiny prefill of one KDA layer,
-with the engine's head sizes and dtypes, run by another process while the engine loads its weights and
-compiles its regions, leaves every kernel of that prefill in the cache, and the engine loads them instead of
+with the engine's head sizes and dtypes, run by another process while the engine compiles its regions and
+captures its graphs, leaves every kernel of that prefill in the cache, and the engine loads them instead of
 compiling them. Nothing depends on it finishing first: a kernel not yet in the cache compiles in the engine
 as before.
 
     start_kda_warmup(config, dtype, device)   # the engine: a child process, or None (no GPU, no KDA layer)
     python -m model.kernel_warmup CONFIG.json DTYPE DEVICE   # the child: warm_kda_kernels, then exit
 
-Off by default; ``LONGHORIZON_KERNEL_WARMUP=1`` turns it on. Measured on the H200 (bench/RESULTS.md, "Rollout
-throughput", 2026-12-04): it did its part, the first request 11.7 -> 4-5 s, but the engine's weight loading,
-which it overlaps, went 1.0 -> 12.9 and 20.6 s in two runs, so the first call was 62.4 and 63.3 s with it
-against 51.0 s without. The suspect is the host's CPUs: the load is ~1,000 small CPU ops each parallel over
-the engine's OpenMP threads, one per core, and a busy child on one of those cores stalls every barrier of
-them (on the 2-core CPU machine a busy normal-priority process slowed such a loop 1.7x, the same process under
-SCHED_IDLE not at all). So the child now runs with one thread under SCHED_IDLE (``yield_cpus``: only on CPUs
-nothing else wants); that did not cure it: the next H200 run loaded the weights in 7.6 s beside it against 1.4
-s without (first call 61.8 against 55.2 s), so the host's CPUs are not the whole cause and it stays off.
+On by default on a GPU; ``LONGHORIZON_KERNEL_WARMUP=0`` turns it off. The engine starts it once its weights
+are in (``rollout.vllm_model``), so it overlaps the region compiles and the CUDA-graph capture. Started with
+the model, as first tried, it slowed the weight load it overlapped 1.0 -> 7.6-20.6 s on the H200 (single-threaded
+under SCHED_IDLE too, ``yield_cpus``), more than it saved. Started after the load (bench/RESULTS.md, "Rollout
+throughput", 2026-12-04): weights loaded in 1.1 s with it as without, its six kernels came from the cache in the
+engine, and the first request took 4.8 s after the engine was up against 13.9 s without it (first call 52.2
+against 57.7 s, one run each on one machine).
+
 vLLM-free: the child imports torch and our model only.
 """
 
@@ -76,11 +75,11 @@ def warm_kda_kernels(config, dtype: torch.dtype, device: torch.device | str) -> 
 
 def start_kda_warmup(config, dtype: torch.dtype, device: torch.device | str) -> subprocess.Popen | None:
     """Start ``warm_kda_kernels`` in a child process on the same GPU and return it (not waited for); None
-    unless ``LONGHORIZON_KERNEL_WARMUP=1``, on a CPU, and for a model without KDA layers. The child inherits the
+    with ``LONGHORIZON_KERNEL_WARMUP=0``, on a CPU, and for a model without KDA layers. The child inherits the
     environment (the Triton cache directory with it) and reports a failure on stderr; the engine never
     depends on it."""
     device = torch.device(device)
-    if device.type != "cuda" or os.environ.get("LONGHORIZON_KERNEL_WARMUP", "0") != "1":
+    if device.type != "cuda" or os.environ.get("LONGHORIZON_KERNEL_WARMUP", "1") == "0":
         return None
     if not any(config.is_kda_layer(i) for i in range(config.num_hidden_layers)):
         return None

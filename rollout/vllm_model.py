@@ -87,9 +87,9 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         if vllm_config.parallel_config.tensor_parallel_size != 1:
             raise ValueError("the longhorizon vLLM model runs with tensor_parallel_size = 1 only")
         self.config = config
-        # with LONGHORIZON_KERNEL_WARMUP=1 on a GPU, the KDA prefill's Triton kernels compile in a child process
-        # started once the weights are in (``_start_kernel_warmup``), while this one compiles its regions and
-        # captures its graphs (``model.kernel_warmup``; off by default)
+        # on a GPU the KDA prefill's Triton kernels compile in a child process started once the weights are in
+        # (``_start_kernel_warmup``), while this one compiles its regions and captures its graphs
+        # (``model.kernel_warmup``; LONGHORIZON_KERNEL_WARMUP=0 turns it off)
         self._warmup_spec = (config, vllm_config.model_config.dtype, vllm_config.device_config.device)
         self.kernel_warmup = None
         self.model = _PagedHybridModel(config)

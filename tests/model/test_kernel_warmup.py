@@ -72,13 +72,24 @@ def test_nothing_starts_without_a_gpu(device):
     assert kernel_warmup.start_kda_warmup(tiny_config(), torch.bfloat16, device) is None
 
 
-def test_it_is_off_unless_asked_for(monkeypatch):
-    """Off by default (on the H200 it slowed the weight load it overlaps more than it saved): no child even
-    for a GPU device unless LONGHORIZON_KERNEL_WARMUP=1 (here returning before any CUDA call)."""
+def test_it_is_on_by_default_and_off_when_asked(monkeypatch):
+    """On by default for a GPU device (the child's command names the engine's GPU and dtype; the child itself is
+    not started here), none with LONGHORIZON_KERNEL_WARMUP=0 (returning before any CUDA call)."""
+    started = []
+    monkeypatch.setattr(kernel_warmup.subprocess, "Popen", lambda cmd, **kw: started.append((cmd, kw)) or "child")
     monkeypatch.delenv("LONGHORIZON_KERNEL_WARMUP", raising=False)
-    assert kernel_warmup.start_kda_warmup(tiny_config(), torch.bfloat16, "cuda") is None
+    assert kernel_warmup.start_kda_warmup(tiny_config(), torch.bfloat16, torch.device("cuda", 1)) == "child"
+    (cmd, kw), = started
+    assert cmd[1:3] == ["-m", "model.kernel_warmup"] and cmd[4:] == ["bfloat16", "cuda:1"]
+    assert kw["env"]["OMP_NUM_THREADS"] == "1" and str(ROOT) in kw["env"]["PYTHONPATH"]
+    spec = Path(cmd[3])
+    assert json.loads(spec.read_text())["hidden_size"] == tiny_config().hidden_size
+    spec.unlink()
+    spec.parent.rmdir()
     monkeypatch.setenv("LONGHORIZON_KERNEL_WARMUP", "0")
+    assert kernel_warmup.start_kda_warmup(tiny_config(), torch.bfloat16, "cuda") is None
     assert kernel_warmup.start_kda_warmup(tiny_config(), torch.bfloat16, torch.device("cuda", 0)) is None
+    assert len(started) == 1
 
 
 def test_the_child_yields_the_cpus():
