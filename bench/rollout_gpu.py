@@ -691,7 +691,8 @@ def part_reuse(run: Run) -> None:
         episodes=a.episodes, turns=a.turns, prompt=a.prompt, obs=a.obs, obs_min=a.obs_min, gen=a.gen,
         max_model_len=a.max_model_len, kv_mib=a.kv_mib, block_size=None, repeats=a.repeats,
         engine=dict(dtype="bfloat16", max_resident_sessions=a.episodes, in_process=a.engine_process == "in",
-                    enforce_eager=not (a.cuda_graphs and run.cuda), **run.gpu_share()),
+                    enforce_eager=not (a.cuda_graphs and run.cuda), max_num_batched_tokens=a.max_batched_tokens,
+                    **run.gpu_share()),
     )  # fmt: skip
     out = run.results.setdefault("reuse", {"config": {k: v for k, v in vars(cfg).items()}})
     chunks = reuse.episode_chunks(cfg, ChatRenderer())
@@ -713,7 +714,8 @@ def part_reuse(run: Run) -> None:
         t0 = time.perf_counter()
         if mode == "peer":  # its engine core where ours run
             set_engine_process(cfg.engine["in_process"])
-            engine = dict(dtype="bfloat16", enforce_eager=cfg.engine["enforce_eager"], **run.gpu_share())
+            engine = dict(dtype="bfloat16", enforce_eager=cfg.engine["enforce_eager"],
+                          max_num_batched_tokens=cfg.engine["max_num_batched_tokens"], **run.gpu_share())  # fmt: skip
             runs[mode] = reuse.PlainRun(mode, run.peer_checkpoint("gpu_1b"), chunks, cfg, engine)
         else:
             runs[mode] = reuse.ModeRun(mode, run.checkpoint("gpu_1b"), chunks, cfg)
@@ -1425,6 +1427,8 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--decode-gen", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-batched-tokens", type=int, default=None,
+                   help="reuse part: the engines' max_num_batched_tokens (default: vLLM's)")  # fmt: skip
     p.add_argument("--kv-mib", type=int, default=24576)
     p.add_argument("--modes", default="session,none,prefix_cache,peer",
                    help="reuse part, in order of importance: the first two run together, each later one "
