@@ -227,8 +227,7 @@ class RolloutWorker:
             kwargs["attention_config"] = {"backend": backend}
         if c.gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
-        if c.reuse == "session" and not scheduler_drops_stale_output():
-            kwargs["async_scheduling"] = False  # see scheduler_drops_stale_output
+        kwargs.update(scheduling_kwargs(c.reuse))
         if not c.enforce_eager:
             sizes = c.cudagraph_capture_sizes or capture_sizes(c.max_num_seqs)
             kwargs["compilation_config"] = {"cudagraph_capture_sizes": sorted(set(sizes))}
@@ -689,19 +688,17 @@ def latent_attention_backend(c: WorkerConfig) -> str | None:
     return "TRITON_ATTN"
 
 
-def scheduler_drops_stale_output() -> bool:
-    """Whether this vLLM's scheduler drops the in-flight output of a resumable request whose turn has ended
-    (vLLM 0.32: ``Request.num_stale_output_tokens``). Without it (vLLM 0.26) async scheduling breaks our
-    sessions. As read from 0.26's scheduler: a turn that ends on a stop token (a length stop is foreseen and
-    not scheduled past) has already been scheduled for one more step, and that step's stale token lands in
-    the parked session; its context keeps the stop token as fed, so the next turn, which starts with that
-    token again, would hold it twice; and when the stale token stops the turn a second time the session is
-    queued twice. Seen on an H200 (bench/rollout_gpu.py's reuse part, greedy turns that may end on EOS,
-    2026-12-04): the scheduler raised ``Invalid request status: RUNNING`` at the fourth turn. The worker then
-    turns async scheduling off."""
-    from vllm.v1.request import Request
-
-    return "num_stale_output_tokens" in Request.__init__.__code__.co_names
+def scheduling_kwargs(reuse: str) -> dict[str, Any]:
+    """A session worker's engine schedules synchronously (vLLM's GPU default is async scheduling; its CPU
+    platform has none). An async scheduler plans step N+1 before step N's tokens are known, so a turn that
+    ends on a stop token at step N (a length stop is foreseen and not scheduled past) has run one more step:
+    the stop token has gone through the model and the parked session's recurrent (KDA) state has moved past
+    the turn's end, which no rollback of the scheduler's token count undoes, and the next turn, which starts
+    with that token, would feed it twice. vLLM 0.26 (the GPU wheel) also delivers that stale step's token into
+    the parked session, and when it ends the turn a second time the session is queued twice: on an H200
+    (bench/rollout_gpu.py's reuse part, greedy turns that may end on EOS, 2026-12-04) the scheduler raised
+    ``Invalid request status: RUNNING`` at the fourth turn. Workers without sessions keep vLLM's default."""
+    return {"async_scheduling": False} if reuse == "session" else {}
 
 
 def vllm_logs_info() -> bool:

