@@ -304,16 +304,26 @@ class ShortConvolution(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (y_BTC, final conv state [N, C, K-1], None unless ``need_state``).
 
-        Without a conv state in or out (training, prefill from scratch) ``model.fast`` op "conv"
-        may pick the one-launch Triton kernel (``kernels.conv``); the taps below are the reference.
+        ``model.fast`` op "conv" may pick a one-launch Triton kernel (``kernels.conv``) for the output:
+        without a conv state in or out (training, prefill from scratch) the differentiable one; with a state
+        or a final state asked for, outside autograd (the engine's prefill) the one that reads the conv
+        states. The taps below are the reference.
         """
-        if conv_state_NCW is None and not need_state and fast.pick("conv", x_BTC.device) == "triton":
-            from kernels.conv import causal_conv1d_triton
-
-            pos_BT = layout.cached("pos_i32", lambda: layout.pos_BT.to(torch.int32).contiguous())
-            return causal_conv1d_triton(x_BTC, self.weight[:, 0, :], pos_BT, self.activation), None
-        y_BTC = self._conv_taps(x_BTC, layout, conv_state_NCW)
+        triton_ok = (conv_state_NCW is None and not need_state) or not torch.is_grad_enabled()
+        if triton_ok and fast.pick("conv", x_BTC.device) == "triton":
+            y_BTC = self._conv_triton(x_BTC, layout, conv_state_NCW)
+        else:
+            y_BTC = self._conv_taps(x_BTC, layout, conv_state_NCW)
         return y_BTC, self._final_state(x_BTC, layout, conv_state_NCW) if need_state else None
+
+    def _conv_triton(self, x_BTC: torch.Tensor, layout: SeqLayout, conv_state_NCW) -> torch.Tensor:
+        from kernels.conv import causal_conv1d_state_triton, causal_conv1d_triton
+
+        pos_BT = layout.cached("pos_i32", lambda: layout.pos_BT.to(torch.int32).contiguous())
+        if conv_state_NCW is None:
+            return causal_conv1d_triton(x_BTC, self.weight[:, 0, :], pos_BT, self.activation)
+        seq_BT = layout.cached("seq_i32", lambda: layout.seq_BT.to(torch.int32).contiguous())
+        return causal_conv1d_state_triton(x_BTC, self.weight[:, 0, :], pos_BT, seq_BT, conv_state_NCW, self.activation)
 
     def _conv_taps(self, x_BTC: torch.Tensor, layout: SeqLayout, conv_state_NCW) -> torch.Tensor:
         K, W = self.kernel_size, self.kernel_size - 1
@@ -335,14 +345,37 @@ class ShortConvolution(nn.Module):
         return y_BTC
 
     def _final_state(self, x_BTC, layout: SeqLayout, conv_state_NCW) -> torch.Tensor:
-        W = self.kernel_size - 1
-        finals = []
-        for n, (b, start, end) in enumerate(layout.bounds):
-            prev_CW = (
-                conv_state_NCW[n].to(x_BTC.dtype)
-                if conv_state_NCW is not None
-                else x_BTC.new_zeros(x_BTC.shape[-1], W)
-            )
-            extended_CL = torch.cat([prev_CW, x_BTC[b, start:end].transpose(0, 1)], dim=1)
-            finals.append(extended_CL[:, -W:] if W > 0 else extended_CL[:, :0])
-        return torch.stack(finals)
+        """[N, C, W]: each sequence's last W inputs, oldest first, taken from its conv state where the
+        sequence is shorter than W; a few gathers for all sequences at once (``final_state_reference``:
+        the same values sequence by sequence, as this was written until 2026-12-04: 3 launches a sequence,
+        thousands a prefill step of 64 sequences in the engine)."""
+        W, C = self.kernel_size - 1, x_BTC.shape[-1]
+        if W == 0 or not layout.bounds:
+            return x_BTC.new_zeros(len(layout.bounds), C, W)
+        b_N, start_N, end_N = layout.cached("bounds_N3", lambda: _bounds_tensor(layout.bounds, x_BTC.device))
+        tok_NW = end_N[:, None] - W + torch.arange(W, device=x_BTC.device)  # the window's tokens in row b
+        inside_NW1 = (tok_NW >= start_N[:, None])[..., None]
+        from_x_NWC = x_BTC[b_N[:, None], tok_NW.clamp(min=0)]
+        if conv_state_NCW is None:
+            final_NWC = from_x_NWC * inside_NW1
+        else:  # token start - i sits in the state's column W - i
+            col_NW = (W + tok_NW - start_N[:, None]).clamp(0, W - 1)
+            rows_N1 = torch.arange(len(layout.bounds), device=x_BTC.device)[:, None]
+            from_state_NWC = conv_state_NCW.to(x_BTC.dtype)[rows_N1, :, col_NW]
+            final_NWC = torch.where(inside_NW1, from_x_NWC, from_state_NWC)
+        return final_NWC.transpose(1, 2).contiguous()
+
+
+def _bounds_tensor(bounds: list[tuple[int, int, int]], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(batch row, start, end) per sequence as three int64 device tensors: one host-to-device copy."""
+    return tuple(to_device(torch.tensor(bounds, dtype=torch.long).reshape(-1, 3), device).unbind(1))
+
+
+def final_state_reference(x_BTC, layout: SeqLayout, conv_state_NCW, W: int) -> torch.Tensor:
+    """``ShortConvolution._final_state`` one sequence at a time: its conv state, then its inputs, the last W."""
+    finals = []
+    for n, (b, start, end) in enumerate(layout.bounds):
+        prev_CW = conv_state_NCW[n].to(x_BTC.dtype) if conv_state_NCW is not None else x_BTC.new_zeros(x_BTC.shape[-1], W)
+        extended_CL = torch.cat([prev_CW, x_BTC[b, start:end].transpose(0, 1)], dim=1)
+        finals.append(extended_CL[:, extended_CL.shape[1] - W :])
+    return torch.stack(finals)

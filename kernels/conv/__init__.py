@@ -3,13 +3,15 @@
     causal_conv1d_naive(x [B, T, C], w [C, K], pos [B, T], activation)   PyTorch, any device/dtype
     causal_conv1d_triton(...)                                             same function, CUDA (or
                                                                           TRITON_INTERPRET=1)
+    causal_conv1d_state_triton(x, w, pos, seq [B, T], state [N, C, K-1])  continuing from conv states
+                                                                          (forward only: the engine's prefill)
 
     conv_state_step_(x [N, C], state [P, C, K-1], slots [N], w [C, K], silu)   one decode step of N
                                                                           sequences, windows in place
 
 ``pos`` is each token's position inside its own sequence (``model.layers.SeqLayout.pos_BT``), so
-one call covers a packed micro-batch of many sequences. No conv state in or out there: the model's
-stateful path (prefill over a cache, decode) stays in ``model.layers.ShortConvolution``; the rollout
+one call covers a packed micro-batch of many sequences. The model's stateful path (prefill over a cache,
+decode) is ``model.layers.ShortConvolution``, which takes the state kernel for an inference prefill; the rollout
 engine's decode steps the windows in vLLM's state slots with ``conv_state_step_`` (the Triton kernel on
 CUDA: one launch, no gathers or scatters, padding slots skipped; the PyTorch reference elsewhere).
 Import-light: the Triton module loads on first use.
@@ -21,13 +23,22 @@ import torch
 
 from kernels.conv.naive import causal_conv1d_naive, conv_state_step_naive_
 
-__all__ = ["causal_conv1d_naive", "causal_conv1d_triton", "conv_state_step_", "conv_state_step_naive_"]
+__all__ = [
+    "causal_conv1d_naive", "causal_conv1d_state_triton", "causal_conv1d_triton", "conv_state_step_",
+    "conv_state_step_naive_",
+]  # fmt: skip
 
 
 def causal_conv1d_triton(x_BTC, w_CK, pos_BT, activation="silu"):
     from kernels.conv.triton import causal_conv1d_triton as impl
 
     return impl(x_BTC, w_CK, pos_BT, activation)
+
+
+def causal_conv1d_state_triton(x_BTC, w_CK, pos_BT, seq_BT, state_NCW, activation="silu"):
+    from kernels.conv.triton import causal_conv1d_state_triton as impl
+
+    return impl(x_BTC, w_CK, pos_BT, seq_BT, state_NCW, activation)
 
 
 def conv_state_step_(x_NC, state_PCW, slots_N, w_CK, silu: bool) -> torch.Tensor:

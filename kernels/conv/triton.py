@@ -155,6 +155,62 @@ def causal_conv1d_triton(
 
 
 @triton.jit
+def _conv_fwd_state(x_ptr, w_ptr, pos_ptr, seq_ptr, state_ptr, y_ptr, R, C, ss0, ss1, ss2, K: tl.constexpr,
+                    SILU: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+    """``_conv_fwd`` continuing from conv states: tap j of a row at position pos < j reads its sequence's
+    state column K - 1 + pos - j (the input j - pos steps before the sequence), cast to x's dtype as the
+    reference's taps cast the state; fp32 accumulation in the taps' order."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    rm, cm = r < R, c < C
+    pos = tl.load(pos_ptr + r, mask=rm, other=0)
+    seq = tl.load(seq_ptr + r, mask=rm, other=0).to(tl.int64)
+    acc = tl.full([BR, BC], 0.0, dtype=tl.float32)
+    for j in tl.static_range(K):
+        w = tl.load(w_ptr + c * K + (K - 1 - j), mask=cm, other=0.0).to(tl.float32)
+        m = (rm & (pos >= j))[:, None] & cm[None, :]
+        xv = tl.load(x_ptr + (r - j).to(tl.int64)[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
+        if j > 0:
+            ms = (rm & (pos < j))[:, None] & cm[None, :]
+            col = (K - 1 + pos - j).to(tl.int64)
+            sv = tl.load(state_ptr + seq[:, None] * ss0 + c.to(tl.int64)[None, :] * ss1 + col[:, None] * ss2,
+                         mask=ms, other=0.0)  # fmt: skip
+            xv += sv.to(x_ptr.dtype.element_ty).to(tl.float32)
+        acc += xv * w[None, :]
+    if SILU:
+        acc = acc * _sigmoid(acc)
+    offs = r.to(tl.int64)[:, None] * C + c[None, :]
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] & cm[None, :])
+
+
+def causal_conv1d_state_triton(
+    x_BTC: torch.Tensor, w_CK: torch.Tensor, pos_BT: torch.Tensor, seq_BT: torch.Tensor, state_NCW: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:  # fmt: skip
+    """``causal_conv1d_triton`` continuing each sequence from its conv state [N, C, K-1] (oldest first;
+    ``seq_BT``: each token's state row): the rollout engine's prefill over kept sessions, one launch where the
+    reference (``model.layers.ShortConvolution._conv_taps``) gathers and selects per tap. Forward only."""
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation must be None or 'silu', got {activation!r}")
+    B, T, C = x_BTC.shape
+    K = w_CK.shape[-1]
+    if w_CK.ndim != 2 or w_CK.shape[0] != C or tuple(pos_BT.shape) != (B, T) or tuple(seq_BT.shape) != (B, T) \
+            or state_NCW.ndim != 3 or tuple(state_NCW.shape[1:]) != (C, K - 1):  # fmt: skip
+        raise ValueError(f"conv with state: x [B, T, C] = {tuple(x_BTC.shape)}, w [C, K] = {tuple(w_CK.shape)}, "
+                         f"pos and seq [B, T] = {tuple(pos_BT.shape)} and {tuple(seq_BT.shape)}, "
+                         f"state [N, C, K-1] = {tuple(state_NCW.shape)}")  # fmt: skip
+    R = B * T
+    x_RC = x_BTC.reshape(R, C).contiguous()
+    y_RC = torch.empty_like(x_RC)
+    if R:
+        _conv_fwd_state[_grid(R, C)](
+            x_RC, w_CK.contiguous(), pos_BT.reshape(-1).to(torch.int32), seq_BT.reshape(-1).to(torch.int32),
+            state_NCW, y_RC, R, C, *state_NCW.stride(), K=K, SILU=activation == "silu", BR=BLOCK_R, BC=BLOCK_C,
+        )  # fmt: skip
+    return y_RC.view(B, T, C)
+
+
+@triton.jit
 def _conv_state_step(x_ptr, w_ptr, state_ptr, slot_ptr, y_ptr, C, sx, s0, s1, s2, K: tl.constexpr,
                      SILU: tl.constexpr, BC: tl.constexpr):  # fmt: skip
     """One sequence's decode step over a block of channels: the window read from its state slot, the new

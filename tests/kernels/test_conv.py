@@ -125,3 +125,57 @@ def test_conv_state_step_matches_reference_and_skips_padding(dtype, tol, silu):
     assert torch.equal(pages_kern[[1, 3, 5]], orig[[1, 3, 5]])  # the other slots, the last one (-1) included
     with pytest.raises(ValueError, match="conv_state_step"):
         CONV.conv_state_step_triton_(x, pool_kern, slots[:3], w, silu)
+
+
+@pytest.mark.parametrize("dtype, state_dtype, tol", [(torch.float32, torch.float32, 1e-6),
+                                                     (torch.bfloat16, torch.float32, 1e-2)])  # fmt: skip
+def test_conv_from_states_equals_the_taps(dtype, state_dtype, tol):
+    """The engine's prefill over kept sessions: packed sequences of 1, 2, 15, 64 and 65 tokens continuing from
+    conv states (the first tokens' taps reach into them), against ``ShortConvolution._conv_taps``; an fp32
+    state read in a bf16 model is cast to bf16 first, as the taps cast it. bf16: the taps round every
+    partial sum to bf16, the kernel accumulates in fp32."""
+    from model.layers import ShortConvolution, seq_layout
+
+    torch.manual_seed(1)
+    lengths = [1, 2, 15, 64, 65]
+    conv = ShortConvolution(72, 4).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    layout = seq_layout(1, int(cu[-1]), cu, "cpu")
+    x = torch.randn(1, int(cu[-1]), 72).to(dtype)
+    state = torch.randn(len(lengths), 72, 3, dtype=state_dtype)
+    want = conv._conv_taps(x, layout, state)
+    got = CONV.causal_conv1d_state_triton(x, conv.weight[:, 0, :], layout.pos_BT, layout.seq_BT, state, "silu")
+    assert got.dtype == dtype
+    assert_close("y", want.float(), got.float(), tol)
+    zero = CONV.causal_conv1d_state_triton(x, conv.weight[:, 0, :], layout.pos_BT, layout.seq_BT, 0 * state, None)
+    assert_close("zero state", CONV.causal_conv1d_triton(x, conv.weight[:, 0, :], layout.pos_BT, None).float(),
+                 zero.float(), 1e-6)  # fmt: skip
+    with pytest.raises(ValueError, match=r"state \[N, C, K-1\]"):
+        CONV.causal_conv1d_state_triton(x, conv.weight[:, 0, :], layout.pos_BT, layout.seq_BT, state[..., :2])
+
+
+def test_short_convolution_prefill_with_state_takes_the_kernel_outside_autograd(monkeypatch):
+    """Inference with a conv state in and the final state out (the engine's prefill): the module's output on
+    the state kernel equals its taps and its final state is the same; with autograd on it keeps the taps."""
+    from model.fast import use_fast_paths
+    from model.layers import ShortConvolution, seq_layout
+
+    conv = ShortConvolution(8, 4)
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
+    layout = seq_layout(1, int(cu[-1]), cu, "cpu")
+    x = torch.randn(1, int(cu[-1]), 8)
+    state = torch.randn(len(LENGTHS), 8, 3)
+    calls, kernel = [], CONV.causal_conv1d_state_triton
+    monkeypatch.setattr("kernels.conv.triton.causal_conv1d_state_triton", lambda *a: calls.append(1) or kernel(*a))
+    with torch.no_grad():
+        with use_fast_paths("auto", conv="torch"):
+            ref, ref_state = conv(x, layout, state)
+        with use_fast_paths("auto", conv="triton"):
+            y, final = conv(x, layout, state)
+    assert calls == [1]
+    assert_close("y", ref, y, 1e-6)
+    assert torch.equal(final, ref_state)
+    with use_fast_paths("auto", conv="triton"):
+        y_grad, _ = conv(x.requires_grad_(), layout, state)
+    assert y_grad.requires_grad
+    assert_close("y with autograd (taps)", ref, y_grad.detach(), 1e-6)

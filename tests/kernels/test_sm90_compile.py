@@ -53,6 +53,11 @@ def _kernels():
           "C": "i32", "sx": "i32", "s0": "i64", "s1": "i32", "s2": "i32", "K": "constexpr", "SILU": "constexpr",
           "BC": "constexpr"},
          {"K": 4, "SILU": True, "BC": 256}),
+        # the engine's prefill continuing from the kept sessions' conv states (fp32 states, bf16 inputs)
+        (conv._conv_fwd_state,
+         {**io, "seq_ptr": "*i32", "state_ptr": "*fp32", "y_ptr": "*bf16", "R": "i32", "C": "i32", "ss0": "i32",
+          "ss1": "i32", "ss2": "i32", "K": "constexpr", "SILU": "constexpr", "BR": "constexpr", "BC": "constexpr"},
+         {"K": 4, "SILU": True, "BR": 64, "BC": 64}),
         (conv._conv_dpre, {**io, "dy_ptr": "*bf16", "dpre_ptr": "*fp32", "R": "i32", "C": "i32", "K": "constexpr",
                            "BR": "constexpr", "BC": "constexpr"}, {"K": 4, "BR": 64, "BC": 64}),
         (conv._conv_bwd, {**io, "dpre_ptr": "*fp32", "dx_ptr": "*bf16", "dw_ptr": "*fp32", "R": "i32", "C": "i32",
@@ -87,7 +92,7 @@ def _kernels():
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(9))
 def test_kernel_compiles_for_sm90(index):
     fn, signature, constexprs = _kernels()[index]
     # keyword order is the kernel's own: the signature must name every parameter

@@ -9,7 +9,7 @@ from model_cases import tiny_config
 
 from model.cache import KDAState
 from model.kda import KimiDeltaAttention, kda_gate
-from model.layers import ShortConvolution, seq_layout
+from model.layers import ShortConvolution, final_state_reference, seq_layout
 
 
 def make_layer(**overrides) -> KimiDeltaAttention:
@@ -64,6 +64,25 @@ def test_short_convolution_matches_conv1d():
     ref = F.conv1d(F.pad(x.transpose(1, 2), (3, 0)), conv.weight, groups=6).transpose(1, 2)
     torch.testing.assert_close(y, ref, rtol=0, atol=1e-12)
     torch.testing.assert_close(state, x[:, -3:].transpose(1, 2))
+
+
+@pytest.mark.parametrize("K", [4, 2, 1])
+@pytest.mark.parametrize("with_state", [True, False])
+def test_final_conv_states_equal_the_per_sequence_reference(K, with_state):
+    """The final conv states gathered for all sequences at once equal the per-sequence concatenation, exactly:
+    packed sequences shorter than the window (lengths 0, 1, 2: partly or wholly from the conv state), at it,
+    and longer (15, 64, 65, 300), and a padded batch."""
+    gen = torch.Generator().manual_seed(K)
+    conv = ShortConvolution(5, K)
+    lengths = [1, 0, 2, 3, 15, 64, 65, 300]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    x = torch.randn(1, sum(lengths), 5, generator=gen)
+    state = torch.randn(len(lengths), 5, K - 1, generator=gen) if with_state else None
+    for x_BTC, layout, s in ((x, seq_layout(1, x.shape[1], cu, "cpu"), state),
+                             (x[0, :96].view(3, 32, 5), seq_layout(3, 32, None, "cpu"), None if state is None else state[:3])):  # fmt: skip
+        got = conv._final_state(x_BTC, layout, s)
+        assert got.shape == (layout.num_seqs, 5, K - 1)
+        assert torch.equal(got, final_state_reference(x_BTC, layout, s, K - 1))
 
 
 def test_token_by_token_decode_equals_full_forward():
