@@ -154,7 +154,7 @@ def causal_conv1d_triton(
     return y.view(B, T, C)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # one compile for every token count (model.kernel_warmup's child compiles it)
 def _conv_fwd_state(x_ptr, w_ptr, pos_ptr, seq_ptr, state_ptr, y_ptr, R, C, ss0, ss1, ss2, K: tl.constexpr,
                     SILU: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):  # fmt: skip
     """``_conv_fwd`` continuing from conv states: tap j of a row at position pos < j reads its sequence's
