@@ -352,23 +352,31 @@ class ShortConvolution(nn.Module):
         W, C = self.kernel_size - 1, x_BTC.shape[-1]
         if W == 0 or not layout.bounds:
             return x_BTC.new_zeros(len(layout.bounds), C, W)
-        b_N, start_N, end_N = layout.cached("bounds_N3", lambda: _bounds_tensor(layout.bounds, x_BTC.device))
-        tok_NW = end_N[:, None] - W + torch.arange(W, device=x_BTC.device)  # the window's tokens in row b
-        inside_NW1 = (tok_NW >= start_N[:, None])[..., None]
-        from_x_NWC = x_BTC[b_N[:, None], tok_NW.clamp(min=0)]
+        b_N1, tok_NW, inside_NW1, rows_N1, col_NW = layout.cached(
+            ("final_state_index", W), lambda: _final_state_index(layout.bounds, W, x_BTC.device)
+        )
+        from_x_NWC = x_BTC[b_N1, tok_NW]
         if conv_state_NCW is None:
             final_NWC = from_x_NWC * inside_NW1
-        else:  # token start - i sits in the state's column W - i
-            col_NW = (W + tok_NW - start_N[:, None]).clamp(0, W - 1)
-            rows_N1 = torch.arange(len(layout.bounds), device=x_BTC.device)[:, None]
+        else:
             from_state_NWC = conv_state_NCW.to(x_BTC.dtype)[rows_N1, :, col_NW]
             final_NWC = torch.where(inside_NW1, from_x_NWC, from_state_NWC)
         return final_NWC.transpose(1, 2).contiguous()
 
 
-def _bounds_tensor(bounds: list[tuple[int, int, int]], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(batch row, start, end) per sequence as three int64 device tensors: one host-to-device copy."""
-    return tuple(to_device(torch.tensor(bounds, dtype=torch.long).reshape(-1, 3), device).unbind(1))
+def _final_state_index(bounds: list[tuple[int, int, int]], W: int, device) -> tuple[torch.Tensor, ...]:
+    """Where each sequence's last W inputs are (``ShortConvolution._final_state``), once per layout for every
+    layer and convolution: its batch row [N, 1], the window's tokens in that row [N, W] (clamped at 0), whether
+    each lies inside the sequence [N, W, 1], and otherwise the conv state's row [N, 1] and column [N, W] that
+    holds it (token start - i sits in column W - i). Built on the host, one copy to the device."""
+    b_N, start_N, end_N = torch.tensor(bounds, dtype=torch.long).reshape(-1, 3).unbind(1)
+    tok_NW = end_N[:, None] - W + torch.arange(W)
+    inside_NW = tok_NW >= start_N[:, None]
+    col_NW = (W + tok_NW - start_N[:, None]).clamp(0, W - 1)
+    rows_N = torch.arange(len(bounds))
+    packed = torch.cat([b_N[:, None], tok_NW.clamp(min=0), inside_NW.long(), rows_N[:, None], col_NW], dim=1)
+    b_N1, tok, inside, rows_N1, col = to_device(packed, device).split([1, W, W, 1, W], dim=1)
+    return b_N1, tok, inside.bool()[..., None], rows_N1, col
 
 
 def final_state_reference(x_BTC, layout: SeqLayout, conv_state_NCW, W: int) -> torch.Tensor:
