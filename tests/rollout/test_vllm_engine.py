@@ -3,6 +3,8 @@ routed experts, residency bounds. One engine for the whole module."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch
 from rollout.worker import TurnRequest
 
 pytestmark = pytest.mark.vllm
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "op_counts.py"  # its OpCounter (the ``bench`` fixture)
 
 # Rollout and learner run the same fp32 modules; what differs is how tokens are grouped (the
 # learner's one chunked pass over the whole sequence vs vLLM's prefill + token-by-token recurrent
@@ -118,6 +121,27 @@ def test_turns_ending_on_a_stop_token_reuse_the_session_like_a_recompute(worker,
     ref = learner_logprobs(model, history)
     pos = len(history) - len(reused[-1].token_ids)
     np.testing.assert_allclose(reused[-1].logprobs, ref[pos - 1 :].numpy(), atol=LOGPROB_TOL)
+
+
+def test_a_prefill_over_kept_sessions_dispatches_no_ops_per_session(worker, bench):
+    """The torch ops of one reused turn's prefill step, 2 sessions against 6: what a step launches on a GPU
+    outside CUDA graphs (``bench/op_counts.py``'s count: ops that launch a kernel). The short convolutions once
+    built each sequence's final conv state apart: 23 such ops more a session at 3 KDA layers (with views, 67;
+    ~11,500 ops in a step of 64 sessions at gpu_1b, about the ~100 ms such steps took on the H200); now 5,
+    vLLM's own per-request metadata."""
+
+    def reused_turn_ops(n: int, tag: str) -> int:
+        ids = [f"{tag}{i}" for i in range(n)]
+        worker.generate([TurnRequest(s, _prompt(40 + i, 30), max_tokens=2, temperature=0.0) for i, s in enumerate(ids)])
+        with bench.OpCounter() as counter:
+            outs = worker.generate([TurnRequest(s, _prompt(60 + i, 9), max_tokens=1, temperature=0.0)
+                                    for i, s in enumerate(ids)])  # fmt: skip
+        worker.end_sessions(ids)
+        assert all(o.reused_session for o in outs)
+        return counter.total
+
+    few, many = reused_turn_ops(2, "o"), reused_turn_ops(6, "O")
+    assert (many - few) / 4 <= 8, f"{(many - few) / 4:.1f} ops more a session ({few} ops at 2 sessions, {many} at 6)"
 
 
 def test_routed_experts_match_the_learners_router(worker, tiny_ckpt):
