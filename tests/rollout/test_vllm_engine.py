@@ -63,6 +63,15 @@ def test_sampled_logprobs_equal_learner_logprobs(worker, tiny_ckpt):
     assert_sampled_logprobs_equal_learner(worker, tiny_ckpt[1], "lp", _prompt(2, 60))
 
 
+def assert_last_turn_equals_the_learner(model, turns: list[list[int]], outs) -> None:
+    """The episode's context is its chunks and sampled tokens, and the last turn's logprobs are the learner's on it."""
+    history = [t for chunk, o in zip(turns, outs) for t in (*chunk, *o.token_ids)]
+    assert outs[-1].context_len == len(history)
+    ref = learner_logprobs(model, history)
+    pos = len(history) - len(outs[-1].token_ids)
+    np.testing.assert_allclose(outs[-1].logprobs, ref[pos - 1 :].numpy(), atol=LOGPROB_TOL)
+
+
 def _episode(worker, sid: str, turns: list[list[int]], fresh_each_turn: bool, stop: tuple[int, ...] = ()):
     outs = []
     for chunk in turns:
@@ -90,11 +99,7 @@ def test_whole_turn_reuse_prefills_only_new_tokens_and_matches_recompute(worker,
             # new tokens + the previous turn's last sampled token (never fed before): <= new + one block
             assert a.num_computed_prompt_tokens == a.num_new_tokens + 1 <= a.num_new_tokens + block
             assert b.num_computed_prompt_tokens == b.context_len - len(b.token_ids)
-    history = [t for chunk, o in zip(turns, reused) for t in (*chunk, *o.token_ids)]
-    assert reused[-1].context_len == len(history)
-    ref = learner_logprobs(model, history)
-    pos = len(history) - len(reused[-1].token_ids)
-    np.testing.assert_allclose(reused[-1].logprobs, ref[pos - 1 :].numpy(), atol=LOGPROB_TOL)
+    assert_last_turn_equals_the_learner(model, turns, reused)
 
 
 def test_turns_ending_on_a_stop_token_reuse_the_session_like_a_recompute(worker, tiny_ckpt):
@@ -116,11 +121,7 @@ def test_turns_ending_on_a_stop_token_reuse_the_session_like_a_recompute(worker,
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=LOGPROB_TOL)
         if t >= 1:
             assert a.reused_session and a.num_computed_prompt_tokens == a.num_new_tokens + 1
-    history = [t for chunk, o in zip(turns, reused) for t in (*chunk, *o.token_ids)]
-    assert reused[-1].context_len == len(history)
-    ref = learner_logprobs(model, history)
-    pos = len(history) - len(reused[-1].token_ids)
-    np.testing.assert_allclose(reused[-1].logprobs, ref[pos - 1 :].numpy(), atol=LOGPROB_TOL)
+    assert_last_turn_equals_the_learner(model, turns, reused)
 
 
 def test_a_prefill_over_kept_sessions_dispatches_no_ops_per_session(worker, bench):
