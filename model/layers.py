@@ -356,11 +356,11 @@ class ShortConvolution(nn.Module):
             ("final_state_index", W), lambda: _final_state_index(layout.bounds, W, x_BTC.device)
         )
         from_x_NWC = x_BTC[b_N1, tok_NW]
-        if conv_state_NCW is None:
-            final_NWC = from_x_NWC * inside_NW1
+        if conv_state_NCW is None:  # zeros before the sequence (a select: an inf there stays out, as in the reference)
+            from_state_NWC = from_x_NWC.new_zeros(())
         else:
             from_state_NWC = conv_state_NCW.to(x_BTC.dtype)[rows_N1, :, col_NW]
-            final_NWC = torch.where(inside_NW1, from_x_NWC, from_state_NWC)
+        final_NWC = torch.where(inside_NW1, from_x_NWC, from_state_NWC)
         return final_NWC.transpose(1, 2).contiguous()
 
 
