@@ -1429,7 +1429,7 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--max-batched-tokens", type=int, default=None,
                    help="reuse part: the engines' max_num_batched_tokens (default: vLLM's)")  # fmt: skip
-    p.add_argument("--kv-mib", type=int, default=24576)
+    p.add_argument("--kv-mib", type=int, default=None, help="reuse part: each engine's KV budget (24,576 MiB; 256 with --small)")
     p.add_argument("--modes", default="session,none,prefix_cache,peer",
                    help="reuse part, in order of importance: the first two run together, each later one "
                         "alone when the budget holds it (peer: vLLM's native Kimi Linear, a GPU only)")  # fmt: skip
@@ -1449,6 +1449,8 @@ def main() -> None:
     args = p.parse_args()
     if args.layer_chunk is None:  # several prefill steps for the first layers prompt (1200 / 150 tokens)
         args.layer_chunk = 48 if args.small else 256
+    if args.kv_mib is None:  # a CPU trial of the script holds no 24 GiB of KV beside its other engines
+        args.kv_mib = 256 if args.small else 24576
     parts = parse_parts(p, args.parts)
     unknown = sorted({name for name, _, _ in parts} - set(PARTS))
     if unknown:
