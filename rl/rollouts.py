@@ -2,9 +2,10 @@
 
 Failure handling (nothing is dropped silently; every case is counted in the step's metrics):
 
-- A rollout worker that dies mid-step turns its episodes into ERROR episodes with
-  ``info["error_where"] == "worker.generate"`` (rollout/manager.py). The driver then replaces every
-  dead worker with a fresh actor on the current weights and re-runs the affected groups, up to
+- A rollout worker that dies mid-step, or whose engine raises mid-turn, turns its episodes into ERROR
+  episodes with ``info["error_where"] == "worker.generate"`` (rollout/manager.py). The driver then replaces
+  every dead worker, and every worker that answers its ping with its engine's failure
+  (``RolloutWorker.get_version``), with a fresh actor on the current weights and re-runs the affected groups, up to
   ``rollout.max_episode_retries`` times; after that the step fails with the worker's error.
 - An episode whose env crashed (``env.*``: its constructor, reset or step raised) stays an ERROR
   episode: it is counted (``rollout/env_errors``, and per env ``rollout/env_errors/<env>``) and kept
@@ -159,7 +160,9 @@ class WorkerPool:
         self.version = version
 
     def replace_dead(self) -> list[int]:
-        """Ping every worker; start a fresh one in place of each that does not answer."""
+        """Ping every worker; start a fresh one in place of each that does not answer, or answers that its
+        engine failed (``RolloutWorker.get_version``). The old actor is killed first: a live one holds its
+        engine's memory."""
         import ray
 
         dead = []
@@ -169,6 +172,8 @@ class WorkerPool:
             except (ray.exceptions.RayError, TimeoutError):
                 dead.append(i)
         for i in dead:
+            with contextlib.suppress(Exception):
+                ray.kill(self.workers[i])
             self.workers[i] = self._start(i)
             self.restarts += 1
         if self.sync is not None:

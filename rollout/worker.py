@@ -176,6 +176,7 @@ class RolloutWorker:
         self.config = config if isinstance(config, WorkerConfig) else WorkerConfig(**config)
         self.version = self.config.policy_version
         self.sessions: OrderedDict[str, _Session] = OrderedDict()  # LRU order: oldest first
+        self.failure: str | None = None  # set when the engine raised mid-turn: see ``check_usable``
         self.llm = self._start_engine()
         RolloutWorker._live_in_process += int(self.config.in_process)
         from rollout.engine_hooks import install_step_recorder
@@ -251,6 +252,7 @@ class RolloutWorker:
         ids = [r.session_id for r in reqs]
         if len(set(ids)) != len(ids):
             raise ValueError(f"one turn per session per call; duplicated session ids in {ids}")
+        self.check_usable()
         outputs: dict[str, TurnOutput] = {}
         pending: list[_Pending] = []
         for r in reqs:
@@ -259,10 +261,14 @@ class RolloutWorker:
                 outputs[r.session_id] = started
             else:
                 pending.append(started)
-        self._run(pending)
         from rollout.engine_hooks import pop_request_records
 
-        records = self.llm.collective_rpc(pop_request_records, args=([p.internal_id for p in pending],))[0]
+        try:
+            self._run(pending)
+            records = self.llm.collective_rpc(pop_request_records, args=([p.internal_id for p in pending],))[0]
+        except Exception as e:  # the engine's state is unknown now: this worker takes no more turns
+            self.failure = f"{type(e).__name__}: {e}"
+            raise
         for p in pending:
             outputs[p.request.session_id] = self._finish_turn(p, records[p.internal_id])
         return [outputs[i] for i in ids]
@@ -440,7 +446,16 @@ class RolloutWorker:
         }
 
     def get_version(self) -> int:
+        """The policy version this worker samples from; raises once its engine has failed (``check_usable``),
+        so the driver's ping (``rl.rollouts.WorkerPool.replace_dead``) replaces it like a dead worker."""
+        self.check_usable()
         return self.version
+
+    def check_usable(self) -> None:
+        """Raise if the engine raised during a turn (vLLM's scheduler or the model: its requests and states
+        may be inconsistent), naming that error; the worker's episodes of that turn were already failed."""
+        if self.failure is not None:
+            raise RuntimeError(f"this rollout worker's engine failed ({self.failure}); start a new worker")
 
     def shutdown(self) -> None:
         self.end_sessions(list(self.sessions))

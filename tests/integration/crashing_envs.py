@@ -43,6 +43,30 @@ class WorkerKillingCalculator(CalculatorEnv):
         return super().step(action)
 
 
+BREAK_ENGINE_ON_STEP: list = []
+"""Ray actor handles of rollout workers whose vLLM engine is to raise from the next env step on (an engine that
+fails mid-turn, as vLLM 0.26's scheduler did on an H200 with ``Invalid request status: RUNNING``)."""
+
+
+class EngineBreakingCalculator(CalculatorEnv):
+    env_name = "EngineBreakingCalculator"
+
+    def step(self, action):
+        if BREAK_ENGINE_ON_STEP:
+            import ray
+
+            def break_engine(worker) -> None:  # runs in the worker's actor (shipped by value: a closure)
+                def step():
+                    raise RuntimeError("Invalid request status: RUNNING")
+
+                worker.engine.step = step
+
+            ray.get(BREAK_ENGINE_ON_STEP.pop().__ray_call__.remote(break_engine))
+        if self.turn == 0:  # continue the episode whatever was sampled, so the next turn needs the worker
+            action = protocol.format_tool_call("calculator", {"expression": "1 + 1"})
+        return super().step(action)
+
+
 class UnbuildableCalculator(CalculatorEnv):
     """A held-out env whose constructor raises (a missing data file, say)."""
 

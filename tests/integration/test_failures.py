@@ -1,5 +1,5 @@
 """Failure handling with real Ray actors and real vLLM rollout workers: bad configs, a crashing env,
-a rollout worker killed in the middle of a step."""
+a rollout worker killed in the middle of a step, a rollout worker whose engine fails in the middle of one."""
 
 import dataclasses
 import sys
@@ -90,6 +90,26 @@ def test_worker_killed_mid_step_is_replaced_and_its_groups_rerun(pool):
     c = collect_step(p, cfg.env, cfg.rollout, cfg.algorithm, stage, cfg.seed, 1)
     assert not crashing_envs.KILL_ON_STEP
     assert c.metrics["rollout/worker_retries"] == 1 and p.restarts == restarts + 1
+    assert len(c.groups) == 2 and all(len(g.episodes) == stage.group_size for g in c.groups)
+    assert all(e.status != "error" for g in c.groups for e in g.episodes)
+
+
+def test_worker_whose_engine_fails_mid_step_is_replaced_and_its_groups_rerun(pool):
+    """The worker lives on but its engine raised mid-turn (its requests and states may be inconsistent): it
+    answers the driver's ping with that error (``RolloutWorker.get_version``), so it is killed and replaced
+    like a dead one and its groups re-run; before, it kept its broken engine and failed every retry."""
+    import crashing_envs
+
+    from rl.rollouts import collect_step
+
+    cfg, p = pool
+    stage = stage_with(cfg, "crashing_envs:EngineBreakingCalculator", tasks=2)
+    broken = p.workers[0]
+    crashing_envs.BREAK_ENGINE_ON_STEP.append(broken)
+    restarts = p.restarts
+    c = collect_step(p, cfg.env, cfg.rollout, cfg.algorithm, stage, cfg.seed, 1)
+    assert not crashing_envs.BREAK_ENGINE_ON_STEP
+    assert c.metrics["rollout/worker_retries"] == 1 and p.restarts == restarts + 1 and p.workers[0] is not broken
     assert len(c.groups) == 2 and all(len(g.episodes) == stage.group_size for g in c.groups)
     assert all(e.status != "error" for g in c.groups for e in g.episodes)
 

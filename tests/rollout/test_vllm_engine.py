@@ -199,6 +199,8 @@ def test_context_budget_and_bad_requests(worker):
         worker.generate([TurnRequest("d", [5]), TurnRequest("d", [6])])
     with pytest.raises(ValueError, match="at least one"):
         worker.generate([TurnRequest("z", [])])
+    # a bad request is the caller's error, not the engine's: the worker stays usable (rollout.worker.check_usable)
+    assert worker.failure is None and worker.get_version() == worker.version
 
 
 def test_the_prefill_layout_is_built_once_per_step_metadata():
