@@ -56,6 +56,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -773,7 +774,7 @@ def repeat_speedup(out: dict, runs: dict, turns: int) -> None:
     ]
     ratios = [n / s for s, n in zip(*walls)]
     out["speedup_vs_none_by_repeat"] = ratios
-    out["speedup_vs_none_median"] = sorted(ratios)[len(ratios) // 2] if ratios else None
+    out["speedup_vs_none_median"] = statistics.median(ratios) if ratios else None
 
 
 def reuse_turns(run: Run, runs: list, out: dict, rep: int = 0) -> None:

@@ -26,5 +26,8 @@ def test_the_bar_reads_the_median_of_the_repeats_that_finished(bench):
                "none": {"turns": 2, "later_computed_over_new": 12.9}}  # fmt: skip
     assert bench.reuse_bar(summary, 2, out["speedup_vs_none_median"])["at_least_3x_vs_none"] is True
     assert bench.reuse_bar(summary, 2)["at_least_3x_vs_none"] is False  # one run: the last repeat's 2.5x
+    two = {m: SimpleNamespace(reps=r.reps[:2]) for m, r in runs.items()}
+    bench.repeat_speedup(out := {}, two, turns=2)
+    assert out["speedup_vs_none_median"] == 3.5  # an even count: the middle two's mean, not the upper one
     bench.repeat_speedup(out := {}, {"session": runs["session"]}, turns=2)
     assert out == {}  # without the none mode there is no ratio
