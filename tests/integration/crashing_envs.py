@@ -30,7 +30,16 @@ KILL_ON_STEP: list = []
 """Ray actor handles to kill from inside the next env step (a worker dying in the middle of a step)."""
 
 
-class WorkerKillingCalculator(CalculatorEnv):
+class _SecondTurnCalculator(CalculatorEnv):
+    """Calls the calculator on the first turn whatever was sampled, so the episode needs the worker again."""
+
+    def step(self, action):
+        if self.turn == 0:
+            action = protocol.format_tool_call("calculator", {"expression": "1 + 1"})
+        return super().step(action)
+
+
+class WorkerKillingCalculator(_SecondTurnCalculator):
     env_name = "WorkerKillingCalculator"
 
     def step(self, action):
@@ -38,8 +47,6 @@ class WorkerKillingCalculator(CalculatorEnv):
             import ray
 
             ray.kill(KILL_ON_STEP.pop())
-        if self.turn == 0:  # continue the episode whatever was sampled, so the next turn needs the worker
-            action = protocol.format_tool_call("calculator", {"expression": "1 + 1"})
         return super().step(action)
 
 
@@ -48,7 +55,7 @@ BREAK_ENGINE_ON_STEP: list = []
 fails mid-turn, as vLLM 0.26's scheduler did on an H200 with ``Invalid request status: RUNNING``)."""
 
 
-class EngineBreakingCalculator(CalculatorEnv):
+class EngineBreakingCalculator(_SecondTurnCalculator):
     env_name = "EngineBreakingCalculator"
 
     def step(self, action):
@@ -62,8 +69,6 @@ class EngineBreakingCalculator(CalculatorEnv):
                 worker.engine.step = step
 
             ray.get(BREAK_ENGINE_ON_STEP.pop().__ray_call__.remote(break_engine))
-        if self.turn == 0:  # continue the episode whatever was sampled, so the next turn needs the worker
-            action = protocol.format_tool_call("calculator", {"expression": "1 + 1"})
         return super().step(action)
 
 
