@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.glu import GluActivation
 from kernels.moe import route_tensors
 from model import fast
 from model.balancing import RoutingStats, histogram_range
@@ -373,11 +374,13 @@ class GroupedExperts(GatedActivation, nn.Module):
         glu = self._glu_rows(z_TZ)
         return glu_grouped_mm_combine(gu_PI2, layout, w_down, route.weights_TK, glu, z_TZ.dtype)
 
-    def _glu_rows(self, z_TZ: torch.Tensor) -> Callable:
-        """The activation ``glu_grouped_mm_combine`` runs (and reruns in backward): the fused kernel where
-        ``model.fast`` op "glu" takes it, else the plain ops, since that node already recomputes h (the
-        "recompute" wrapper would compute it a third time)."""
-        return self.glu if fast.pick("glu", z_TZ.device) == "triton" else self.glu_torch
+    def _glu_rows(self, z_TZ: torch.Tensor) -> GluActivation:
+        """The activation ``glu_grouped_mm_combine`` runs (and reruns in backward), as ``GatedActivation.glu``
+        would run it: the fused kernels where ``model.fast`` op "glu" takes them in training, else this module's
+        ``glu_fn`` (the node already recomputes h, so no "recompute" wrapper) with the closed-form gradient."""
+        fused = (fast.pick("glu", z_TZ.device) == "triton" and self.act == "situ" and z_TZ.is_cuda
+                 and torch.is_grad_enabled())  # fmt: skip
+        return GluActivation(self.act, *self.situ_betas, fused=fused, fn=self.glu_fn)
 
     def _loop(self, z_TZ, route: RouterOutput, w_gu, w_down) -> torch.Tensor:
         """sum_j w_tj E_{e_tj}(z_t): experts run on their tokens, results go back to (token, slot)

@@ -121,23 +121,34 @@ def _(g2, u2, dh2, beta, lb):
     return g2.new_empty(g2.shape), u2.new_empty(u2.shape)
 
 
+def situ_glu_values(gate: torch.Tensor, up: torch.Tensor, beta: float, lb: float) -> torch.Tensor:
+    """h of gate and up of any shape (a contiguous copy where the last dim is not), no autograd."""
+    if gate.shape != up.shape:
+        raise ValueError(f"situ_glu_triton: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    return situ_glu_fwd(_rows(gate), _rows(up), beta, lb).view(gate.shape)
+
+
+def situ_glu_grads(
+    gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, beta: float, lb: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dg, du) in the shape of gate and up for the output gradient dh, no autograd."""
+    dg, du = situ_glu_bwd(_rows(gate), _rows(up), _rows(dh), beta, lb)
+    return dg.view(gate.shape), du.view(up.shape)
+
+
 class SituGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, beta: float, lb: float):
-        if gate.shape != up.shape:
-            raise ValueError(f"situ_glu_triton: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
-        shape = gate.shape
-        g2, u2 = _rows(gate), _rows(up)
-        h = situ_glu_fwd(g2, u2, beta, lb)
-        ctx.save_for_backward(g2, u2)
-        ctx.beta, ctx.lb, ctx.shape = beta, lb, shape
-        return h.view(shape)
+        h = situ_glu_values(gate, up, beta, lb)
+        ctx.save_for_backward(gate, up)
+        ctx.beta, ctx.lb = beta, lb
+        return h
 
     @staticmethod
     def backward(ctx, dh):
-        g2, u2 = ctx.saved_tensors
-        dg, du = situ_glu_bwd(g2, u2, _rows(dh), ctx.beta, ctx.lb)
-        return dg.view(ctx.shape), du.view(ctx.shape), None, None
+        gate, up = ctx.saved_tensors
+        dg, du = situ_glu_grads(gate, up, dh, ctx.beta, ctx.lb)
+        return dg, du, None, None
 
 
 def situ_glu_triton(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0):

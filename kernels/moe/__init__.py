@@ -16,7 +16,7 @@ The routed experts' training path keeps less for backward by fusing the stages a
 into two autograd nodes (``GroupedExperts._grouped`` in ``model.moe``):
 
     gu_PI2 = permute_grouped_mm(z_TZ, layout, w_gu)                  # keeps z [T, Z], not x [P, Z]
-    y_TN   = glu_grouped_mm_combine(gu_PI2, layout, w_down, w_TK, glu)  # keeps gate/up only
+    y_TN   = glu_grouped_mm_combine(gu_PI2, layout, w_down, w_TK, glu)  # keeps gate/up only (glu: GluActivation)
 
 The first gathers the k-times larger permuted rows again in backward (for the weight gradient); the
 second recomputes the activation h = glu(g, u) in backward (an element-wise kernel) and never keeps the
@@ -46,10 +46,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.moe.naive import grouped_mm_naive, grouped_mm_naive_dw
+
+if TYPE_CHECKING:
+    from kernels.glu import GluActivation
 
 __all__ = ["GROUPED_MM_BACKENDS", "RouteLayout", "combine", "combine_reference", "glu_grouped_mm_combine", "grouped_mm", "grouped_mm_alignment",
            "grouped_mm_backend", "grouped_mm_dw", "grouped_mm_dx", "permute", "permute_grouped_mm", "permute_reference",
@@ -403,19 +407,20 @@ def glu_grouped_mm_combine(
     layout: RouteLayout,
     w_GNI: torch.Tensor,
     weights_TK: torch.Tensor,
-    glu,
+    glu: GluActivation,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``combine(grouped_mm(glu(g, u), w.to(gu.dtype), layout.offs_E), layout, weights, dtype)`` [T, N], g
     and u the two halves of the gate/up rows ``gu_PI2``, as one autograd node that keeps only gu, w and the
     weights (w cast in forward and again in backward, as in ``permute_grouped_mm``).
 
-    ``glu(g, u)``: the differentiable gated activation (``GatedActivation.glu``: the fused kernel where it
-    applies); it runs with gradient on detached rows, so it takes its training path, and its graph is
-    dropped in forward and rebuilt in backward (h recomputed). Backward, with dy_j = w_j g the gradient of a
-    slot's down-projected row: the unweighted rows' product dq = g_rows W[e] gives dw_j = <h_j, dq_j>
-    (fp32) and dh = w_j dq_j, and dW[e] = sum_rows (w_j g)^T h_j as ``combine`` + ``grouped_mm`` give it.
-    Against them only rounding differs: dh rounds the product before the weight, not after."""
+    ``glu`` (``kernels.glu.GluActivation``): the gated activation's values and closed-form gradient, the
+    fused kernels where the model takes them. The node recomputes h = glu(g, u) in backward. No autograd runs
+    inside the node, so ``torch.compile`` traces it whole (a compiled MoE block is one graph each way).
+    Backward, with dy_j = w_j g the gradient of a slot's down-projected row: the unweighted rows' product
+    dq = g_rows W[e] gives dw_j = <h_j, dq_j> (fp32) and dh = w_j dq_j, and dW[e] = sum_rows (w_j g)^T h_j as
+    ``combine`` + ``grouped_mm`` give it. Against them only rounding differs: dh rounds the product before the
+    weight, not after, and the activation's gradient is its closed form."""
     if weights_TK.shape != (layout.tokens, layout.top_k):
         raise ValueError(
             f"weights must be [T, k] = [{layout.tokens}, {layout.top_k}], got {tuple(weights_TK.shape)}"
@@ -427,9 +432,8 @@ def glu_grouped_mm_combine(
     w_TK = weights_TK if weights_TK.dtype in (torch.float32, torch.float64) else weights_TK.float()
     if torch.is_grad_enabled() and (gu_PI2.requires_grad or w_GNI.requires_grad or w_TK.requires_grad):
         return _GluGroupedMMCombine.apply(gu_PI2, layout, w_GNI, w_TK, glu, dtype or gu_PI2.dtype)
-    # no gradient wanted (the engine, no-grad logprob passes): the node's forward math without the node, so
-    # the activation runs as plain ops and a compiled MoE block traces through it in one graph
-    h_PI = glu(*gu_PI2.chunk(2, dim=-1))
+    # no gradient wanted (the engine, no-grad logprob passes): the node's forward math without the node
+    h_PI = glu.values(*gu_PI2.chunk(2, dim=-1))
     return _grouped_mm_combine(h_PI, layout, w_GNI, w_TK, dtype or gu_PI2.dtype)[0]
 
 
@@ -441,19 +445,20 @@ def _grouped_mm_combine(h_PI, layout: RouteLayout, w_GNI, w_TK, dtype) -> tuple[
     return (unpermute(y_PN, layout) * w_TK[..., None]).sum(1).to(dtype), backend
 
 
-def _glu_graph(glu, gu_PI2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(leaf gu with gradient, h = glu(g, u) with its graph): the activation as training runs it. The graph
-    lives only inside one forward or backward of the node, so it is kept from the saved-tensor hooks around
-    it (activation checkpointing, offloading): they see what the node keeps, not this."""
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
-        leaf = gu_PI2.detach().requires_grad_()
-        return leaf, glu(*leaf.chunk(2, dim=-1))
+def scaled_rows(x_PN: torch.Tensor, w_P1: torch.Tensor) -> torch.Tensor:
+    """``scale_rows_`` into a new tensor (x kept)."""
+    if torch.compiler.is_compiling() or not x_PN.is_cuda:
+        return (x_PN * w_P1).to(x_PN.dtype)
+    return scale_rows_(x_PN.clone(), w_P1)
 
 
 def scale_rows_(x_PN: torch.Tensor, w_P1: torch.Tensor) -> torch.Tensor:
-    """x *= w ([P, N] rows times [P, 1] fp32 weights) in place, fp32 math rounded once to x's dtype: the
-    Triton kernel on CUDA (``triton.scale_rows_triton_``; PyTorch's broadcast mixed-dtype multiply is not
-    vectorised: 6.5 ms of an H200 learner step at 16K tokens), ``mul_`` (the reference) elsewhere."""
+    """x *= w ([P, N] rows times [P, 1] fp32 weights), fp32 math rounded once to x's dtype: the Triton kernel
+    in place on CUDA (``triton.scale_rows_triton_``; PyTorch's broadcast mixed-dtype multiply is not
+    vectorised: 6.5 ms of an H200 learner step at 16K tokens), ``mul_`` (the reference) elsewhere. Inside a
+    compiled graph the same math as plain ops into a new tensor, which inductor fuses into one kernel."""
+    if torch.compiler.is_compiling():
+        return (x_PN * w_P1).to(x_PN.dtype)
     if x_PN.is_cuda and x_PN.ndim == 2 and x_PN.stride(-1) == 1:
         from kernels.moe.triton import scale_rows_triton_
 
@@ -461,14 +466,10 @@ def scale_rows_(x_PN: torch.Tensor, w_P1: torch.Tensor) -> torch.Tensor:
     return x_PN.mul_(w_P1)
 
 
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 class _GluGroupedMMCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gu_PI2, layout, w_GNI, w_TK, glu, dtype):
-        h_PI = _glu_graph(glu, gu_PI2)[1].detach()
+        h_PI = glu.values(*gu_PI2.chunk(2, dim=-1))
         y_TN, ctx.backend = _grouped_mm_combine(h_PI, layout, w_GNI, w_TK, dtype)
         ctx.layout, ctx.glu = layout, glu
         ctx.save_for_backward(gu_PI2, w_GNI, w_TK)
@@ -477,26 +478,27 @@ class _GluGroupedMMCombine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_TN):
         gu_PI2, w_GNI, w_TK = ctx.saved_tensors
-        lay = ctx.layout
-        leaf, h_PI = _glu_graph(ctx.glu, gu_PI2)
-        dt = h_PI.dtype
+        lay, glu = ctx.layout, ctx.glu
+        g_PI, u_PI = gu_PI2.chunk(2, dim=-1)
+        dt = gu_PI2.dtype
         w_GNI = w_GNI.to(dt)
         # each buffer row's token gradient (padding and tail rows read the zero row) and slot weight
         g_PN = _with_zero_row(g_TN).index_select(0, lay.src_row_P)
-        w_P = w_TK.new_zeros(lay.rows).index_copy_(0, lay.row_of_slot_S, w_TK.reshape(-1))[:, None]
+        w_P = w_TK.new_zeros(lay.rows).index_copy(0, lay.row_of_slot_S, w_TK.reshape(-1))[:, None]
         dq_PI = grouped_mm_dx(g_PN.to(dt), w_GNI, lay.offs_E, ctx.backend)
-        dw_TK = None
+        dgu = None
+        if ctx.needs_input_grad[0]:  # h recomputed with the activation's gradient at dh = w_j dq_j
+            h_PI, dg_PI, du_PI = glu.values_and_grad(g_PI, u_PI, scaled_rows(dq_PI, w_P))
+            dgu = torch.cat((dg_PI, du_PI), dim=-1)
+            del dg_PI, du_PI
+        else:
+            h_PI = glu.values(g_PI, u_PI)
+        dw_TK = dW = None
         if ctx.needs_input_grad[3]:  # fp32 sums of the products (rounded to h's dtype, as y's entries were)
-            hq_P = (h_PI.detach() * dq_PI).sum(-1, dtype=w_TK.dtype)
+            hq_P = (h_PI * dq_PI).sum(-1, dtype=w_TK.dtype)
             dw_TK = hq_P.index_select(0, lay.row_of_slot_S).view(lay.tokens, lay.top_k)
-        dW = None
+        del dq_PI
         if ctx.needs_input_grad[2]:  # rows w_j g rounded once, as combine's backward gives them
             dy_PN = scale_rows_(g_PN, w_P) if g_PN.dtype == dt else (g_PN * w_P).to(dt)
-            dW = grouped_mm_dw(dy_PN, h_PI.detach(), lay.offs_E, ctx.backend)
-            del dy_PN
-        del g_PN
-        dgu = None
-        if ctx.needs_input_grad[0]:
-            torch.autograd.backward(h_PI, scale_rows_(dq_PI, w_P))
-            dgu = leaf.grad
+            dW = grouped_mm_dw(dy_PN, h_PI, lay.offs_E, ctx.backend)
         return dgu, None, dW, dw_TK, None, None

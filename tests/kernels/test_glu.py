@@ -1,14 +1,16 @@
 """Fused Triton SiTU-GLU (kernels/glu/triton.py) under TRITON_INTERPRET=1 against the PyTorch
 reference and against model.layers.situ_glu, forward and backward: fp32 (error ratio <= 1e-6),
 bf16 (<= 1e-2, the output's own rounding), strided gate/up views of one [R, 2C] buffer as the
-grouped MoE path passes them, and shapes not a multiple of the kernel's blocks."""
+grouped MoE path passes them, and shapes not a multiple of the kernel's blocks. ``GluActivation``'s
+closed-form gradients against autograd on the references (float64 to 1e-12), and its fused form against
+the kernels' autograd node bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.glu import situ_glu_reference
+from kernels.glu import GluActivation, silu_glu_reference, situ_glu_reference
 from kernels.testing import assert_close, import_interpreted
 from model.layers import situ_glu
 
@@ -94,3 +96,55 @@ def test_a_later_import_for_the_gpu_leaves_the_interpreted_ops_alone(monkeypatch
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert gpu_module is not GLU
     torch.testing.assert_close(GLU.situ_glu_triton(g, u), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("act, betas", [("situ", (4.0, 25.0)), ("situ", (2.0, 5.0)), ("silu", ())])
+def test_closed_form_gradients_equal_autograd_on_the_reference(act, betas):
+    """What the grouped MoE's GLU node runs in backward: h bit for bit the reference's, the gradient in
+    float64 equal to autograd's to rounding; bf16 inputs give bf16 gradients within one bf16 rounding of
+    the float64 ones."""
+    torch.manual_seed(3)
+    gu, dh = torch.randn(23, 2 * 40, dtype=torch.float64) * 6, torch.randn(23, 40, dtype=torch.float64)
+    ref = situ_glu_reference if act == "situ" else silu_glu_reference
+    h_ref, d_ref = _grads(ref, gu, dh, *betas)
+    glu = GluActivation(act, *betas)
+    g, u = gu.chunk(2, dim=-1)
+    h, dg, du = glu.values_and_grad(g, u, dh)
+    assert torch.equal(h, h_ref) and torch.equal(glu.values(g, u), h_ref)
+    assert_close("dgu float64", d_ref, torch.cat((dg, du), -1), 1e-12)
+    g16, u16 = gu.bfloat16().chunk(2, dim=-1)
+    h16, dg, du = glu.values_and_grad(g16, u16, dh.bfloat16())
+    assert h16.dtype == dg.dtype == du.dtype == torch.bfloat16
+    assert torch.equal(h16, ref(g16, u16, *betas))
+    _, d_exact = _grads(ref, gu.bfloat16().double(), dh.bfloat16().double(), *betas)
+    assert_close("dgu bf16", d_exact, torch.cat((dg, du), -1).double(), 8e-3)
+
+
+def test_closed_form_gradient_fails_on_a_wrong_formula():
+    """The float64 comparison can fail: SiTU's gradient with the betas swapped is caught."""
+    torch.manual_seed(4)
+    gu, dh = torch.randn(8, 64, dtype=torch.float64) * 6, torch.randn(8, 32, dtype=torch.float64)
+    _, d_ref = _grads(situ_glu_reference, gu, dh, 4.0, 25.0)
+    g, u = gu.chunk(2, dim=-1)
+    _, dg, du = GluActivation("situ", 25.0, 4.0).values_and_grad(g, u, dh)
+    with pytest.raises(AssertionError):
+        assert_close("dgu", d_ref, torch.cat((dg, du), -1), 1e-6)
+
+
+def test_fused_activation_is_the_kernels_node_bit_for_bit():
+    """``GluActivation(fused=True)`` calls the kernels the autograd node calls: same h, same (dg, du)."""
+    torch.manual_seed(5)
+    gu, dh = (torch.randn(19, 2 * 72) * 6).bfloat16(), torch.randn(19, 72).bfloat16()
+    h_node, d_node = _grads(GLU.situ_glu_triton, gu, dh, 4.0, 25.0)
+    glu = GluActivation("situ", 4.0, 25.0, fused=True)
+    g, u = gu.chunk(2, dim=-1)
+    h, dg, du = glu.values_and_grad(g, u, dh)
+    assert torch.equal(glu.values(g, u), h_node) and torch.equal(h, h_node)
+    assert torch.equal(torch.cat((dg, du), -1), d_node)
+
+
+def test_an_unknown_or_unfused_activation_is_refused():
+    with pytest.raises(ValueError, match="'situ' or 'silu'"):
+        GluActivation("gelu")
+    with pytest.raises(ValueError, match="SiTU-GLU only"):
+        GluActivation("silu", fused=True)
