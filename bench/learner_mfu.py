@@ -34,6 +34,10 @@ per-expert nn.Linear experts made ~6k parameter tensors before the experts were 
 ``--also-fast-paths SPEC[;SPEC...]`` is an A/B within one process (one device call, one host): after each
 micro-batch size it times the same learner on the same batch again with each ``SPEC``'s fast paths (e.g.
 ``glu=recompute``), a row each; each ``SPEC`` passes the same check against the references first.
+``--cuda-graphs`` (with ``--compile``), after every size's rows: the compiled blocks again with inductor's
+CUDA graphs (``model.compile.compile_regions(cuda_graphs=True)``), each step opened with
+``torch.compiler.cudagraph_mark_step_begin()``, timed per size as a row "ours, cuda graphs" (no components,
+no profile; an error there is a note, the rows before it stand).
 
 Results: ``<out>/learner_mfu.json`` (everything) and ``<out>/learner_mfu.md`` (the table), rewritten
 after every part. ``--small`` runs the same plumbing on a CPU with a tiny config (fp32).
@@ -233,8 +237,38 @@ def gemm_peak(clock: Clock, cuda: bool) -> float:
     return 2 * n**3 / s
 
 
+CUDA_GRAPHS = {"on": False}  # --cuda-graphs: the blocks replay as CUDA graphs, each step marks its start
+
+
 def train_step(learner, batch) -> dict:
+    if CUDA_GRAPHS["on"]:
+        torch.compiler.cudagraph_mark_step_begin()
     return learner.train_step([[batch]])
+
+
+def run_cuda_graphs(report: Report, learner, token_sizes: list[int], args, clock, peak: float, cuda: bool, t_start: float):
+    """``--cuda-graphs``: the learner's blocks compiled again as CUDA graphs, each size timed once more."""
+    from model.compile import compile_regions, resolve_compile_scope
+
+    torch._dynamo.reset()
+    scope = resolve_compile_scope(args.compile_scope, learner.device, on_cuda="blocks")
+    learner.compiled_regions = compile_regions(learner.base_model, scope=scope, cuda_graphs=True)
+    CUDA_GRAPHS["on"] = True
+    plain = argparse.Namespace(**{**vars(args), "components": False, "profile": False, "warmup": max(args.warmup, 3)})
+    try:
+        for tokens in token_sizes:
+            if time.time() - t_start > args.budget:
+                report.notes.append(f"budget reached before cuda graphs at {tokens} tokens")
+                continue
+            run_ours(report, learner, tokens, plain, clock, peak, cuda, "ours, cuda graphs")
+            report.save(args.out)
+    except Exception as e:  # an experiment: its failure is reported, the rows before it stand
+        report.notes.append(f"cuda graphs: {type(e).__name__}: {str(e)[:300]}")
+        print(f"[cuda graphs] failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        learner.optimizer.zero_grad(set_to_none=True)
+        free(cuda)
+    finally:
+        CUDA_GRAPHS["on"] = False
 
 
 def snapshot(learner):
@@ -1120,6 +1154,7 @@ def main() -> int:
     ap.add_argument("--checkpoint", default="none", choices=["none", "layer", "ffn", "attention"])
     ap.add_argument("--compile", action="store_true", help="learner.compile (regional torch.compile)")
     ap.add_argument("--compile-scope", default="auto", help="learner.compile_scope: auto (blocks on a GPU), regions, moe or blocks")
+    ap.add_argument("--cuda-graphs", action="store_true", help="with --compile: the blocks as CUDA graphs, timed after")
     ap.add_argument("--no-peer", dest="peer", action="store_false")
     ap.add_argument("--peer-row", type=int, default=1024, help="the peer's row length (tokens per sequence)")
     ap.add_argument("--no-components", dest="components", action="store_false")
@@ -1143,6 +1178,8 @@ def main() -> int:
     ap.add_argument("--skip-check", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, default=560.0, help="seconds: no new part starts after this")
     args = ap.parse_args()
+    if args.cuda_graphs and not args.compile:
+        ap.error("--cuda-graphs replays the compiled blocks: it needs --compile")
     t_start = time.time()
     cuda = torch.cuda.is_available() and not args.small
     if args.small:
@@ -1230,6 +1267,8 @@ def main() -> int:
                 _checkpoint_layers(learner.base_model, "layer")
                 args.checkpoint = "layer"
         report.save(args.out)
+    if args.cuda_graphs:
+        run_cuda_graphs(report, learner, token_sizes, args, clock, peak, cuda, t_start)
     if args.peer:  # the peer runs alone on the device: our model, optimizer state and caches are gone
         report.env["resident_before_peer_gib"] = release_learner(learner, cuda)
         learner = None

@@ -205,6 +205,7 @@ def block_kinds(scope: str) -> tuple[tuple[type, str, Callable], ...]:
 
 
 COMPILE_SCOPES = ("regions", "moe", "blocks")
+CUDA_GRAPH_OPTIONS = {"triton.cudagraphs": True}  # inductor's option behind torch.compile(mode="reduce-overhead")
 
 
 def resolve_compile_scope(scope: str, device: torch.device | str, on_cuda: str) -> str:
@@ -224,6 +225,7 @@ def compile_regions(
     extra_kinds: tuple[tuple[type, str, Callable], ...] = (),
     options: dict | None = None,
     scope: str = "regions",
+    cuda_graphs: bool = False,
 ) -> list[CompiledOrEager]:
     """Point every norm, AttnRes mix, GLU, router, grouped MoE and KDA layer of ``model`` (and the modules
     of ``extra_kinds``: the vLLM model's decode step) at the shared compiled functions; returns the
@@ -232,7 +234,10 @@ def compile_regions(
     ``scope`` (``block_kinds``): blocks compiled whole; the regions inside them stay plain functions that
     the block's graph traces through (one compile, fused with the block's other element-wise work). A module
     whose attribute is None does not take that path (an AttnRes mix outside an engine: no stacked mix) and
-    gets no wrapper there."""
+    gets no wrapper there. ``cuda_graphs``: the blocks' graphs replay as CUDA graphs (inductor's cudagraph
+    trees, ``CUDA_GRAPH_OPTIONS``): one launch for a block's kernels instead of one each, a graph recorded per
+    token count; an experiment of bench/learner_mfu.py (``--cuda-graphs``), whose steps begin with
+    ``torch.compiler.cudagraph_mark_step_begin()``."""
     if torch._dynamo.config.recompile_limit < REGION_RECOMPILE_LIMIT:
         log.info("dynamo recompile_limit %d -> %d (compiled regions)", torch._dynamo.config.recompile_limit,
                  REGION_RECOMPILE_LIMIT)  # fmt: skip
@@ -248,7 +253,8 @@ def compile_regions(
                     # a block's graph breaks resume in frames whose inputs carry no dynamic marks: there
                     # dynamo's automatic dynamic shapes (dynamic=None) make a new token count symbolic on
                     # its first recompile, where dynamic=False would compile every new count again
-                    dynamic = None if (cls, attr, fn) in blocks else False
-                    regions[fn] = CompiledOrEager(fn, fn.__name__, backend, options, dynamic)
+                    is_block = (cls, attr, fn) in blocks
+                    opts = {**(options or {}), **CUDA_GRAPH_OPTIONS} if is_block and cuda_graphs else options
+                    regions[fn] = CompiledOrEager(fn, fn.__name__, backend, opts, None if is_block else False)
                 setattr(module, attr, regions[fn])
     return list(regions.values())

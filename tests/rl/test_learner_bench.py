@@ -150,3 +150,33 @@ def test_optimizer_is_split_and_the_peer_runs_after_our_learner_is_released(benc
     peer = report["peer"][0]
     assert "error" in peer or peer["tokens"] == 256
     assert "optimizer" in (tmp_path / "learner_mfu.md").read_text()
+
+
+def test_cuda_graphs_are_timed_after_the_plain_rows_and_mark_every_step(bench, monkeypatch, tmp_path):
+    """``--cuda-graphs``: the learner's blocks compiled again with inductor's CUDA graphs (on the CPU inductor
+    skips the graphs, the plumbing runs), a row "ours, cuda graphs" after the plain one, each of its steps
+    opened with ``cudagraph_mark_step_begin``; without ``--compile`` the flag is refused."""
+    import pytest
+    import torch
+
+    import model.compile as mc
+
+    built, marks = [], []
+    real_init = mc.CompiledOrEager.__init__
+
+    def record(self, fn, name, backend="inductor", options=None, dynamic=False):
+        built.append((name, dict(options or {})))
+        real_init(self, fn, name, backend, options, dynamic)
+
+    monkeypatch.setattr(mc.CompiledOrEager, "__init__", record)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    monkeypatch.setattr(bench, "probe_ops", lambda *a: "moe=grouped")
+    assert run(bench, monkeypatch, tmp_path, "--compile", "--compile-scope", "moe", "--cuda-graphs") == 0
+    report = json.loads((tmp_path / "learner_mfu.json").read_text())
+    assert [r["impl"] for r in report["runs"]] == ["ours", "ours, cuda graphs"]
+    assert not report.get("notes") or not any("cuda graphs" in n for n in report["notes"])
+    graphed = {name for name, opts in built if opts.get("triton.cudagraphs")}
+    assert graphed == {"sparse_moe_forward"}  # the blocks only, never the small regions
+    assert len(marks) >= 3 and not bench.CUDA_GRAPHS["on"]  # warm-up (3) and the timed step
+    with pytest.raises(SystemExit):
+        run(bench, monkeypatch, tmp_path, "--cuda-graphs")
