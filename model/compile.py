@@ -192,16 +192,18 @@ def region_kinds() -> tuple[tuple[type, str, Callable], ...]:
 def block_kinds(scope: str) -> tuple[tuple[type, str, Callable], ...]:
     """The whole blocks compiled at ``scope``: "regions" none; "moe" every MoE block's forward (router,
     routing, permutation, grouped GEMMs, combine, latent projections and shared expert: one graph per
-    call signature for all MoE layers, split where dynamo cannot trace, e.g. around the GLU combine's
-    saved-tensor hooks); "blocks" the MoE blocks and every KDA layer's forward (its projections, norms,
-    gates and gated output; the short convolutions and the kernel stay outside, ``model.kda.kda_forward``)."""
+    call signature for all MoE layers); "blocks" the MoE blocks and every KDA layer's forward: whole on the
+    planned path (training and no-grad passes on the Triton kernels, ``model.kda.kda_planned_forward``: its
+    convolutions and kernel inside), else its projections, norms, gates and gated output with the short
+    convolutions and the kernel outside (``model.kda.kda_forward``)."""
     if scope not in COMPILE_SCOPES:
         raise ValueError(f"compile scope must be one of {COMPILE_SCOPES}, got {scope!r}")
-    from model.kda import KimiDeltaAttention, kda_forward
+    from model.kda import KimiDeltaAttention, kda_forward, kda_planned_forward
     from model.moe import SparseMoE, sparse_moe_forward
 
     moe = ((SparseMoE, "forward_fn", sparse_moe_forward),)
-    return {"regions": (), "moe": moe, "blocks": (*moe, (KimiDeltaAttention, "forward_fn", kda_forward))}[scope]
+    kda = ((KimiDeltaAttention, "forward_fn", kda_forward), (KimiDeltaAttention, "planned_fn", kda_planned_forward))
+    return {"regions": (), "moe": moe, "blocks": (*moe, *kda)}[scope]
 
 
 COMPILE_SCOPES = ("regions", "moe", "blocks")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +108,7 @@ class KimiDeltaAttention(nn.Module):
         # ``model.compile.compile_regions`` swaps in the compiled ones
         self.gates_fn, self.qk_norm_fn, self.out_gate_fn = kda_gates, l2_normalize_qk, kda_output_gate
         self.forward_fn = kda_forward  # scope "blocks" of ``model.compile``: the whole layer compiled
+        self.planned_fn = kda_planned_forward  # the same, for the planned path (no state in or out)
         self.reset_gate_parameters()
 
     def initial_gate_values(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +165,27 @@ class KimiDeltaAttention(nn.Module):
         state: KDAState | None = None,
         return_state: bool = False,
     ) -> tuple[torch.Tensor, KDAState | None]:
+        """(y [B, T, d], the new state if ``return_state``). Without a state in or out on the Triton conv and
+        KDA kernels (training, no-grad logprob passes) the planned path ``kda_planned_forward``: the layout's
+        positions and chunk plan built here, once per layout, and handed over as tensors."""
+        if state is None and not return_state and self._planned_path(x_BTD):
+            B, T, _ = x_BTD.shape
+            plan = _layout_plan(layout, B, T, cu_seqlens, x_BTD.device)
+            pos_BT = layout.cached("pos_i32", lambda: layout.pos_BT.to(torch.int32).contiguous())
+            args = (pos_BT, plan.cu_seqlens_N1, plan.chunk_indices_C2, plan.chunk_offsets_N1)
+            return self.planned_fn(self, x_BTD, *args), None
         return self.forward_fn(self, x_BTD, layout, cu_seqlens, state, return_state)
+
+    def _planned_path(self, x_BTD: torch.Tensor) -> bool:
+        """The bounded gate's chunked kernel and the Triton conv (``model.fast`` op "conv"), on CUDA or under
+        the Triton interpreter, and no debug check of the gate (a host sync)."""
+        if self.gate_kind != "bounded" or fast.pick("conv", x_BTD.device) != "triton":
+            return False
+        if not (x_BTD.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+            return False
+        from kernels.kda.triton.common import debug_enabled
+
+        return not debug_enabled()
 
     def _kernel(self, T: int, state: KDAState | None):
         """Chunked kernel for prefill/training; the step recurrence for decode and for the
@@ -224,6 +246,43 @@ def _kda_kernel(attn: KimiDeltaAttention, q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_B
         output_final_state=return_state,
         cu_seqlens=cu_seqlens,
     )  # fmt: skip
+
+
+def kda_planned_forward(
+    attn: KimiDeltaAttention,
+    x_BTD: torch.Tensor,
+    pos_BT: torch.Tensor,
+    cu_N1: torch.Tensor,
+    ci_C2: torch.Tensor,
+    co_N1: torch.Tensor,
+) -> torch.Tensor:
+    """``kda_forward`` without a state in or out, given the layout's int32 positions [B, T] and the tensors of
+    its KDA chunk plan (``kernels.kda.triton.chunk.chunk_kda_planned``): the convolutions and the kernel are
+    custom ops under autograd nodes with nothing else inside, and nothing reads the host, so ``model.compile``
+    scope "blocks" compiles the whole layer as one graph each way (projections, convolutions, norms, gates,
+    kernel, gated output). The same kernels as ``kda_forward``'s Triton path, so the same values."""
+    from kernels.conv import causal_conv1d_triton
+    from kernels.kda.triton.chunk import chunk_kda_planned
+
+    B, T, _ = x_BTD.shape
+    H, Dh = attn.num_heads, attn.head_dim
+    projections = ((attn.q_proj, attn.q_conv1d), (attn.k_proj, attn.k_conv1d), (attn.v_proj, attn.v_conv1d))
+    q, k, v = (causal_conv1d_triton(proj(x_BTD), conv.weight[:, 0, :], pos_BT, conv.activation)
+               for proj, conv in projections)  # fmt: skip
+    q_BTHK, k_BTHK = attn.normalize_qk(q.view(B, T, H, Dh), k.view(B, T, H, Dh))
+    g_BTHK, beta_BTH = attn.gates(x_BTD)
+    o_BTHV = chunk_kda_planned(q_BTHK, k_BTHK, v.view(B, T, H, Dh), g_BTHK, beta_BTH, cu_N1, ci_C2, co_N1, Dh**-0.5)
+    return attn.gated_output(o_BTHV, x_BTD)
+
+
+def _layout_plan(layout: SeqLayout, B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device):
+    """The KDA chunk plan of a forward's layout: from its host bounds for packed sequences (once per layout),
+    from (B, T) for a padded batch."""
+    from kernels.kda.triton.common import plan_chunks
+
+    if cu_seqlens is None:
+        return plan_chunks(B, T, None, device)
+    return layout.cached("kda_plan", lambda: _prime_kda_plan(B, T, cu_seqlens, layout))
 
 
 def _prime_kda_plan(B: int, T: int, cu_seqlens: torch.Tensor, layout: SeqLayout):

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.op_names import op_name
+
 BLOCK_R = 64
 BLOCK_C = 64
 # tl.zeros / tl.sigmoid / tl.sum are @jit functions of triton.language.standard, which the interpreter
@@ -108,32 +110,61 @@ def _grid(R: int, C: int):
     return (triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C))
 
 
+@torch.library.custom_op(op_name("conv_varlen_fwd"), mutates_args=())
+def conv_varlen_fwd(x_RC: torch.Tensor, w_CK: torch.Tensor, pos_R: torch.Tensor, silu: bool) -> torch.Tensor:
+    """y [R, C] of contiguous rows x, weight w [C, K] and int32 positions: one launch. A custom op, so that a
+    compiled graph (the learner's KDA block) calls it as it is rather than launching the kernel itself."""
+    R, C = x_RC.shape
+    y_RC = torch.empty_like(x_RC)
+    if y_RC.numel():
+        _conv_fwd[_grid(R, C)](x_RC, w_CK, pos_R, y_RC, R, C, K=w_CK.shape[1], SILU=silu, BR=BLOCK_R, BC=BLOCK_C)
+    return y_RC
+
+
+@conv_varlen_fwd.register_fake
+def _(x_RC, w_CK, pos_R, silu):
+    return torch.empty_like(x_RC)
+
+
+@torch.library.custom_op(op_name("conv_varlen_bwd"), mutates_args=())
+def conv_varlen_bwd(
+    x_RC: torch.Tensor, w_CK: torch.Tensor, pos_R: torch.Tensor, dy_RC: torch.Tensor, silu: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [R, C], dw [C, K] in w's dtype) for the output gradient dy (the two passes of the module docstring)."""
+    R, C = x_RC.shape
+    K = w_CK.shape[1]
+    dx_RC = torch.empty_like(x_RC)
+    if not dx_RC.numel():
+        return dx_RC, torch.zeros_like(w_CK)
+    grid = _grid(R, C)
+    dpre_RC = dy_RC.contiguous()
+    if silu:
+        dy_RC, dpre_RC = dpre_RC, torch.empty(R, C, device=x_RC.device, dtype=torch.float32)
+        _conv_dpre[grid](x_RC, w_CK, pos_R, dy_RC, dpre_RC, R, C, K=K, BR=BLOCK_R, BC=BLOCK_C)
+    dw_part = torch.empty(grid[0], C, K, device=x_RC.device, dtype=torch.float32)
+    _conv_bwd[grid](x_RC, w_CK, pos_R, dpre_RC, dx_RC, dw_part, R, C, K=K, BR=BLOCK_R, BC=BLOCK_C)
+    return dx_RC, dw_part.sum(0).to(w_CK.dtype)
+
+
+@conv_varlen_bwd.register_fake
+def _(x_RC, w_CK, pos_R, dy_RC, silu):
+    return torch.empty_like(x_RC), torch.empty_like(w_CK)
+
+
 class CausalConv1dVarlen(torch.autograd.Function):
+    """The differentiable conv over the two ops: nothing but them inside, so dynamo traces it into a graph."""
+
     @staticmethod
     def forward(ctx, x_RC, w_CK, pos_R, silu: bool):
-        R, C = x_RC.shape
-        y_RC = torch.empty_like(x_RC)
-        _conv_fwd[_grid(R, C)](
-            x_RC, w_CK, pos_R, y_RC, R, C, K=w_CK.shape[1], SILU=silu, BR=BLOCK_R, BC=BLOCK_C
-        )
         ctx.save_for_backward(x_RC, w_CK, pos_R)
         ctx.silu = silu
-        return y_RC
+        return conv_varlen_fwd(x_RC, w_CK, pos_R, silu)
 
     @staticmethod
     def backward(ctx, dy_RC):
         x_RC, w_CK, pos_R = ctx.saved_tensors
-        R, C = x_RC.shape
-        K = w_CK.shape[1]
-        dx_RC = torch.empty_like(x_RC)
-        grid = _grid(R, C)
-        dpre_RC = dy_RC.contiguous()
-        if ctx.silu:
-            dy_RC, dpre_RC = dpre_RC, torch.empty(R, C, device=x_RC.device, dtype=torch.float32)
-            _conv_dpre[grid](x_RC, w_CK, pos_R, dy_RC, dpre_RC, R, C, K=K, BR=BLOCK_R, BC=BLOCK_C)
-        dw_part = torch.empty(grid[0], C, K, device=x_RC.device, dtype=torch.float32)
-        _conv_bwd[grid](x_RC, w_CK, pos_R, dpre_RC, dx_RC, dw_part, R, C, K=K, BR=BLOCK_R, BC=BLOCK_C)
-        return dx_RC, dw_part.sum(0).to(w_CK.dtype), None, None
+        dx_RC, dw_CK = conv_varlen_bwd(x_RC, w_CK, pos_R, dy_RC, ctx.silu)
+        return dx_RC, dw_CK, None, None
 
 
 def causal_conv1d_triton(

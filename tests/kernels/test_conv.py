@@ -179,3 +179,25 @@ def test_short_convolution_prefill_with_state_takes_the_kernel_outside_autograd(
         y_grad, _ = conv(x.requires_grad_(), layout, state)
     assert y_grad.requires_grad
     assert_close("y with autograd (taps)", ref, y_grad.detach(), 1e-6)
+
+
+def test_the_differentiable_conv_traces_whole_into_a_graph():
+    """The learner's KDA layer compiles its convolutions in: the autograd node holds only the two custom ops, so
+    dynamo captures it without a break, with eager's values and gradients bit for bit; the ops' schemas and
+    fake kernels pass ``opcheck``."""
+    torch.manual_seed(3)
+    pos = packed_positions([1, 15, 64, 65])
+    x = torch.randn(1, pos.shape[1], 24, requires_grad=True)
+    w = torch.randn(24, 4, requires_grad=True)
+    dy = torch.randn(x.shape)
+    compiled = torch.compile(CONV.causal_conv1d_triton, backend="aot_eager", fullgraph=True)
+    outs = []
+    for fn in (CONV.causal_conv1d_triton, compiled):
+        y = fn(x, w, pos, "silu")
+        outs.append([y, *torch.autograd.grad(y, (x, w), dy)])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    x_RC, pos_R = x.detach()[0].contiguous(), pos[0].to(torch.int32)
+    torch.library.opcheck(CONV.conv_varlen_fwd, (x_RC, w.detach(), pos_R, True))
+    torch.library.opcheck(CONV.conv_varlen_bwd, (x_RC, w.detach(), pos_R, dy[0], True),
+                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip

@@ -450,3 +450,34 @@ def test_pool_decode_step_equals_the_torch_pool_step(tokens, layout, slot_dtype)
     assert o_bf16.dtype == torch.bfloat16 and bool(((o_bf16.float() - o).abs() < ulp).all())
     assert bool((o_bf16.float().abs() <= o.abs()).all()) or torch.equal(o_bf16, o.to(torch.bfloat16))
     assert torch.equal(bf16_pool, pool)  # the states as without out_dtype
+
+
+def test_planned_ops_equal_the_autograd_function_and_trace_whole():
+    """``chunk_kda_planned`` (the learner's compiled KDA layer: custom ops under a node with nothing else inside)
+    gives the values and gradients of ``chunk_kda_triton`` bit for bit on a packed batch, eagerly and inside a
+    graph dynamo captures without a break; the ops' schemas and fake kernels pass ``opcheck``."""
+    chunk = MODS["chunk"]
+    lengths = [1, 15, 64, 65]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v, g, beta, _ = _inputs(sum(lengths), H=2, seed=4)
+    plan = MODS["common"].plan_chunks(1, q.shape[1], cu, q.device)
+    planned = (plan.cu_seqlens_N1, plan.chunk_indices_C2, plan.chunk_offsets_N1)
+    do = torch.randn(v.shape, generator=torch.Generator().manual_seed(5))
+
+    def grads(fn):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
+        o = fn(*leaves)
+        return [o.detach(), *torch.autograd.grad(o, leaves, do)]
+
+    want = grads(lambda *x: chunk_kda_triton(*x, scale=0.25, cu_seqlens=cu)[0])
+    eager = grads(lambda *x: chunk.chunk_kda_planned(*x, *planned, 0.25))
+    compiled_fn = torch.compile(chunk.chunk_kda_planned, backend="aot_eager", fullgraph=True)
+    compiled = grads(lambda *x: compiled_fn(*x, *planned, 0.25))
+    for name, a, b, c in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), want, eager, compiled):
+        assert torch.equal(a, b), name
+        assert torch.equal(a, c), name
+    flat = [x.reshape(-1, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta)]
+    torch.library.opcheck(chunk.kda_chunk_fwd, (*flat, *planned, 0.25), test_utils=("test_schema", "test_faketensor"))
+    saved = chunk.kda_chunk_fwd(*flat, *planned, 0.25)[1:]
+    torch.library.opcheck(chunk.kda_chunk_bwd, (*flat, *planned, *saved, do[0], 0.25),
+                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip

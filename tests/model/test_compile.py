@@ -435,3 +435,54 @@ def test_compiled_regions_run_once_a_step_and_keep_little(monkeypatch):
     extra = sum(t.numel() * t.element_size() for t in kept if t.data_ptr() not in (x.data_ptr(), w.data_ptr()))
     assert extra <= 512 * 4  # the rows' rstd in fp32; an fp32 copy of x would be 512 x 64 x 4
     torch.testing.assert_close(out.float(), rms_norm(x, w, 1e-5).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_blocks_scope_compiles_the_planned_kda_layer_as_one_graph(monkeypatch):
+    """On the Triton conv and KDA kernels (interpreted here) a KDA layer without state in or out takes the planned
+    path: its positions and chunk plan handed over as tensors, its convolutions and kernel custom ops, so scope
+    "blocks" compiles the whole layer, dynamo breaks nowhere, other layouts (other lengths and sequence counts)
+    stop adding graphs after the second, and the compiled layer gives the eager planned path's output and
+    gradients, which agree with the reference path (taps and the CPU's chunked KDA) to fp32 rounding."""
+    from torch._dynamo.utils import counters
+
+    from kernels.testing import import_interpreted
+    from model.kda import KimiDeltaAttention, kda_planned_forward
+    from model.layers import seq_layout
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import_interpreted(*(f"kernels.kda.triton.{m}" for m in ("common", "launch", "fwd", "bwd", "chunk")),
+                       "kernels.conv.triton")  # fmt: skip
+    model = _small_model(num_hidden_layers=2).train()
+    attn = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
+    params = list(attn.parameters())
+
+    def step(lengths, conv="triton"):
+        torch.manual_seed(len(lengths))
+        T = sum(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        x = torch.randn(1, T, model.config.hidden_size, requires_grad=True)
+        with use_fast_paths(f"conv={conv}"):
+            y, state = attn(x, seq_layout(1, T, cu, x.device), cu_seqlens=cu)
+            assert state is None
+            grads = torch.autograd.grad((y * torch.randn_like(y)).sum(), [x, *params])
+        return [y.detach(), *grads]
+
+    steps = [[1, 15, 65], [15, 3], [7, 33], [1, 15, 65]]
+    reference = step(steps[0], conv="torch")  # the reference path: taps, the CPU's chunked KDA
+    eager = [step(lengths) for lengths in steps]
+    for a, b in zip(reference, eager[0]):
+        torch.testing.assert_close(b, a, rtol=2e-4, atol=2e-5)
+    backend = CountingBackend()
+    regions = {r.name: r for r in compile_regions(model, backend=backend, scope="blocks")}
+    counters.clear()
+    graphs = []
+    for want, lengths in zip(eager, steps):
+        got = step(lengths)
+        graphs.append(backend.graphs)
+        for a, b in zip(want, got):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    planned = regions["kda_planned_forward"]
+    assert planned.failed is None and planned.eager is kda_planned_forward and attn.planned_fn is planned
+    assert regions["kda_forward"].graphs() == 0  # the stateful path never ran
+    assert not counters["graph_break"]
+    assert graphs[1] >= graphs[0] > 0 and graphs[3] == graphs[2] == graphs[1]

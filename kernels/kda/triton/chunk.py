@@ -6,6 +6,11 @@ cu_seqlens. Contract: g >= G_MIN = -5 (the bounded gate); with LONGHORIZON_KDA_D
 LONGHORIZON_KDA_CHECK=1 (the CPU path's switch) it is checked (a device sync).
 Differences from the peer: no GQA/GVA head ratios (the model uses equal head counts), no gate or L2 norm
 fused in; the per-chunk states and Vn of the forward are kept for the backward instead of recomputed.
+
+``chunk_kda_planned``: the training case (no state in or out) given the chunk plan's tensors, as two custom
+ops (``kda_chunk_fwd``, ``kda_chunk_bwd``) under an autograd node with nothing else inside, so that dynamo
+traces it into a compiled graph (the learner's KDA layer, ``model.kda.kda_planned_forward``): the plan's
+host numbers come from its tensors' shapes (chunks = rows of ``chunk_indices``), nothing is read back.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ import torch
 
 from kernels.kda.naive import _check_inputs, check_gate
 from kernels.kda.triton.bwd import kda_bwd
-from kernels.kda.triton.common import G_MIN, debug_enabled, plan_chunks
+from kernels.kda.triton.common import BT, G_MIN, ChunkPlan, debug_enabled, plan_chunks
 from kernels.kda.triton.fwd import kda_fwd
+from kernels.op_names import op_name
 
 _SAVED = ("G", "Aqk", "Ainv", "W", "Hc", "Vn", "Qg", "Kd")
 
@@ -82,3 +88,78 @@ def chunk_kda_triton(
         check_gate(g, G_MIN)
     scale = K**-0.5 if scale is None else float(scale)
     return ChunkKDAFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
+# ------------------------------------------------------------------ the training case as traceable custom ops
+def _plan_of(cu_N1: torch.Tensor, ci_C2: torch.Tensor, co_N1: torch.Tensor) -> ChunkPlan:
+    return ChunkPlan(cu_N1, ci_C2, co_N1, cu_N1.shape[0] - 1, ci_C2.shape[0])
+
+
+_Saved9 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                torch.Tensor, torch.Tensor]  # fmt: skip
+
+
+@torch.library.custom_op(op_name("kda_chunk_fwd"), mutates_args=())
+def kda_chunk_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_N1: torch.Tensor,
+    ci_C2: torch.Tensor, co_N1: torch.Tensor, scale: float,
+) -> _Saved9:  # fmt: skip
+    """(o, then what the backward reads: ``_SAVED``) for tokens flattened to [T, H, *], no state in or out."""
+    out = kda_fwd(q, k, v, g, beta, scale, None, _plan_of(cu_N1, ci_C2, co_N1), store_ht=False)
+    return out["o"], *(out[name] for name in _SAVED)
+
+
+@kda_chunk_fwd.register_fake
+def _(q, k, v, g, beta, cu_N1, ci_C2, co_N1, scale):
+    (T, H, K), V, NC = q.shape, v.shape[-1], ci_C2.shape[0]
+    e = lambda *shape, dtype=q.dtype: q.new_empty(shape, dtype=dtype)
+    f32 = torch.float32
+    # o, G, Aqk, Ainv, W, Hc, Vn, Qg, Kd as kda_fwd allocates them
+    return (e(T, H, V), e(T, H, K, dtype=f32), e(T, H, BT), e(T, H, BT, dtype=f32), e(T, H, K), e(NC, H, K, V),
+            e(T, H, V), e(T, H, K), e(T, H, K))  # fmt: skip
+
+
+@torch.library.custom_op(op_name("kda_chunk_bwd"), mutates_args=())
+def kda_chunk_bwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_N1: torch.Tensor,
+    ci_C2: torch.Tensor, co_N1: torch.Tensor, G: torch.Tensor, Aqk: torch.Tensor, Ainv: torch.Tensor,
+    W: torch.Tensor, Hc: torch.Tensor, Vn: torch.Tensor, Qg: torch.Tensor, Kd: torch.Tensor, do: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dq, dk, dv, dg, dbeta) of ``kda_chunk_fwd`` for the output gradient do."""
+    saved = dict(zip(_SAVED, (G, Aqk, Ainv, W, Hc, Vn, Qg, Kd), strict=True))
+    plan = _plan_of(cu_N1, ci_C2, co_N1)
+    return kda_bwd(q, k, v, g, beta, scale, None, plan, saved, do.contiguous(), None)[:5]
+
+
+@kda_chunk_bwd.register_fake
+def _(q, k, v, g, beta, cu_N1, ci_C2, co_N1, G, Aqk, Ainv, W, Hc, Vn, Qg, Kd, do, scale):
+    return tuple(torch.empty_like(x) for x in (q, k, v, g, beta))
+
+
+class _ChunkKDAPlanned(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, cu_N1, ci_C2, co_N1, scale: float):
+        B, T, H = q.shape[:3]
+        flat = [_flat(x) for x in (q, k, v, g, beta)]
+        o, *saved = kda_chunk_fwd(*flat, cu_N1, ci_C2, co_N1, scale)
+        ctx.save_for_backward(*flat, cu_N1, ci_C2, co_N1, *saved)
+        ctx.scale = scale
+        return o.view(B, T, H, v.shape[-1])
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, g, beta, cu_N1, ci_C2, co_N1, *saved = ctx.saved_tensors
+        B, T = do.shape[:2]
+        grads = kda_chunk_bwd(q, k, v, g, beta, cu_N1, ci_C2, co_N1, *saved, _flat(do), ctx.scale)
+        return (*(x.view(B, T, *x.shape[1:]) for x in grads), None, None, None, None)
+
+
+def chunk_kda_planned(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_N1: torch.Tensor,
+    ci_C2: torch.Tensor, co_N1: torch.Tensor, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """o [B, T, H, V] of ``chunk_kda_triton`` without state in or out, given the tensors of its cu_seqlens'
+    chunk plan (``plan_chunks``: ``cu_seqlens_N1``, ``chunk_indices_C2``, ``chunk_offsets_N1``); the same
+    kernels, so the same values, and differentiable in q, k, v, g and beta."""
+    return _ChunkKDAPlanned.apply(q, k, v, g, beta, cu_N1, ci_C2, co_N1, float(scale))
