@@ -629,8 +629,9 @@ def device_busy(prof, kind=torch.autograd.DeviceType.CUDA) -> dict:
 
 def count_fwd_bwd_syncs(learner, batch) -> dict:
     """Host syncs of the model's forward + loss + backward alone (not the learner's metrics, clip and
-    optimizer), with where each comes from (the first frame inside the repository)."""
-    from rl.losses import policy_loss
+    optimizer), with where each comes from (the first frame inside the repository). The loss is the learner's
+    own ``policy_loss_stats``: its metrics stay on the device until after the optimizer step."""
+    from rl.losses import policy_loss_stats
 
     learner.policy.train()
     torch.cuda.synchronize()
@@ -639,7 +640,7 @@ def count_fwd_bwd_syncs(learner, batch) -> dict:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             fwd = learner.forward(batch, need_entropy=True)
-            loss, _ = policy_loss(learner._loss_inputs(batch, fwd, fwd.logprobs_T.detach(), None), learner.algo)
+            loss, _ = policy_loss_stats(learner._loss_inputs(batch, fwd, fwd.logprobs_T.detach(), None), learner.algo)
             with learner._paths():
                 loss.backward()
             torch.cuda.synchronize()

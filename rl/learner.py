@@ -217,8 +217,9 @@ class Learner:
             )  # fmt: skip
         logprobs_T = torch.zeros(ids_1T.shape[1], device=self.device, dtype=torch.float32)
         logprobs_T = torch.cat([logprobs_T[:1], out.token_logprobs[0, :-1]])
-        starts = torch.zeros_like(logprobs_T, dtype=torch.bool)
-        starts[cu[:-1].long()] = True
+        # index_fill_, not ``starts[idx] = True``: that copies the True to the device from pageable memory, a
+        # host sync in the middle of the forward (torch.cuda.set_sync_debug_mode, bench/learner_mfu.py)
+        starts = torch.zeros_like(logprobs_T, dtype=torch.bool).index_fill_(0, cu[:-1].long(), True)
         logprobs_T = torch.where(starts, torch.zeros_like(logprobs_T), logprobs_T)
         entropy_T = None
         if need_entropy and not plain:  # from the head's chunks; a gradient only for an entropy term
