@@ -203,6 +203,18 @@ class _RecompileHits(logging.Handler):
 
 
 RECOMPILE_HITS = _RecompileHits()
+
+
+def graph_breaks() -> dict[str, int]:
+    """Dynamo's graph breaks so far in this process, by the first line of their reason (a compiled block that
+    breaks runs as several graphs with eager code between them: more host work a step)."""
+    from torch._dynamo.utils import counters
+
+    out: dict[str, int] = {}
+    for reason, n in counters["graph_break"].items():
+        key = str(reason).strip().splitlines()[0][:160]
+        out[key] = out.get(key, 0) + n
+    return out
 logging.getLogger("torch._dynamo").addHandler(RECOMPILE_HITS)
 
 
@@ -958,7 +970,9 @@ def run_ours(
     if learner.compiled_regions:  # one graph per call signature; a limit hit would leave variants eager
         row["compiled_regions"] = {r.name: {"graphs": r.graphs(), "failed": r.failed} for r in learner.compiled_regions}
         row["recompile_limit_hits"] = list(RECOMPILE_HITS.messages)
-        print(f"[compile] {row['compiled_regions']}; recompile limit hits: {len(RECOMPILE_HITS.messages)}", flush=True)
+        row["graph_breaks"] = graph_breaks()
+        print(f"[compile] {row['compiled_regions']}; recompile limit hits: {len(RECOMPILE_HITS.messages)}; "
+              f"graph breaks: {row['graph_breaks'] or 'none'}", flush=True)  # fmt: skip
     report.runs.append(row)
     print(f"[{impl}] {tokens} tokens ({len(lengths)} episodes): {step_s * 1e3:.0f} ms/step, "
           f"{row['tokens_per_s']:.0f} tok/s, MFU {row['mfu'] * 100:.1f}%, peak "
