@@ -14,13 +14,15 @@ Memory: autograd on the mix keeps the stacked sources, their fp32 RMS-normalised
 normed output, about three [S, B, T, D] fp32 tensors per mix (33 mixes in gpu_1b). With
 ``model.fast`` op "attn_res" = ``recompute`` only the sources are kept (they are the block sums the
 model holds anyway) and the mix is recomputed in backward: the same ops, bit-exact; ``fused`` (the
-default) recomputes the sub-layer's RMSNorm after the mix in the same region (``attn_res_mix_norm``).
+default) runs the mix and the sub-layer's RMSNorm after it as one autograd node (``attn_res_mix_norm``
+forward, ``attn_res_mix_norm_grads`` backward: the closed-form gradient, the forward recomputed inside it),
+which also keeps only the sources: one compiled call each way, where a checkpoint made three (forward,
+recomputation, backward) and its own bookkeeping.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +69,59 @@ def attn_res_mix_norm(
     return rms_norm(attn_res_mix(query, norm_weight, eps, *sources), out_weight, out_eps)
 
 
+def attn_res_mix_norm_grads(
+    query: torch.Tensor, norm_weight: torch.Tensor, eps: float, out_weight: torch.Tensor, out_eps: float,
+    dh: torch.Tensor, *sources: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """(d query, d norm_weight, d out_weight, *d sources) of ``attn_res_mix_norm`` for the output gradient dh,
+    in closed form, the forward recomputed from the sources (fp32 math; each gradient in its input's dtype):
+    the backward of the learner's mix-and-norm node, one compiled region per number of sources.
+
+    With keys n_i = r_i g_k v_i (r_i = rsqrt(mean v_i^2 + eps)), scores s_i = <n_i, w> = r_i <v_i, u> for
+    u = g_k w, a = softmax(s), m = sum_i a_i v_i and h = rho g_o m (rho = rsqrt(mean m^2 + out_eps)):
+    dm = rho (y - rho^2 m mean(m y)) for y = g_o dh, ds_i = a_i (<dm, v_i> - sum_j a_j <dm, v_j>),
+    dv_i = a_i dm + ds_i (r_i u - r_i^3 <v_i, u> v_i / D), du = sum ds_i r_i v_i (dw = g_k du, dg_k = w du)
+    and dg_o = sum dh rho m, the sums over tokens where a weight's gradient needs them. The forward rounds m
+    to the sources' dtype before its norm; this takes the fp32 m (as inductor's fused forward does)."""
+    v = f32(torch.stack(sources))  # [S, ..., D]
+    D = v.shape[-1]
+    w, gk, go = f32(query), f32(norm_weight), f32(out_weight)
+    u = gk * w
+    r = torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    vu = (v * u).sum(-1, keepdim=True)
+    a = (r * vu).softmax(dim=0)
+    m = (a * v).sum(0)
+    rho = torch.rsqrt(m.pow(2).mean(-1, keepdim=True) + out_eps)
+    dh32 = f32(dh)
+    y = dh32 * go
+    dm = rho * (y - m * rho.pow(2) * (m * y).mean(-1, keepdim=True))
+    da = (dm * v).sum(-1, keepdim=True)
+    ds = a * (da - (a * da).sum(0, keepdim=True))
+    dv = a * dm + ds * (r * u - r.pow(3) * vu * v / D)
+    du = (ds * r * v).reshape(-1, D).sum(0)
+    dgo = (dh32 * m * rho).reshape(-1, D).sum(0)
+    return ((du * gk).to(query.dtype), (du * w).to(norm_weight.dtype), dgo.to(out_weight.dtype),
+            *(dv[i].to(src.dtype) for i, src in enumerate(sources)))  # fmt: skip
+
+
+class _MixNormNode(torch.autograd.Function):
+    """``fns[0](query, norm_weight, eps, out_weight, out_eps, *sources)`` (``attn_res_mix_norm``) keeping only the
+    sources and weights; backward ``fns[1]`` (``attn_res_mix_norm_grads``)."""
+
+    @staticmethod
+    def forward(ctx, fns, query, norm_weight, eps, out_weight, out_eps, *sources):
+        ctx.grads_fn, ctx.eps = fns[1], (eps, out_eps)
+        ctx.save_for_backward(query, norm_weight, out_weight, *sources)
+        return fns[0](query, norm_weight, eps, out_weight, out_eps, *sources)
+
+    @staticmethod
+    def backward(ctx, dh):
+        query, norm_weight, out_weight, *sources = ctx.saved_tensors
+        (eps, out_eps), args = ctx.eps, (query, norm_weight)
+        dq, dnw, dow, *dsources = ctx.grads_fn(*args, eps, out_weight, out_eps, dh.contiguous(), *sources)
+        return None, dq, dnw, None, dow, None, *dsources
+
+
 class AttnResMix(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -81,6 +136,7 @@ class AttnResMix(nn.Module):
         # stacked; set by ``prepare_for_serving``), None: the mix, then the norm
         self.stacked_mix_norm_fn: Callable | None = None
         self.mix_norm_fn: Callable = attn_res_mix_norm  # compiled likewise
+        self.mix_norm_grads_fn: Callable = attn_res_mix_norm_grads  # compiled likewise
 
     def forward(self, sources: list[torch.Tensor], norm: RMSNorm | None = None) -> torch.Tensor:
         """The mix of ``sources``; with ``norm``, ``norm`` of the mix as one region (``attn_res_mix_norm``;
@@ -89,14 +145,19 @@ class AttnResMix(nn.Module):
         if len(sources) == 1:
             return sources[0] if norm is None else norm(sources[0])
         if norm is not None:
-            return recompute_in_backward(partial(self._mix_norm, norm), *sources)
+            if torch.is_grad_enabled() and any(t.requires_grad for t in (*sources, *self.parameters(), norm.weight)):
+                fns = (self.mix_norm_fn, self.mix_norm_grads_fn)
+                return _MixNormNode.apply(fns, self.query, self.norm.weight, self.norm.eps, norm.weight, norm.eps,
+                                          *sources)  # fmt: skip
+            return self._mix_norm(norm, *sources)
         if fast.pick("attn_res", sources[0].device) in ("recompute", "fused"):
             return recompute_in_backward(self.mix, *sources)
         return self.mix(*sources)
 
     def _mix_norm(self, norm: RMSNorm, *sources: torch.Tensor) -> torch.Tensor:
-        # checkpointed even when compiled (not ``recompute_region``): a compiled mix's own backward graph keeps
-        # a stacked copy of the sources (inductor's partitioner), about S x [T, D] more a mix than the sources
+        # with gradient a node of its own (``_MixNormNode``), not a compiled region's autograd: a compiled mix's
+        # own backward graph keeps a stacked copy of the sources (inductor's partitioner), about S x [T, D] more
+        # a mix than the sources
         return self.mix_norm_fn(self.query, self.norm.weight, self.norm.eps, norm.weight, norm.eps, *sources)
 
     def normed(self, sources: list[torch.Tensor], norm: RMSNorm) -> torch.Tensor:

@@ -3,7 +3,7 @@
 Compiled: the functions the modules call with their weights as arguments,
 ``model.layers.rms_norm`` (every ``RMSNorm``), ``model.attnres.attn_res_mix`` (every ``AttnResMix``; an
 engine's take their sources stacked, ``attn_res_mix_stacked``; the learner's run with the norm after them as
-one, ``attn_res_mix_norm``),
+one, ``attn_res_mix_norm``, whose backward is ``attn_res_mix_norm_grads``),
 ``model.layers.glu_activation`` (the reference GLU of every ``GLUMLP``: dense layers, shared and
 routed experts), ``model.moe.routing_weights`` (gather, renormalise, scale of every ``MoEGate``),
 ``kernels.moe.route_tensors`` (the ~25 small integer ops of each grouped MoE's route layout) and the
@@ -171,7 +171,13 @@ def region_kinds() -> tuple[tuple[type, str, Callable], ...]:
     """(module class, attribute, function) of every compiled region of the model: the module's attribute
     holds the function it calls."""
     from kernels.moe import route_tensors
-    from model.attnres import AttnResMix, attn_res_mix, attn_res_mix_norm, attn_res_mix_stacked
+    from model.attnres import (
+        AttnResMix,
+        attn_res_mix,
+        attn_res_mix_norm,
+        attn_res_mix_norm_grads,
+        attn_res_mix_stacked,
+    )
     from model.kda import KimiDeltaAttention, kda_gates, kda_output_gate
     from model.layers import GatedActivation, RMSNorm, glu_activation, l2_normalize_qk, rms_norm
     from model.lm_head import chunk_logits_grad, chunk_stats
@@ -181,6 +187,7 @@ def region_kinds() -> tuple[tuple[type, str, Callable], ...]:
     return (
         (RMSNorm, "norm_fn", rms_norm), (AttnResMix, "mix_fn", attn_res_mix),
         (AttnResMix, "stacked_mix_fn", attn_res_mix_stacked), (AttnResMix, "mix_norm_fn", attn_res_mix_norm),
+        (AttnResMix, "mix_norm_grads_fn", attn_res_mix_norm_grads),
         (GatedActivation, "glu_fn", glu_activation),
         (MoEGate, "weights_fn", routing_weights), (GroupedExperts, "route_fn", route_tensors),
         (KimiDeltaAttention, "gates_fn", kda_gates), (KimiDeltaAttention, "qk_norm_fn", l2_normalize_qk),

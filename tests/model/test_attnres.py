@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from model_cases import tiny_config
 
@@ -67,8 +68,10 @@ def _layout(x):
 
 
 def test_mix_and_norm_as_one_region_equal_the_two_modules():
-    """``AttnResMix.normed`` (the learner's default: mix and norm recomputed in backward as one region) gives
-    ``norm(mix(sources))`` bit for bit, forward and backward (fp64), and so does every other fast-path pair."""
+    """``AttnResMix.normed`` gives ``norm(mix(sources))`` bit for bit forward (fp64) on every fast-path pair, and
+    backward too on all but the learner's default ("fused": one node whose gradient is the closed form
+    ``attn_res_mix_norm_grads``, equal to autograd's to fp64 rounding)."""
+    from model import fast
     from model.fast import use_fast_paths
     from model.layers import RMSNorm
 
@@ -89,9 +92,73 @@ def test_mix_and_norm_as_one_region_equal_the_two_modules():
     for spec in ("auto", "attn_res=recompute", "attn_res=torch", "norm=torch", "reference"):
         with use_fast_paths(spec):
             got, grads = run(lambda: mix.normed(sources, norm))
+            tol = 1e-12 if fast.pick("attn_res", got.device) == "fused" else 0
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         for a, b in zip(grads, want_grads):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def _mix_case(S: int, dtype=torch.float64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    D = 24
+    weights = [(torch.rand(D, generator=g, dtype=torch.float64) + 0.5).requires_grad_() for _ in range(3)]
+    sources = [(torch.randn(3, 7, D, generator=g, dtype=torch.float64) * (i + 1)).to(dtype).requires_grad_()
+               for i in range(S)]  # fmt: skip
+    return weights, sources, torch.randn(3, 7, D, generator=g, dtype=torch.float64).to(dtype)
+
+
+@pytest.mark.parametrize("S", [2, 3, 6])
+def test_closed_form_mix_norm_gradient_equals_autograd(S):
+    """``attn_res_mix_norm_grads`` against autograd on ``attn_res_mix_norm`` (fp64, 1e-12): every source, the
+    query, the key norm's weight and the output norm's weight, with distinct eps for the two norms."""
+    from model.attnres import attn_res_mix_norm, attn_res_mix_norm_grads
+
+    (query, kw, ow), sources, dh = _mix_case(S)
+    out = attn_res_mix_norm(query, kw, 1e-3, ow, 1e-5, *sources)
+    want = torch.autograd.grad(out, [query, kw, ow, *sources], dh)
+    got = attn_res_mix_norm_grads(query, kw, 1e-3, ow, 1e-5, dh, *sources)
+    assert len(got) == len(want) == 3 + S
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-13)
+
+
+def test_closed_form_mix_norm_gradient_fails_on_a_wrong_eps():
+    """The comparison can fail: the two norms' eps swapped."""
+    from model.attnres import attn_res_mix_norm, attn_res_mix_norm_grads
+
+    (query, kw, ow), sources, dh = _mix_case(3, seed=1)
+    out = attn_res_mix_norm(query, kw, 0.5, ow, 1e-5, *sources)
+    want = torch.autograd.grad(out, [query, kw, ow, *sources], dh)
+    got = attn_res_mix_norm_grads(query, kw, 1e-5, ow, 0.5, dh, *sources)
+    with pytest.raises(AssertionError):
+        for a, b in zip(want, got):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-8)
+
+
+def test_mix_norm_node_in_bf16_is_as_accurate_as_autograd():
+    """bf16 sources (the learner under autocast) with fp32 weights: the node's gradients (bf16 sources, fp32
+    weights) are at least as close to the fp64 ones as autograd's through the checkpointed region."""
+    from kernels.testing import error_ratio
+    from model.fast import use_fast_paths
+    from model.layers import RMSNorm
+
+    (query, kw, ow), sources64, dh64 = _mix_case(4, seed=2)
+    results = {}
+    for name, spec, dtype in (("exact", "attn_res=recompute", torch.float64), ("checkpoint", "attn_res=recompute",
+                              torch.bfloat16), ("node", "auto", torch.bfloat16)):  # fmt: skip
+        m, n = AttnResMix(24).to(dtype if dtype == torch.float64 else torch.float32), RMSNorm(24)
+        n = n.to(m.query.dtype)
+        with torch.no_grad():
+            m.query.copy_(query), m.norm.weight.copy_(kw), n.weight.copy_(ow)
+        srcs = [s.detach().to(dtype).requires_grad_() for s in sources64]
+        with use_fast_paths(spec):
+            out = m.normed(srcs, n)
+        params = [m.query, m.norm.weight, n.weight, *srcs]
+        results[name] = torch.autograd.grad(out, params, dh64.to(out.dtype))
+    assert [g.dtype for g in results["node"]] == [torch.float32] * 3 + [torch.bfloat16] * 4
+    for i, (exact, old, new) in enumerate(zip(*results.values())):
+        err_old, err_new = error_ratio(exact, old), error_ratio(exact, new)
+        assert err_new <= 1.25 * err_old + 1e-3, f"gradient {i}: node {err_new:.2e} vs checkpoint {err_old:.2e}"
 
 
 def test_served_mixes_on_the_engine_kernel_give_the_model_logits(monkeypatch):

@@ -60,8 +60,9 @@ def test_compiled_regions_give_the_eager_results():
     loss_ref, grads_ref = _step(model, ids)
     regions = compile_regions(model, backend="aot_eager")
     assert sorted(r.name for r in regions) == [
-        "attn_res_mix", "attn_res_mix_norm", "chunk_logits_grad", "chunk_stats", "glu_activation", "kda_gates",
-        "kda_output_gate", "l2_normalize_qk", "rms_norm", "route_tensors", "routing_weights",
+        "attn_res_mix", "attn_res_mix_norm", "attn_res_mix_norm_grads", "chunk_logits_grad", "chunk_stats",
+        "glu_activation", "kda_gates", "kda_output_gate", "l2_normalize_qk", "rms_norm", "route_tensors",
+        "routing_weights",
     ]  # fmt: skip
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert len(norms) > 5 and all(m.norm_fn is norms[0].norm_fn for m in norms)  # one wrapper for all
@@ -135,9 +136,10 @@ def test_a_failing_compiler_falls_back_to_eager(caplog):
     for a, b in zip(grads_ref, grads):
         if a is not None:
             torch.testing.assert_close(b, a)
-    # a train step calls every region but the lone mix: its mixes run with their norms (attn_res_mix_norm)
+    # a train step calls every region but the lone mix: its mixes run with their norms (attn_res_mix_norm, and
+    # attn_res_mix_norm_grads in backward)
     called = [r for r in regions if r.name != "attn_res_mix"]
-    assert len(regions) == 11 and all(r.failed and "no compiler here" in r.failed for r in called)
+    assert len(regions) == 12 and all(r.failed and "no compiler here" in r.failed for r in called)
     assert sum("running it eagerly" in r.message for r in caplog.records) == len(called)  # one per function
 
 
@@ -486,3 +488,48 @@ def test_blocks_scope_compiles_the_planned_kda_layer_as_one_graph(monkeypatch):
     assert regions["kda_forward"].graphs() == 0  # the stateful path never ran
     assert not counters["graph_break"]
     assert graphs[1] >= graphs[0] > 0 and graphs[3] == graphs[2] == graphs[1]
+
+
+def test_each_mix_and_norm_is_one_compiled_call_each_way_and_keeps_its_sources(monkeypatch):
+    """The learner's mix-and-norm node (``model.attnres._MixNormNode``): each sub-layer's mix runs its compiled
+    forward once and its compiled closed-form backward once a train step (a checkpoint ran the forward a second
+    time in backward), keeps nothing but its sources and weights, and the step's gradients equal eager's."""
+    from model.attnres import AttnResMix, _MixNormNode
+    from model.compile import CompiledOrEager
+
+    model = _small_model(num_hidden_layers=4, attn_res_block_size=2).train()
+    ids = torch.randint(0, 128, (1, 40))
+    loss_ref, grads_ref = _step(model, ids)
+    regions = {r.name: r for r in compile_regions(model, backend=CountingBackend())}
+    calls = {"attn_res_mix_norm": 0, "attn_res_mix_norm_grads": 0, "normed": 0}
+    real_call, real_normed = CompiledOrEager.__call__, AttnResMix.normed
+
+    def counting_call(self, *args):
+        if self.name in calls:
+            calls[self.name] += 1
+        return real_call(self, *args)
+
+    def counting_normed(self, sources, norm):
+        calls["normed"] += len(sources) > 1
+        return real_normed(self, sources, norm)
+
+    kept: list[torch.Tensor] = []
+    real_forward = _MixNormNode.forward
+
+    def keeping_forward(ctx, *args):
+        out = real_forward(ctx, *args)
+        kept.append({t.data_ptr() for t in ctx.saved_tensors} - {t.data_ptr() for t in args[1:] if torch.is_tensor(t)})
+        return out
+
+    monkeypatch.setattr(CompiledOrEager, "__call__", counting_call)
+    monkeypatch.setattr(AttnResMix, "normed", counting_normed)
+    monkeypatch.setattr(_MixNormNode, "forward", staticmethod(keeping_forward))
+    loss, grads = _step(model, ids)
+    assert calls["normed"] >= 3
+    assert calls["attn_res_mix_norm"] == calls["attn_res_mix_norm_grads"] == calls["normed"]
+    assert len(kept) == calls["normed"] and not any(kept)  # only its own inputs: sources and weights
+    assert regions["attn_res_mix_norm_grads"].failed is None
+    torch.testing.assert_close(loss, loss_ref)
+    for a, b in zip(grads_ref, grads):
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

@@ -94,7 +94,9 @@ def test_norm_recompute_equals_autograd_and_keeps_less(which):
 
 
 def test_model_step_equals_the_reference_ops_and_keeps_less():
-    """Whole model, packed varlen, grouped MoE: default (recompute) paths vs autograd on the same ops."""
+    """Whole model, packed varlen, grouped MoE: default (recompute) paths vs autograd on the same ops, bit for bit;
+    "fused" (each mix and the norm after it as one node, its gradient in closed form) to fp32 rounding (each
+    gradient within 1e-5 of autograd's, relative to its norm; measured 2.2e-6 at most)."""
     torch.manual_seed(0)
     model = HybridForCausalLM(tiny_config(routed_expert_hidden_size=32)).train()
     lengths = [1, 15, 64, 65]
@@ -115,7 +117,10 @@ def test_model_step_equals_the_reference_ops_and_keeps_less():
         out, g, _ = results[choice]
         torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
         for a, b in zip(g, g_ref):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+            if choice == "recompute":
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+            else:
+                assert error_ratio(b, a) <= 1e-5
     assert results["recompute"][2] < 0.8 * bytes_ref
     assert results["fused"][2] < results["recompute"][2]  # the mixed input of each norm is not kept either
 
