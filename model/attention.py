@@ -61,12 +61,17 @@ def _varlen_causal_kwargs() -> dict:
 
 
 def _varlen(q_RHQ, k_RHQ, v_RHV, layout: SeqLayout, scale: float) -> torch.Tensor:
+    return varlen_rows(q_RHQ, k_RHQ, v_RHV, layout.cu_seqlens_N1, layout.max_len, scale)
+
+
+def varlen_rows(q_RHQ, k_RHQ, v_RHV, cu_N1: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    """o [R, H, Dv] of the ``varlen`` form over flattened rows, given the sequences' offsets (int32, device) and
+    the longest one's length: tensors and an int, nothing read from the host (a compiled MLA layer calls it)."""
     from torch.nn.attention.varlen import varlen_attn
 
     Q, V = q_RHQ.shape[-1], v_RHV.shape[-1]
     v_pad = torch.nn.functional.pad(v_RHV, (0, Q - V)) if V < Q else v_RHV
-    cu, L = layout.cu_seqlens_N1, layout.max_len
-    o = varlen_attn(q_RHQ, k_RHQ, v_pad, cu, cu, L, L, scale=scale, **_varlen_causal_kwargs())
+    o = varlen_attn(q_RHQ, k_RHQ, v_pad, cu_N1, cu_N1, max_len, max_len, scale=scale, **_varlen_causal_kwargs())
     return o[..., :V]
 
 

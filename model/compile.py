@@ -202,15 +202,18 @@ def block_kinds(scope: str) -> tuple[tuple[type, str, Callable], ...]:
     call signature for all MoE layers); "blocks" the MoE blocks and every KDA layer's forward: whole on the
     planned path (training and no-grad passes on the Triton kernels, ``model.kda.kda_planned_forward``: its
     convolutions and kernel inside), else its projections, norms, gates and gated output with the short
-    convolutions and the kernel outside (``model.kda.kda_forward``)."""
+    convolutions and the kernel outside (``model.kda.kda_forward``); and every MLA layer without a cache whose
+    attention takes the one-call ``varlen`` form (``model.mla.mla_planned_forward``)."""
     if scope not in COMPILE_SCOPES:
         raise ValueError(f"compile scope must be one of {COMPILE_SCOPES}, got {scope!r}")
     from model.kda import KimiDeltaAttention, kda_forward, kda_planned_forward
+    from model.mla import GatedMLA, mla_planned_forward
     from model.moe import SparseMoE, sparse_moe_forward
 
     moe = ((SparseMoE, "forward_fn", sparse_moe_forward),)
     kda = ((KimiDeltaAttention, "forward_fn", kda_forward), (KimiDeltaAttention, "planned_fn", kda_planned_forward))
-    return {"regions": (), "moe": moe, "blocks": (*moe, *kda)}[scope]
+    mla = ((GatedMLA, "planned_fn", mla_planned_forward),)
+    return {"regions": (), "moe": moe, "blocks": (*moe, *kda, *mla)}[scope]
 
 
 COMPILE_SCOPES = ("regions", "moe", "blocks")

@@ -15,8 +15,9 @@ to); the choice is process-wide, read at each call, with "auto" resolved by the 
 
 "recompute" means what autograd keeps: under ``model.compile`` a compiled norm, GLU or KDA region is not
 checkpointed, its graph's partitioner keeps the inputs and per-row statistics and recomputes the rest inside
-the compiled backward (``model.layers.recompute_region``: one compiled call a region instead of two); the
-AttnRes mixes stay checkpointed (their compiled graphs would keep a stacked copy of the sources).
+the compiled backward (``model.layers.recompute_region``: one compiled call a region instead of two); an
+AttnRes mix is never left to a compiled graph's partitioner (it would keep a stacked copy of the sources): with
+its norm it is one node keeping the sources (``fused``), alone it is checkpointed (``recompute``).
 
 The CPU column is what was measured no slower on the 2-core CPU box (cpu_tiny, 2048 packed tokens,
 one thread, interleaved runs, best of 6-8: MoE layer fwd+bwd 53 vs 85 ms, LM head with logprob and

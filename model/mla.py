@@ -24,7 +24,7 @@ from model import fast
 from model.attention import varlen_causal_attention
 from model.cache import MLAState
 from model.config import HybridConfig
-from model.layers import RMSNorm, SeqLayout, cast_once, f32
+from model.layers import RMSNorm, SeqLayout, cast_once, compute_dtype, f32
 
 
 class GatedMLA(nn.Module):
@@ -53,6 +53,7 @@ class GatedMLA(nn.Module):
         if self.use_output_gate:
             self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
+        self.planned_fn = mla_planned_forward  # scope "blocks" of ``model.compile``: the layer compiled whole
 
     # ------------------------------------------------------------------ projections
     def _queries(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,6 +98,8 @@ class GatedMLA(nn.Module):
         """absorbed=None picks the absorbed form when decoding over a non-empty cache."""
         if state is not None and cu_seqlens is not None:
             raise ValueError("MLA with a cache takes padded [N, T] input, not packed cu_seqlens")
+        if state is None and not return_state and not absorbed and self._planned_path(x_BTD):
+            return self.planned_fn(self, x_BTD, layout.cu_seqlens_N1, layout.max_len), None
         # one compute-dtype copy of x for the three projections (autocast keeps a copy per nn.Linear)
         xc = cast_once(x_BTD)
         q_nope, q_pe = self._queries(xc())
@@ -112,11 +115,22 @@ class GatedMLA(nn.Module):
         new_state = MLAState(c_kv, k_pe) if return_state else None
         return self._output(xc(), attn_BTHV), new_state
 
-    def _attend_expanded(self, q_nope, q_pe, c_kv, k_pe, layout: SeqLayout, past: int) -> torch.Tensor:
+    def _expanded_qkv(self, q_nope, q_pe, c_kv, k_pe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-head q [B, T, H, Q], k [B, S, H, Q] (the shared rope part broadcast to every head), v [B, S, H, V]."""
         k_nope, v = self._expand_kv(c_kv)
         B, S, H, _ = k_nope.shape
         q_BTHQ = torch.cat([q_nope, q_pe], dim=-1)
         k_BSHQ = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, S, H, self.rope)], dim=-1)
+        return q_BTHQ, k_BSHQ, v
+
+    def _planned_path(self, x_BTD: torch.Tensor) -> bool:
+        """Attention in one ``varlen`` call (``model.fast`` op "attention", half-precision compute: flash
+        attention has no fp32 kernel)."""
+        dt = compute_dtype(x_BTD)
+        return dt in (torch.float16, torch.bfloat16) and fast.pick("attention", x_BTD.device, dt) == "varlen"
+
+    def _attend_expanded(self, q_nope, q_pe, c_kv, k_pe, layout: SeqLayout, past: int) -> torch.Tensor:
+        q_BTHQ, k_BSHQ, v = self._expanded_qkv(q_nope, q_pe, c_kv, k_pe)
         form = fast.pick("attention", q_BTHQ.device, q_BTHQ.dtype)
         if past == 0 and form != "loop" and layout.cu_seqlens_N1 is not None:
             return varlen_causal_attention(q_BTHQ, k_BSHQ, v, layout, self.scale, form)
@@ -158,6 +172,23 @@ class GatedMLA(nn.Module):
             lat_THR = torch.einsum("hts,sr->thr", p_HTS, c_kv[b, start:kv_end])
             outs.append((b, start, end, torch.einsum("thr,hvr->thv", lat_THR, w_uv_HVR)))
         return _scatter_rows(outs, (*q_nope.shape[:3], self.v_dim), q_nope)
+
+
+def mla_planned_forward(attn: GatedMLA, x_BTD: torch.Tensor, cu_N1: torch.Tensor, max_len: int) -> torch.Tensor:
+    """``GatedMLA.forward`` without a cache, attention in one ``varlen`` call given the layout's sequence offsets
+    (int32, device) and longest length: nothing reads the host, so ``model.compile`` scope "blocks" compiles the
+    whole layer (projections, latent norm, the attention op, output gate) as one graph each way. The same ops as
+    the expanded form's varlen path."""
+    from model.attention import varlen_rows
+
+    xc = cast_once(x_BTD)
+    q_nope, q_pe = attn._queries(xc())
+    c_kv, k_pe = attn._latents(xc())
+    q_BTHQ, k_BTHQ, v_BTHV = attn._expanded_qkv(q_nope, q_pe, c_kv, k_pe)
+    B, T, H, _ = q_BTHQ.shape
+    q, k, v = (t.reshape(B * T, H, t.shape[-1]) for t in (q_BTHQ, k_BTHQ, v_BTHV))
+    o_BTHV = varlen_rows(q, k, v, cu_N1, max_len, attn.scale).reshape(B, T, H, attn.v_dim).to(q_BTHQ.dtype)
+    return attn._output(xc(), o_BTHV)
 
 
 def _causal_mask(T: int, past: int, device: torch.device) -> torch.Tensor:

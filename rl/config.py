@@ -317,8 +317,8 @@ class LearnerConfig:
     compile_scope: str = "auto"
     """With compile: regions (the element-wise regions alone), moe (also every MoE block whole: one graph
     for all MoE layers, its element-wise work fused across the router, permutation and projections),
-    blocks (the MoE blocks and every KDA layer whole: in training its convolutions and kernel inside, one graph
-    each way), or
+    blocks (the MoE blocks, every KDA layer whole: in training its convolutions and kernel inside, one graph
+    each way; and every MLA layer on the varlen attention), or
     auto: blocks on a GPU (gpu_1b on the H200: 334 ms per step against 402 with regions), regions on CPU."""
     routing_replay: bool = True
     """Replay the rollout's expert choices in the learner forward (R3); gate weights are recomputed."""

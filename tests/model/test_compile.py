@@ -533,3 +533,60 @@ def test_each_mix_and_norm_is_one_compiled_call_each_way_and_keeps_its_sources(m
     for a, b in zip(grads_ref, grads):
         if a is not None:
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_blocks_scope_compiles_the_planned_mla_layer_as_one_graph(monkeypatch):
+    """An MLA layer without a cache whose attention takes the one-call ``varlen`` form (half-precision compute)
+    takes the planned path: the layout's offsets and longest length handed over, so scope "blocks" compiles the
+    whole layer, dynamo breaks nowhere, other layouts stop adding graphs after the second, and the compiled
+    layer gives the eager planned path's output and gradients, which agree with the per-sequence SDPA reference
+    to bf16 rounding. Flash attention has no CPU kernel: a dense masked SDPA over the same rows stands in for
+    ``model.attention.varlen_rows``."""
+    import torch.nn.functional as F
+    from torch._dynamo.utils import counters
+
+    import model.attention as attention
+    from model.layers import seq_layout
+    from model.mla import GatedMLA, mla_planned_forward
+
+    def dense_varlen(q_RHQ, k_RHQ, v_RHV, cu_N1, max_len, scale):
+        R = q_RHQ.shape[0]
+        seq_R = torch.searchsorted(cu_N1[1:].long(), torch.arange(R), right=True)
+        mask = (seq_R[:, None] == seq_R[None, :]) & (torch.arange(R)[:, None] >= torch.arange(R)[None, :])
+        q, k, v = (t.transpose(0, 1) for t in (q_RHQ, k_RHQ, v_RHV))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(0, 1)
+
+    monkeypatch.setattr(attention, "varlen_rows", dense_varlen)
+    model = _small_model(num_hidden_layers=2).train()
+    attn = next(m for m in model.modules() if isinstance(m, GatedMLA))
+    params = list(attn.parameters())
+
+    def step(lengths, form="varlen"):
+        torch.manual_seed(len(lengths))
+        T = sum(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        x = torch.randn(1, T, model.config.hidden_size, requires_grad=True)
+        with use_fast_paths(f"attention={form}"), torch.autocast("cpu", dtype=torch.bfloat16):
+            y, state = attn(x, seq_layout(1, T, cu, x.device), cu_seqlens=cu)
+            assert state is None
+            grads = torch.autograd.grad((y.float() * torch.randn(y.shape)).sum(), [x, *params])
+        return [y.detach().float(), *grads]
+
+    steps = [[1, 15, 64, 65], [15, 64, 3], [7, 33], [1, 15, 64, 65]]
+    reference = step(steps[0], form="loop")  # one SDPA per sequence
+    eager = [step(lengths) for lengths in steps]
+    for a, b in zip(reference, eager[0]):
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
+    backend = CountingBackend()
+    regions = {r.name: r for r in compile_regions(model, backend=backend, scope="blocks")}
+    counters.clear()
+    graphs = []
+    for want, lengths in zip(eager, steps):
+        got = step(lengths)
+        graphs.append(backend.graphs)
+        for a, b in zip(want, got):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    planned = regions["mla_planned_forward"]
+    assert planned.failed is None and planned.eager is mla_planned_forward and attn.planned_fn is planned
+    assert not counters["graph_break"]
+    assert graphs[1] >= graphs[0] > 0 and graphs[3] == graphs[2] == graphs[1]
