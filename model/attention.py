@@ -51,13 +51,14 @@ def varlen_causal_attention(
 
 
 # ------------------------------------------------------------------------------ varlen flash attention
-@functools.cache
-def _varlen_causal_kwargs() -> dict:
-    """torch 2.10/2.11 spell causal ``is_causal=True``; 2.13 ``window_size=(-1, 0)``."""
+@torch.compiler.assume_constant_result  # a compiled MLA layer takes the answer as a constant, not tracing inspect
+def _varlen_causal_kwargs() -> tuple:
+    """torch 2.10/2.11 spell causal ``is_causal=True``; 2.13 ``window_size=(-1, 0)``: (name, value). Read from
+    the signature at each eager call (tens of microseconds, four times a step)."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
-    return {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    return ("is_causal", True) if "is_causal" in params else ("window_size", (-1, 0))
 
 
 def _varlen(q_RHQ, k_RHQ, v_RHV, layout: SeqLayout, scale: float) -> torch.Tensor:
@@ -71,7 +72,8 @@ def varlen_rows(q_RHQ, k_RHQ, v_RHV, cu_N1: torch.Tensor, max_len: int, scale: f
 
     Q, V = q_RHQ.shape[-1], v_RHV.shape[-1]
     v_pad = torch.nn.functional.pad(v_RHV, (0, Q - V)) if V < Q else v_RHV
-    o = varlen_attn(q_RHQ, k_RHQ, v_pad, cu_N1, cu_N1, max_len, max_len, scale=scale, **_varlen_causal_kwargs())
+    name, value = _varlen_causal_kwargs()
+    o = varlen_attn(q_RHQ, k_RHQ, v_pad, cu_N1, cu_N1, max_len, max_len, scale=scale, **{name: value})
     return o[..., :V]
 
 

@@ -175,7 +175,6 @@ def test_varlen_form_pads_values_and_passes_the_layout(monkeypatch, flex_backwar
     bf16 as on the GPU (FA2 has no fp32 kernel: fp32 inputs take flex instead)."""
     import torch.nn.attention.varlen as varlen
 
-    from model import attention
 
     seen = {}
 
@@ -187,12 +186,10 @@ def test_varlen_form_pads_values_and_passes_the_layout(monkeypatch, flex_backwar
         return torch.cat(outs)
 
     monkeypatch.setattr(varlen, "varlen_attn", fake)
-    attention._varlen_causal_kwargs.cache_clear()
     layer = mla_layer().bfloat16()
     x, cu = torch.randn(1, sum(LENGTHS), 64, dtype=torch.bfloat16, requires_grad=True), packed_cu()
     y_ref, g_ref = _mla_run(layer, x, cu, "loop")
     y, g = _mla_run(layer, x, cu, "varlen")
-    attention._varlen_causal_kwargs.cache_clear()
     assert seen["max_q"] == 300 and seen["v_dim"] == 24 and seen["cu"].dtype == torch.int32
     assert seen.get("window_size") == (-1, 0) or seen.get("is_causal") is True
     assert_close("mla y", y_ref.float(), y.float(), 1e-2)
