@@ -171,7 +171,7 @@ def test_cuda_graphs_are_timed_after_the_plain_rows_and_mark_every_step(bench, m
     monkeypatch.setattr(mc.CompiledOrEager, "__init__", record)
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
     monkeypatch.setattr(bench, "probe_ops", lambda *a: "moe=grouped")
-    assert run(bench, monkeypatch, tmp_path, "--compile", "--compile-scope", "moe", "--cuda-graphs") == 0
+    assert run(bench, monkeypatch, tmp_path, "--compile", "--compile-scope", "moe", "--cuda-graphs", "--no-components") == 0
     report = json.loads((tmp_path / "learner_mfu.json").read_text())
     assert [r["impl"] for r in report["runs"]] == ["ours", "ours, cuda graphs"]
     assert all(isinstance(r["graph_breaks"], dict) for r in report["runs"])  # dynamo's, by reason
