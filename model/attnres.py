@@ -62,10 +62,10 @@ def attn_res_mix_norm(
 ) -> torch.Tensor:
     """``rms_norm(attn_res_mix(...), out_weight, out_eps)``: a sub-layer's input (the mix, then the sub-layer's
     own RMSNorm) as one function, so the learner runs it as one region where the mix and the norm were two
-    (``AttnResMix.normed``), recomputed in backward as one: 3 compiled calls a sub-layer where the two
-    regions made 6 (384 -> 288 compiled calls a gpu_1b learner step, H200 2026-12-04), and only the sources
-    kept. Eager it is the same ops as the two calls, bit for bit; compiled, the bf16 rounding of the mix before
-    the norm may be elided (inductor keeps fused intermediates in fp32)."""
+    (``AttnResMix.normed``; 384 -> 288 compiled calls a gpu_1b learner step, H200 2026-12-04, while it was
+    checkpointed; now the forward of a node whose backward is ``attn_res_mix_norm_grads``). Eager it is the same
+    ops as the two calls, bit for bit; compiled, the bf16 rounding of the mix before the norm may be elided
+    (inductor keeps fused intermediates in fp32)."""
     return rms_norm(attn_res_mix(query, norm_weight, eps, *sources), out_weight, out_eps)
 
 
@@ -162,9 +162,9 @@ class AttnResMix(nn.Module):
 
     def normed(self, sources: list[torch.Tensor], norm: RMSNorm) -> torch.Tensor:
         """``norm(self(sources))``: the input of the sub-layer that ``norm`` belongs to. With ``model.fast`` op
-        "attn_res" = fused (the default) and the sources unstacked (the learner), one region
-        (``attn_res_mix_norm``, recomputed in backward as one; the norm goes with the mix whatever op "norm"
-        says); an engine's (``stacked_mix_norm_fn``) as one kernel over the stacked sources unless op "attn_res"
+        "attn_res" = fused (the default) and the sources unstacked (the learner), one node (``attn_res_mix_norm``
+        forward, its closed-form gradient backward; the norm goes with the mix whatever op "norm" says); an
+        engine's (``stacked_mix_norm_fn``) as one kernel over the stacked sources unless op "attn_res"
         names the reference; else the two modules one after the other."""
         op = fast.pick("attn_res", sources[0].device)
         if self.stacked_mix_norm_fn is not None and len(sources) > 1 and op != "torch":
