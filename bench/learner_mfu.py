@@ -203,6 +203,7 @@ class _RecompileHits(logging.Handler):
 
 
 RECOMPILE_HITS = _RecompileHits()
+logging.getLogger("torch._dynamo").addHandler(RECOMPILE_HITS)
 
 
 def graph_breaks() -> dict[str, int]:
@@ -215,7 +216,6 @@ def graph_breaks() -> dict[str, int]:
         key = str(reason).strip().splitlines()[0][:160]
         out[key] = out.get(key, 0) + n
     return out
-logging.getLogger("torch._dynamo").addHandler(RECOMPILE_HITS)
 
 
 # ------------------------------------------------------------------------------------------ timing
