@@ -171,8 +171,7 @@ class KimiDeltaAttention(nn.Module):
         if state is None and not return_state and self._planned_path(x_BTD):
             B, T, _ = x_BTD.shape
             plan = _layout_plan(layout, B, T, cu_seqlens, x_BTD.device)
-            pos_BT = layout.cached("pos_i32", lambda: layout.pos_BT.to(torch.int32).contiguous())
-            args = (pos_BT, plan.cu_seqlens_N1, plan.chunk_indices_C2, plan.chunk_offsets_N1)
+            args = (layout.positions_i32(), plan.cu_seqlens_N1, plan.chunk_indices_C2, plan.chunk_offsets_N1)
             return self.planned_fn(self, x_BTD, *args), None
         return self.forward_fn(self, x_BTD, layout, cu_seqlens, state, return_state)
 
@@ -238,7 +237,7 @@ def _kda_kernel(attn: KimiDeltaAttention, q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_B
     layout from the host bounds (outside compiled graphs: see ``kda_forward``)."""
     B, T = q_BTHK.shape[:2]
     if cu_seqlens is not None and q_BTHK.is_cuda:
-        layout.cached("kda_plan", lambda: _prime_kda_plan(B, T, cu_seqlens, layout))
+        _layout_plan(layout, B, T, cu_seqlens, q_BTHK.device)
     return attn._kernel(T, state)(
         q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH,
         scale=attn.head_dim**-0.5,
@@ -261,14 +260,12 @@ def kda_planned_forward(
     custom ops under autograd nodes with nothing else inside, and nothing reads the host, so ``model.compile``
     scope "blocks" compiles the whole layer as one graph each way (projections, convolutions, norms, gates,
     kernel, gated output). The same kernels as ``kda_forward``'s Triton path, so the same values."""
-    from kernels.conv import causal_conv1d_triton
     from kernels.kda.triton.chunk import chunk_kda_planned
 
     B, T, _ = x_BTD.shape
     H, Dh = attn.num_heads, attn.head_dim
     projections = ((attn.q_proj, attn.q_conv1d), (attn.k_proj, attn.k_conv1d), (attn.v_proj, attn.v_conv1d))
-    q, k, v = (causal_conv1d_triton(proj(x_BTD), conv.weight[:, 0, :], pos_BT, conv.activation)
-               for proj, conv in projections)  # fmt: skip
+    q, k, v = (conv.conv_positions(proj(x_BTD), pos_BT) for proj, conv in projections)
     q_BTHK, k_BTHK = attn.normalize_qk(q.view(B, T, H, Dh), k.view(B, T, H, Dh))
     g_BTHK, beta_BTH = attn.gates(x_BTD)
     o_BTHV = chunk_kda_planned(q_BTHK, k_BTHK, v.view(B, T, H, Dh), g_BTHK, beta_BTH, cu_N1, ci_C2, co_N1, Dh**-0.5)

@@ -258,6 +258,10 @@ class SeqLayout:
             self.cache[key] = build()
         return self.cache[key]
 
+    def positions_i32(self) -> torch.Tensor:
+        """``pos_BT`` as contiguous int32 (what the Triton convolutions read), once per layout."""
+        return self.cached("pos_i32", lambda: self.pos_BT.to(torch.int32).contiguous())
+
 
 def seq_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> SeqLayout:
     """The layout of a forward. Pass cu_seqlens as a CPU tensor to build it without a device sync
@@ -317,13 +321,20 @@ class ShortConvolution(nn.Module):
         return y_BTC, self._final_state(x_BTC, layout, conv_state_NCW) if need_state else None
 
     def _conv_triton(self, x_BTC: torch.Tensor, layout: SeqLayout, conv_state_NCW) -> torch.Tensor:
-        from kernels.conv import causal_conv1d_state_triton, causal_conv1d_triton
+        from kernels.conv import causal_conv1d_state_triton
 
-        pos_BT = layout.cached("pos_i32", lambda: layout.pos_BT.to(torch.int32).contiguous())
+        pos_BT = layout.positions_i32()
         if conv_state_NCW is None:
-            return causal_conv1d_triton(x_BTC, self.weight[:, 0, :], pos_BT, self.activation)
+            return self.conv_positions(x_BTC, pos_BT)
         seq_BT = layout.cached("seq_i32", lambda: layout.seq_BT.to(torch.int32).contiguous())
         return causal_conv1d_state_triton(x_BTC, self.weight[:, 0, :], pos_BT, seq_BT, conv_state_NCW, self.activation)
+
+    def conv_positions(self, x_BTC: torch.Tensor, pos_BT: torch.Tensor) -> torch.Tensor:
+        """The differentiable Triton conv without a conv state, given int32 positions (``SeqLayout.positions_i32``):
+        what the learner's compiled KDA layer calls (``model.kda.kda_planned_forward``)."""
+        from kernels.conv import causal_conv1d_triton
+
+        return causal_conv1d_triton(x_BTC, self.weight[:, 0, :], pos_BT, self.activation)
 
     def _conv_taps(self, x_BTC: torch.Tensor, layout: SeqLayout, conv_state_NCW) -> torch.Tensor:
         K, W = self.kernel_size, self.kernel_size - 1

@@ -439,55 +439,70 @@ def test_compiled_regions_run_once_a_step_and_keep_little(monkeypatch):
     torch.testing.assert_close(out.float(), rms_norm(x, w, 1e-5).float(), rtol=1e-2, atol=1e-2)
 
 
+def _planned_layer_step(model, attn, lengths: list[int], spec: str, autocast: bool = False) -> list[torch.Tensor]:
+    """(output, d input, d every parameter) of the attention layer ``attn`` alone on packed ``lengths`` with the
+    fast paths ``spec`` (and CPU bf16 autocast): no state in or out, so a planned path takes it where it can."""
+    import contextlib
+
+    from model.layers import seq_layout
+
+    torch.manual_seed(len(lengths))
+    T = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    x = torch.randn(1, T, model.config.hidden_size, requires_grad=True)
+    cast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with use_fast_paths(spec), cast:
+        y, state = attn(x, seq_layout(1, T, cu, x.device), cu_seqlens=cu)
+        assert state is None
+        grads = torch.autograd.grad((y.float() * torch.randn(y.shape)).sum(), [x, *attn.parameters()])
+    return [y.detach().float(), *grads]
+
+
+def _check_planned_layer(model, attn, steps, spec: str, reference: str, reference_tol: dict, autocast=False) -> dict:
+    """The planned path of ``attn`` (fast paths ``spec``) against the ``reference`` paths on the first layout
+    (``reference_tol``), then compiled under scope "blocks": the eager planned path's output and gradients on every
+    layout (1e-6), no graph break, no new graph after the second layout (``steps``: four layouts, the last the
+    first again). Returns the compiled regions by name."""
+    from torch._dynamo.utils import counters
+
+    ref = _planned_layer_step(model, attn, steps[0], reference, autocast)
+    eager = [_planned_layer_step(model, attn, lengths, spec, autocast) for lengths in steps]
+    for a, b in zip(ref, eager[0]):
+        torch.testing.assert_close(b, a, **reference_tol)
+    backend = CountingBackend()
+    regions = {r.name: r for r in compile_regions(model, backend=backend, scope="blocks")}
+    counters.clear()
+    graphs = []
+    for want, lengths in zip(eager, steps):
+        got = _planned_layer_step(model, attn, lengths, spec, autocast)
+        graphs.append(backend.graphs)
+        for a, b in zip(want, got):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    assert not counters["graph_break"]
+    assert graphs[1] >= graphs[0] > 0 and graphs[3] == graphs[2] == graphs[1]
+    return regions
+
+
 def test_blocks_scope_compiles_the_planned_kda_layer_as_one_graph(monkeypatch):
     """On the Triton conv and KDA kernels (interpreted here) a KDA layer without state in or out takes the planned
     path: its positions and chunk plan handed over as tensors, its convolutions and kernel custom ops, so scope
     "blocks" compiles the whole layer, dynamo breaks nowhere, other layouts (other lengths and sequence counts)
     stop adding graphs after the second, and the compiled layer gives the eager planned path's output and
     gradients, which agree with the reference path (taps and the CPU's chunked KDA) to fp32 rounding."""
-    from torch._dynamo.utils import counters
-
     from kernels.testing import import_interpreted
     from model.kda import KimiDeltaAttention, kda_planned_forward
-    from model.layers import seq_layout
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     import_interpreted(*(f"kernels.kda.triton.{m}" for m in ("common", "launch", "fwd", "bwd", "chunk")),
                        "kernels.conv.triton")  # fmt: skip
     model = _small_model(num_hidden_layers=2).train()
     attn = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
-    params = list(attn.parameters())
-
-    def step(lengths, conv="triton"):
-        torch.manual_seed(len(lengths))
-        T = sum(lengths)
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-        x = torch.randn(1, T, model.config.hidden_size, requires_grad=True)
-        with use_fast_paths(f"conv={conv}"):
-            y, state = attn(x, seq_layout(1, T, cu, x.device), cu_seqlens=cu)
-            assert state is None
-            grads = torch.autograd.grad((y * torch.randn_like(y)).sum(), [x, *params])
-        return [y.detach(), *grads]
-
-    steps = [[1, 15, 65], [15, 3], [7, 33], [1, 15, 65]]
-    reference = step(steps[0], conv="torch")  # the reference path: taps, the CPU's chunked KDA
-    eager = [step(lengths) for lengths in steps]
-    for a, b in zip(reference, eager[0]):
-        torch.testing.assert_close(b, a, rtol=2e-4, atol=2e-5)
-    backend = CountingBackend()
-    regions = {r.name: r for r in compile_regions(model, backend=backend, scope="blocks")}
-    counters.clear()
-    graphs = []
-    for want, lengths in zip(eager, steps):
-        got = step(lengths)
-        graphs.append(backend.graphs)
-        for a, b in zip(want, got):
-            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    # the reference path: taps, the CPU's chunked KDA
+    regions = _check_planned_layer(model, attn, [[1, 15, 65], [15, 3], [7, 33], [1, 15, 65]], "conv=triton",
+                                   "conv=torch", {"rtol": 2e-4, "atol": 2e-5})  # fmt: skip
     planned = regions["kda_planned_forward"]
     assert planned.failed is None and planned.eager is kda_planned_forward and attn.planned_fn is planned
     assert regions["kda_forward"].graphs() == 0  # the stateful path never ran
-    assert not counters["graph_break"]
-    assert graphs[1] >= graphs[0] > 0 and graphs[3] == graphs[2] == graphs[1]
 
 
 def test_each_mix_and_norm_is_one_compiled_call_each_way_and_keeps_its_sources(monkeypatch):
@@ -543,10 +558,8 @@ def test_blocks_scope_compiles_the_planned_mla_layer_as_one_graph(monkeypatch):
     to bf16 rounding. Flash attention has no CPU kernel: a dense masked SDPA over the same rows stands in for
     ``model.attention.varlen_rows``."""
     import torch.nn.functional as F
-    from torch._dynamo.utils import counters
 
     import model.attention as attention
-    from model.layers import seq_layout
     from model.mla import GatedMLA, mla_planned_forward
 
     def dense_varlen(q_RHQ, k_RHQ, v_RHV, cu_N1, max_len, scale):
@@ -559,34 +572,8 @@ def test_blocks_scope_compiles_the_planned_mla_layer_as_one_graph(monkeypatch):
     monkeypatch.setattr(attention, "varlen_rows", dense_varlen)
     model = _small_model(num_hidden_layers=2).train()
     attn = next(m for m in model.modules() if isinstance(m, GatedMLA))
-    params = list(attn.parameters())
-
-    def step(lengths, form="varlen"):
-        torch.manual_seed(len(lengths))
-        T = sum(lengths)
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-        x = torch.randn(1, T, model.config.hidden_size, requires_grad=True)
-        with use_fast_paths(f"attention={form}"), torch.autocast("cpu", dtype=torch.bfloat16):
-            y, state = attn(x, seq_layout(1, T, cu, x.device), cu_seqlens=cu)
-            assert state is None
-            grads = torch.autograd.grad((y.float() * torch.randn(y.shape)).sum(), [x, *params])
-        return [y.detach().float(), *grads]
-
-    steps = [[1, 15, 64, 65], [15, 64, 3], [7, 33], [1, 15, 64, 65]]
-    reference = step(steps[0], form="loop")  # one SDPA per sequence
-    eager = [step(lengths) for lengths in steps]
-    for a, b in zip(reference, eager[0]):
-        torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
-    backend = CountingBackend()
-    regions = {r.name: r for r in compile_regions(model, backend=backend, scope="blocks")}
-    counters.clear()
-    graphs = []
-    for want, lengths in zip(eager, steps):
-        got = step(lengths)
-        graphs.append(backend.graphs)
-        for a, b in zip(want, got):
-            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    # the reference: one SDPA per sequence
+    regions = _check_planned_layer(model, attn, [[1, 15, 64, 65], [15, 64, 3], [7, 33], [1, 15, 64, 65]],
+                                   "attention=varlen", "attention=loop", {"rtol": 2e-2, "atol": 2e-2}, autocast=True)  # fmt: skip
     planned = regions["mla_planned_forward"]
     assert planned.failed is None and planned.eager is mla_planned_forward and attn.planned_fn is planned
-    assert not counters["graph_break"]
-    assert graphs[1] >= graphs[0] > 0 and graphs[3] == graphs[2] == graphs[1]
