@@ -212,7 +212,7 @@ class HybridModel(HybridPreTrainedModel):
             )
         if not ids_checked:
             check_replay_ids(routed, self.config.num_experts)
-        return to_device(routed.long(), device)  # host routes: pinned, no host sync
+        return to_device(routed, device).long()  # host routes: pinned, no host sync; widened on the device
 
     def _attn(self, layer: HybridDecoderLayer, x_BTD, step: _Step) -> torch.Tensor:
         i = layer.layer_idx

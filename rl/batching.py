@@ -35,11 +35,11 @@ class EpisodeRow:
     rollout_logprobs: list[float]  # [T_i]
     value_positions: list[int]  # [num_turns] index of the token before each turn's first sampled token
     value_targets: list[float]  # [num_turns]
-    routed_experts: np.ndarray | None  # [T_i, L, K] int64, -1 where the engine recorded none
+    routed_experts: np.ndarray | None  # [T_i, L, K] int32, -1 where the engine recorded none
 
 
 def _routes(ep: Episode, length: int) -> np.ndarray | None:
-    """[T, L, K] int64: each token's engine-recorded experts (its turn's ``prompt_routed_experts`` or
+    """[T, L, K] int32: each token's engine-recorded experts (its turn's ``prompt_routed_experts`` or
     ``routed_experts``), -1 where the engine recorded none (a prefix-cache hit, the episode's last
     sampled token, a turn without records); None when no turn has any record."""
     recorded = [
@@ -51,7 +51,7 @@ def _routes(ep: Episode, length: int) -> np.ndarray | None:
     if not recorded:
         return None
     _, num_layers, top_k = recorded[0].shape
-    out = np.full((length, num_layers, top_k), -1, dtype=np.int64)
+    out = np.full((length, num_layers, top_k), -1, dtype=np.int32)
     pos = 0
     for t in ep.turns:
         for ids, routes in ((t.prompt_token_ids, t.prompt_routed_experts), (t.token_ids, t.routed_experts)):
@@ -69,7 +69,7 @@ def _place(out: np.ndarray, pos: int, routes: np.ndarray, n: int, episode_id: st
             f"[L, K] = {list(out.shape[1:])} as in its other turns"
         )
     m = min(n, routes.shape[0])
-    r = routes[:m].astype(np.int64)
+    r = routes[:m].astype(np.int32)
     out[pos : pos + m] = np.where(r >= np.iinfo(np.uint16).max, -1, r)
 
 
@@ -130,9 +130,9 @@ def pack(rows: list[EpisodeRow], loss_agg: str, norm_tokens: int) -> TrainBatch:
     routes = None
     if any(r.routed_experts is not None for r in rows):
         shape = next(r.routed_experts.shape[1:] for r in rows if r.routed_experts is not None)
+        free = lambda r: np.full((len(r.input_ids), *shape), -1, dtype=np.int32)
         routes = torch.from_numpy(np.concatenate([
-            r.routed_experts if r.routed_experts is not None else np.full((len(r.input_ids), *shape), -1)
-            for r in rows
+            (r.routed_experts if r.routed_experts is not None else free(r)).astype(np.int32, copy=False) for r in rows
         ]))  # fmt: skip
     return TrainBatch(
         input_ids_T=cat("input_ids", torch.long),

@@ -33,7 +33,7 @@ class TrainBatch:
     value_mask_T: torch.Tensor  # [T] bool, turn boundaries where the value head is read
     value_targets_T: torch.Tensor  # [T] float32, GAE targets at turn boundaries
     value_weights_T: torch.Tensor  # [T] float32, value-loss weights (sum to 1 over the optimizer step)
-    routed_experts_TLK: torch.Tensor | None = None  # [T, L, K] long, -1 = the engine computed none
+    routed_experts_TLK: torch.Tensor | None = None  # [T, L, K] int32, -1 = the engine computed none
     episode_ids: list[str] = field(default_factory=list)  # [N]
     padding: bool = False  # a learner group's filler: zero loss weights, adds nothing (rl/learner_group.py)
 

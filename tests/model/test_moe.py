@@ -133,3 +133,23 @@ def test_grouped_experts_draw_like_the_per_expert_linears_they_replace():
         gate, up, down = (m.weight for m in linears[3 * e : 3 * e + 3])
         assert torch.equal(experts.gate_up_proj[e], torch.cat([gate, up]))
         assert torch.equal(experts.down_proj[e], down)
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.int64])
+def test_replay_id_check_takes_whole_free_rows_and_refuses_the_rest(dtype):
+    """``check_replay_ids`` on a learner-sized table of any integer width: ids in [0, E) or a whole row of -1
+    pass; an id of E or below -1, and a row with -1 beside a real id, are refused wherever they sit."""
+    from model.moe import check_replay_ids
+
+    E, K = 16, 4
+    ok = torch.stack([torch.randperm(E)[:K] for _ in range(600)]).view(200, 3, K).to(dtype)
+    ok[::7] = -1
+    check_replay_ids(ok, E)
+    check_replay_ids(ok[1:7], E)  # no free row at all
+    check_replay_ids(torch.full((3, 2, K), -1, dtype=dtype), E)
+    for value, pos, match in ((E, (150, 2, 3), "must lie in"), (-2, (3, 0, 1), "must lie in"),
+                              (-1, (199, 1, 2), "all -1"), (-1, (1, 0, 0), "all -1")):  # fmt: skip
+        bad = ok.clone()
+        bad[pos] = value
+        with pytest.raises(ValueError, match=match):
+            check_replay_ids(bad, E)

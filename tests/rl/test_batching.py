@@ -66,6 +66,7 @@ def test_pack_cu_seqlens_and_split_preserve_weights():
     assert b.cu_seqlens_N1.tolist() == [0, 7, 11, 18]
     assert b.token_weights_T.sum().item() == pytest.approx(1.0)
     assert b.routed_experts_TLK.shape == (18, 3, 2) and (b.routed_experts_TLK[7:11] == -1).all()
+    assert b.routed_experts_TLK.dtype == torch.int32  # a quarter of int64 to check on the host and copy over
     parts = b.split(12)
     assert [p.num_seqs for p in parts] == [2, 1]
     assert parts[1].cu_seqlens_N1.tolist() == [0, 7] and parts[1].seq_ids_T.tolist() == [0] * 7
