@@ -138,7 +138,7 @@ def make_batch(lengths: list[int], config, seed: int = 0):
     mask = pos >= prompt
     adv = torch.where(torch.rand(N, generator=g) < 0.5, -1.0, 1.0)[seq] * mask
     L, E, K = len(config.moe_layer_indices), config.num_experts, config.num_experts_per_token
-    routes = torch.rand(T, L, E, generator=g).argsort(-1)[..., :K] if L else None
+    routes = torch.rand(T, L, E, generator=g).argsort(-1)[..., :K].to(torch.int32) if L else None  # as rl.batching packs them
     return TrainBatch(
         input_ids_T=torch.randint(0, config.vocab_size, (T,), generator=g),
         cu_seqlens_N1=cu,
