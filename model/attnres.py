@@ -145,20 +145,27 @@ class AttnResMix(nn.Module):
         if len(sources) == 1:
             return sources[0] if norm is None else norm(sources[0])
         if norm is not None:
+            fns = self._mix_norm_fns(sources)
             if torch.is_grad_enabled() and any(t.requires_grad for t in (*sources, *self.parameters(), norm.weight)):
-                fns = (self.mix_norm_fn, self.mix_norm_grads_fn)
                 return _MixNormNode.apply(fns, self.query, self.norm.weight, self.norm.eps, norm.weight, norm.eps,
                                           *sources)  # fmt: skip
-            return self._mix_norm(norm, *sources)
-        if fast.pick("attn_res", sources[0].device) in ("recompute", "fused"):
+            # with gradient a node of its own (``_MixNormNode``), not a compiled region's autograd: a compiled mix's
+            # own backward graph keeps a stacked copy of the sources (inductor's partitioner), about S x [T, D] more
+            # a mix than the sources
+            return fns[0](self.query, self.norm.weight, self.norm.eps, norm.weight, norm.eps, *sources)
+        if fast.pick("attn_res", sources[0].device) in ("recompute", "fused", "triton"):
             return recompute_in_backward(self.mix, *sources)
         return self.mix(*sources)
 
-    def _mix_norm(self, norm: RMSNorm, *sources: torch.Tensor) -> torch.Tensor:
-        # with gradient a node of its own (``_MixNormNode``), not a compiled region's autograd: a compiled mix's
-        # own backward graph keeps a stacked copy of the sources (inductor's partitioner), about S x [T, D] more
-        # a mix than the sources
-        return self.mix_norm_fn(self.query, self.norm.weight, self.norm.eps, norm.weight, norm.eps, *sources)
+    def _mix_norm_fns(self, sources: list[torch.Tensor]) -> tuple[Callable, Callable]:
+        """(forward, gradient) of the mix-and-norm node: ``model.fast`` op "attn_res" = triton on CUDA with at most
+        ``MAX_SOURCES`` sources, the Triton kernels (``kernels.attnres.triton``); else the (compiled) functions."""
+        if sources[0].is_cuda and fast.pick("attn_res", sources[0].device) == "triton":
+            from kernels.attnres.triton import MAX_SOURCES, mix_norm_forward, mix_norm_grads
+
+            if len(sources) <= MAX_SOURCES:
+                return mix_norm_forward, mix_norm_grads
+        return self.mix_norm_fn, self.mix_norm_grads_fn
 
     def normed(self, sources: list[torch.Tensor], norm: RMSNorm) -> torch.Tensor:
         """``norm(self(sources))``: the input of the sub-layer that ``norm`` belongs to. With ``model.fast`` op
@@ -171,7 +178,7 @@ class AttnResMix(nn.Module):
             return self.stacked_mix_norm_fn(
                 self.query, self.norm.weight, self.norm.eps, norm.weight, norm.eps, torch.stack(sources)
             )
-        if op == "fused" and self.stacked_mix_fn is None:
+        if op in ("fused", "triton") and self.stacked_mix_fn is None:
             return self(sources, norm)  # one source: ``forward`` norms it
         return norm(self(sources))
 

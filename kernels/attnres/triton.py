@@ -56,3 +56,158 @@ def mix_norm_rows(
         _mix_norm_row[(N,)](v, query, key_weight, out_weight, y, S, D, v.stride(0), v.stride(1), y.stride(0),
                             float(eps), float(out_eps), BD=triton.next_power_of_2(D), num_warps=4)  # fmt: skip
     return y.view(v_SND.shape[1:])
+
+
+# ------------------------------------------------------------------------------------------ the learner's node
+# The learner's mix + norm (``model.attnres._MixNormNode``) reads its sources as they are, unstacked (a stacked
+# copy would be one more [S, T, D] tensor a mix): up to MAX_SOURCES pointers, the unused ones repeating the first.
+# Each program holds a row of every source as one [SP, BD] fp32 tile (SP = S rounded up to a power of two), so
+# every source row is read once per kernel.
+MAX_SOURCES = 8
+
+
+@triton.jit
+def _source(i: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7):
+    p = p0
+    if i == 1:
+        p = p1
+    if i == 2:
+        p = p2
+    if i == 3:
+        p = p3
+    if i == 4:
+        p = p4
+    if i == 5:
+        p = p5
+    if i == 6:
+        p = p6
+    if i == 7:
+        p = p7
+    return p
+
+
+@triton.jit
+def _mix_tile(row, d, dm, u, eps, D, p0, p1, p2, p3, p4, p5, p6, p7, S: tl.constexpr, SP: tl.constexpr,
+              BD: tl.constexpr):  # fmt: skip
+    """(v [SP, BD], r [SP], vu [SP], a [SP], m [BD]) of one row: the sources, their keys' rsqrt(mean v^2 + eps),
+    <v, u>, the softmax weights over the sources and the mix in fp32 (rows s >= S of the tile are zero, a = 0)."""
+    sidx = tl.arange(0, SP)
+    v = tl.full([SP, BD], 0.0, tl.float32)
+    for i in tl.static_range(S):
+        vi = tl.load(_source(i, p0, p1, p2, p3, p4, p5, p6, p7) + row * D + d, mask=dm, other=0.0).to(tl.float32)
+        v = tl.where(sidx[:, None] == i, vi[None, :], v)
+    r = 1.0 / tl.sqrt(tl.reduce(v * v, 1, _sum_combine) / D + eps)
+    vu = tl.reduce(v * u[None, :], 1, _sum_combine)
+    logit = tl.where(sidx < S, r * vu, -float("inf"))
+    e = tl.exp(logit - tl.reduce(logit, 0, tl.standard._elementwise_max))
+    a = e / tl.reduce(e, 0, _sum_combine)
+    m = tl.reduce(a[:, None] * v, 0, _sum_combine)
+    return v, r, vu, a, m
+
+
+@triton.jit
+def _mix_norm_fwd(y_ptr, q_ptr, kw_ptr, ow_ptr, N, D, eps, out_eps, p0, p1, p2, p3, p4, p5, p6, p7,
+                  S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BD)
+    dm = d < D
+    u = tl.load(q_ptr + d, mask=dm, other=0.0).to(tl.float32) * tl.load(kw_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    _v, _r, _vu, _a, m = _mix_tile(row, d, dm, u, eps, D, p0, p1, p2, p3, p4, p5, p6, p7, S, SP, BD)
+    h = m.to(y_ptr.dtype.element_ty).to(tl.float32)  # the mix in the sources' dtype, as the reference rounds it
+    ow = tl.load(ow_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    y = h * (1.0 / tl.sqrt(tl.reduce(h * h, 0, _sum_combine) / D + out_eps)) * ow
+    tl.store(y_ptr + row * D + d, y.to(y_ptr.dtype.element_ty), mask=dm)
+
+
+@triton.jit
+def _mix_norm_bwd(dh_ptr, q_ptr, kw_ptr, ow_ptr, du_ptr, dgo_ptr, N, D, eps, out_eps,
+                  p0, p1, p2, p3, p4, p5, p6, p7, g0, g1, g2, g3, g4, g5, g6, g7,
+                  S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    """``model.attnres.attn_res_mix_norm_grads`` row by row (its docstring has the formulas): each program walks
+    rows pid, pid + P, ... writing every source's gradient (g_i, the sources' dtype) and summing the weights'
+    per-row terms du and dg_o over its rows into one [D] partial each (fp32, summed over programs by the caller)."""
+    pid, P = tl.program_id(0), tl.num_programs(0)
+    d = tl.arange(0, BD)
+    dm = d < D
+    sidx = tl.arange(0, SP)
+    u = tl.load(q_ptr + d, mask=dm, other=0.0).to(tl.float32) * tl.load(kw_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    go = tl.load(ow_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    du = tl.full([BD], 0.0, tl.float32)
+    dgo = tl.full([BD], 0.0, tl.float32)
+    for row in range(pid.to(tl.int64), N, P):  # int64 rows: row * D stays exact past 2^31 elements
+        v, r, vu, a, m = _mix_tile(row, d, dm, u, eps, D, p0, p1, p2, p3, p4, p5, p6, p7, S, SP, BD)
+        rho = 1.0 / tl.sqrt(tl.reduce(m * m, 0, _sum_combine) / D + out_eps)
+        dh = tl.load(dh_ptr + row * D + d, mask=dm, other=0.0).to(tl.float32)
+        yg = dh * go
+        dmix = rho * (yg - m * (rho * rho) * (tl.reduce(m * yg, 0, _sum_combine) / D))
+        da = tl.reduce(dmix[None, :] * v, 1, _sum_combine)
+        ds = a * (da - tl.reduce(a * da, 0, _sum_combine))
+        dv = a[:, None] * dmix[None, :] + ds[:, None] * (r[:, None] * u[None, :] - (r * r * r * vu / D)[:, None] * v)
+        for i in tl.static_range(S):
+            gi = _source(i, g0, g1, g2, g3, g4, g5, g6, g7)
+            dvi = tl.reduce(tl.where(sidx[:, None] == i, dv, 0.0), 0, _sum_combine)
+            tl.store(gi + row * D + d, dvi.to(gi.dtype.element_ty), mask=dm)
+        du += tl.reduce((ds * r)[:, None] * v, 0, _sum_combine)
+        dgo += dh * m * rho
+    tl.store(du_ptr + pid * D + d, du, mask=dm)
+    tl.store(dgo_ptr + pid * D + d, dgo, mask=dm)
+
+
+def _rows_of(sources, weights) -> tuple[list[torch.Tensor], int, int]:
+    """The sources as contiguous [N, D] rows (views where they already are), N and D; bad shapes named."""
+    S, D = len(sources), sources[0].shape[-1]
+    shape = sources[0].shape
+    if not 1 <= S <= MAX_SOURCES or any(t.shape != shape for t in sources) or any(w.shape != (D,) for w in weights):
+        raise ValueError(f"attn_res_mix_norm: 1 to {MAX_SOURCES} sources of one shape [..., D] and weights [D], got "
+                         f"{[tuple(t.shape) for t in sources]} and {[tuple(w.shape) for w in weights]}")  # fmt: skip
+    if len({t.dtype for t in sources}) != 1:
+        raise ValueError(f"attn_res_mix_norm: the sources must share a dtype, got {[t.dtype for t in sources]}")
+    rows = [t.reshape(-1, D).contiguous() for t in sources]
+    return rows, rows[0].shape[0], D
+
+
+def _padded(ptrs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return ptrs + [ptrs[0]] * (MAX_SOURCES - len(ptrs))
+
+
+def mix_norm_forward(
+    query: torch.Tensor, key_weight: torch.Tensor, eps: float, out_weight: torch.Tensor, out_eps: float,
+    *sources: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """``model.attnres.attn_res_mix_norm`` over unstacked sources: y [..., D] in the sources' dtype."""
+    rows, N, D = _rows_of(sources, (query, key_weight, out_weight))
+    y = torch.empty(N, D, device=rows[0].device, dtype=rows[0].dtype)
+    if N:
+        S = len(rows)
+        _mix_norm_fwd[(N,)](y, query, key_weight, out_weight, N, D, float(eps), float(out_eps), *_padded(rows),
+                            S=S, SP=triton.next_power_of_2(S), BD=triton.next_power_of_2(D), num_warps=4)  # fmt: skip
+    return y.view(sources[0].shape)
+
+
+def mix_norm_grads(
+    query: torch.Tensor, key_weight: torch.Tensor, eps: float, out_weight: torch.Tensor, out_eps: float,
+    dh: torch.Tensor, *sources: torch.Tensor, programs: int | None = None,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """``model.attnres.attn_res_mix_norm_grads``: (d query, d key_weight, d out_weight, *d sources), each in its
+    input's dtype. ``programs``: how many programs share the rows (default: 4 per streaming multiprocessor on
+    CUDA, 4 elsewhere); each adds one [D] fp32 partial of the weights' sums."""
+    rows, N, D = _rows_of(sources, (query, key_weight, out_weight))
+    if dh.shape != sources[0].shape:
+        raise ValueError(f"attn_res_mix_norm: the output gradient must be {tuple(sources[0].shape)}, got "
+                         f"{tuple(dh.shape)}")  # fmt: skip
+    dev = rows[0].device
+    grads = [torch.empty_like(t) for t in rows]
+    if programs is None:
+        programs = 4 * torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+    P = max(1, min(programs, N))
+    du = torch.zeros(P, D, device=dev, dtype=torch.float32)
+    dgo = torch.zeros(P, D, device=dev, dtype=torch.float32)
+    if N:
+        S = len(rows)
+        _mix_norm_bwd[(P,)](dh.reshape(N, D).contiguous(), query, key_weight, out_weight, du, dgo, N, D, float(eps),
+                            float(out_eps), *_padded(rows), *_padded(grads), S=S, SP=triton.next_power_of_2(S),
+                            BD=triton.next_power_of_2(D), num_warps=8)  # fmt: skip
+    du, dgo = du.sum(0), dgo.sum(0)
+    shape = sources[0].shape
+    return ((du * key_weight.float()).to(query.dtype), (du * query.float()).to(key_weight.dtype),
+            dgo.to(out_weight.dtype), *(g.view(shape) for g in grads))  # fmt: skip

@@ -46,3 +46,80 @@ def test_mix_norm_kernel_names_bad_shapes(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match=r"sources \[S >= 1, \.\.\., D\] and weights \[D\]"):
         mod.mix_norm_rows(torch.zeros(8), torch.zeros(8), 1e-5, torch.zeros(4), 1e-5, torch.zeros(2, 3, 8))
+
+
+def _sources(S: int, D: int, dtype, seed: int, shape=(2, 7)):
+    gen = torch.Generator().manual_seed(seed)
+    scales = torch.linspace(0.5, 4.0, S)
+    sources = [(torch.randn(*shape, D, generator=gen) * scales[i]).to(dtype) for i in range(S)]
+    q, kw, ow = (torch.randn(D, generator=gen) for _ in range(3))
+    return sources, q, kw, ow, torch.randn(*shape, D, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("S", [2, 3, 6, 8])
+@pytest.mark.parametrize("D", [64, 48])
+def test_learner_mix_norm_kernels_equal_the_node_reference(monkeypatch, S, D):
+    """The learner's kernels over unstacked sources (``mix_norm_forward``, ``mix_norm_grads``) against
+    ``attn_res_mix_norm`` and its closed-form gradient ``attn_res_mix_norm_grads`` (itself held to autograd in
+    tests/model/test_attnres.py), fp32, sources of different scales, a non-zero query: the output within 1e-6,
+    every gradient within 2e-5 relative to its largest element, with 1, 3 and more programs than rows sharing
+    the rows (the weights' partial sums)."""
+    from model.attnres import attn_res_mix_norm, attn_res_mix_norm_grads
+
+    mod = _interpreted()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    sources, q, kw, ow, dh = _sources(S, D, torch.float32, S * 10 + D)
+    got = mod.mix_norm_forward(q, kw, 1e-5, ow, 1e-6, *sources)
+    assert got.shape == sources[0].shape and got.dtype == torch.float32
+    assert_close("mix + norm", attn_res_mix_norm(q, kw, 1e-5, ow, 1e-6, *sources), got, 1e-6)
+    want = attn_res_mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh, *sources)
+    names = ["d query", "d key weight", "d out weight", *(f"d source {i}" for i in range(S))]
+    for programs in (1, 3, 64):
+        grads = mod.mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh, *sources, programs=programs)
+        assert len(grads) == 3 + S
+        for name, w, g in zip(names, want, grads):
+            assert g.shape == w.shape and g.dtype == w.dtype, name
+            assert_close(f"{name} ({programs} programs)", w, g, 2e-5 * float(w.abs().max()))
+
+
+def test_learner_mix_norm_kernels_in_bf16_and_bad_input(monkeypatch):
+    """bf16 sources: each output in its input's dtype, within bf16 rounding of the fp32 reference; more sources
+    than the kernel takes, sources of two shapes or dtypes are refused by name."""
+    from model.attnres import attn_res_mix_norm, attn_res_mix_norm_grads
+
+    mod = _interpreted()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    sources, q, kw, ow, dh = _sources(4, 64, torch.bfloat16, 7)
+    got = mod.mix_norm_forward(q, kw, 1e-5, ow, 1e-6, *sources)
+    want = attn_res_mix_norm(q, kw, 1e-5, ow, 1e-6, *(s.float() for s in sources))
+    assert got.dtype == torch.bfloat16
+    assert_close("bf16 mix + norm", want, got.float(), 0.03 * float(want.abs().max()))
+    grads = mod.mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh, *sources)
+    want = attn_res_mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh.float(), *(s.float() for s in sources))
+    assert [g.dtype for g in grads] == [torch.float32] * 3 + [torch.bfloat16] * 4
+    for w, g in zip(want, grads):
+        assert_close("bf16 gradient", w, g.float(), 0.03 * float(w.abs().max()))
+    with pytest.raises(ValueError, match="1 to 8 sources of one shape"):
+        mod.mix_norm_forward(q, kw, 1e-5, ow, 1e-6, *([sources[0]] * 9))
+    with pytest.raises(ValueError, match="1 to 8 sources of one shape"):
+        mod.mix_norm_forward(q, kw, 1e-5, ow, 1e-6, sources[0], sources[1][:1])
+    with pytest.raises(ValueError, match="share a dtype"):
+        mod.mix_norm_forward(q, kw, 1e-5, ow, 1e-6, sources[0], sources[1].float())
+
+
+def test_the_learner_node_on_the_kernels_backpropagates_like_autograd(monkeypatch):
+    """``model.attnres._MixNormNode`` with the Triton pair (what op "attn_res" = triton runs on CUDA) gives the
+    gradients autograd takes through the reference mix and norm, fp32, to every source and weight."""
+    from model.attnres import _MixNormNode, attn_res_mix
+
+    mod = _interpreted()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    sources, q, kw, ow, dh = _sources(5, 32, torch.float32, 3, shape=(9,))
+    leaves = [t.clone().requires_grad_() for t in (q, kw, ow, *sources)]
+    ref = rms_norm(attn_res_mix(leaves[0], leaves[1], 1e-5, *leaves[3:]), leaves[2], 1e-6)
+    want = torch.autograd.grad(ref, leaves, dh)
+    fns = (mod.mix_norm_forward, mod.mix_norm_grads)
+    out = _MixNormNode.apply(fns, leaves[0], leaves[1], 1e-5, leaves[2], 1e-6, *leaves[3:])
+    assert_close("node output", ref.detach(), out.detach(), 1e-6)
+    for i, (w, g) in enumerate(zip(want, torch.autograd.grad(out, leaves, dh))):
+        assert_close(f"gradient {i}", w, g, 2e-5)
