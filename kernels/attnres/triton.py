@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -154,14 +156,14 @@ def _mix_norm_bwd(dh_ptr, q_ptr, kw_ptr, ow_ptr, du_ptr, dgo_ptr, N, D, eps, out
 
 
 def _rows_of(sources, weights) -> tuple[list[torch.Tensor], int, int]:
-    """The sources as contiguous [N, D] rows (views where they already are), N and D; bad shapes named."""
+    """The sources as contiguous [N, D] rows (views where they already are), N and D; bad shapes named. The
+    sources may differ in dtype (under autocast a block's running sum starts as a bf16 sub-layer output beside
+    fp32 sums): each is read in its own and the mix takes their promoted dtype, as ``torch.stack`` does."""
     S, D = len(sources), sources[0].shape[-1]
     shape = sources[0].shape
     if not 1 <= S <= MAX_SOURCES or any(t.shape != shape for t in sources) or any(w.shape != (D,) for w in weights):
         raise ValueError(f"attn_res_mix_norm: 1 to {MAX_SOURCES} sources of one shape [..., D] and weights [D], got "
                          f"{[tuple(t.shape) for t in sources]} and {[tuple(w.shape) for w in weights]}")  # fmt: skip
-    if len({t.dtype for t in sources}) != 1:
-        raise ValueError(f"attn_res_mix_norm: the sources must share a dtype, got {[t.dtype for t in sources]}")
     rows = [t.reshape(-1, D).contiguous() for t in sources]
     return rows, rows[0].shape[0], D
 
@@ -176,7 +178,7 @@ def mix_norm_forward(
 ) -> torch.Tensor:  # fmt: skip
     """``model.attnres.attn_res_mix_norm`` over unstacked sources: y [..., D] in the sources' dtype."""
     rows, N, D = _rows_of(sources, (query, key_weight, out_weight))
-    y = torch.empty(N, D, device=rows[0].device, dtype=rows[0].dtype)
+    y = torch.empty(N, D, device=rows[0].device, dtype=functools.reduce(torch.promote_types, [t.dtype for t in rows]))
     if N:
         S = len(rows)
         _mix_norm_fwd[(N,)](y, query, key_weight, out_weight, N, D, float(eps), float(out_eps), *_padded(rows),

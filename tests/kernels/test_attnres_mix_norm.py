@@ -83,8 +83,9 @@ def test_learner_mix_norm_kernels_equal_the_node_reference(monkeypatch, S, D):
 
 
 def test_learner_mix_norm_kernels_in_bf16_and_bad_input(monkeypatch):
-    """bf16 sources: each output in its input's dtype, within bf16 rounding of the fp32 reference; more sources
-    than the kernel takes, sources of two shapes or dtypes are refused by name."""
+    """bf16 sources: each output in its input's dtype, within bf16 rounding of the fp32 reference; a bf16 source
+    among fp32 ones: the fp32 mix, each gradient in its source's dtype; more sources than the kernel takes and
+    sources of two shapes are refused by name."""
     from model.attnres import attn_res_mix_norm, attn_res_mix_norm_grads
 
     mod = _interpreted()
@@ -103,8 +104,15 @@ def test_learner_mix_norm_kernels_in_bf16_and_bad_input(monkeypatch):
         mod.mix_norm_forward(q, kw, 1e-5, ow, 1e-6, *([sources[0]] * 9))
     with pytest.raises(ValueError, match="1 to 8 sources of one shape"):
         mod.mix_norm_forward(q, kw, 1e-5, ow, 1e-6, sources[0], sources[1][:1])
-    with pytest.raises(ValueError, match="share a dtype"):
-        mod.mix_norm_forward(q, kw, 1e-5, ow, 1e-6, sources[0], sources[1].float())
+    mixed = [sources[0], *(s.float() for s in sources[1:])]  # a bf16 source beside fp32 ones, as under autocast
+    got = mod.mix_norm_forward(q, kw, 1e-5, ow, 1e-6, *mixed)
+    assert got.dtype == torch.float32
+    assert_close("mixed mix + norm", attn_res_mix_norm(q, kw, 1e-5, ow, 1e-6, *mixed), got, 1e-6)
+    grads = mod.mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh.float(), *mixed)
+    want = attn_res_mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh.float(), *mixed)
+    assert [g.dtype for g in grads[3:]] == [t.dtype for t in mixed]
+    for w, g in zip(want, grads):  # the bf16 source's gradient within its own rounding
+        assert_close("mixed gradient", w.float(), g.float(), 2e-5 if g.dtype == torch.float32 else 1e-2)
 
 
 def test_the_learner_node_on_the_kernels_backpropagates_like_autograd(monkeypatch):
