@@ -264,6 +264,7 @@ class Learner:
             loss_mask_T=to_device(mb.loss_mask_T, dev), seq_ids_T=to_device(mb.seq_ids_T, dev), ref_logprobs_T=ref_T,
             entropy_T=fwd.entropy_T, values_T=fwd.values_T, old_values_T=old_values_T,
             value_targets_T=to_device(mb.value_targets_T, dev), value_weights_T=to_device(mb.value_weights_T, dev),
+            num_seqs=mb.num_seqs,
         )  # fmt: skip
 
     @torch.no_grad()

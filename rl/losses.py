@@ -55,6 +55,7 @@ class LossInputs:
     old_values_T: torch.Tensor | None = None
     value_targets_T: torch.Tensor | None = None
     value_weights_T: torch.Tensor | None = None  # 1/num_boundaries at turn boundaries, else 0
+    num_seqs: int | None = None  # sequences in the micro-batch (from the host); None: read from seq_ids_T (a sync)
 
 
 def token_weights(
@@ -74,9 +75,10 @@ def token_weights(
     raise ValueError(f"unknown loss_agg {mode!r}")
 
 
-def _segment_mean(x_T: torch.Tensor, seq_ids_T: torch.Tensor, mask_T: torch.Tensor) -> torch.Tensor:
-    """Mean of x over the masked tokens of each sequence, broadcast back to [T]."""
-    n = int(seq_ids_T.max().item()) + 1
+def _segment_mean(x_T: torch.Tensor, seq_ids_T: torch.Tensor, mask_T: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """Mean of x over the masked tokens of each sequence, broadcast back to [T]. ``n``: the number of sequences
+    when the caller knows it on the host (else read back from the device: a sync between forward and backward)."""
+    n = n if n is not None else int(seq_ids_T.max().item()) + 1
     m = mask_T.to(x_T.dtype)
     sums = torch.zeros(n, dtype=x_T.dtype, device=x_T.device).index_add(0, seq_ids_T, x_T * m)
     counts = torch.zeros(n, dtype=x_T.dtype, device=x_T.device).index_add(0, seq_ids_T, m)
@@ -89,7 +91,7 @@ def log_ratio(inp: LossInputs, ratio_level: str) -> torch.Tensor:
     if ratio_level == "token":
         return lr_T
     if ratio_level == "sequence":
-        seq_T = _segment_mean(lr_T.detach(), inp.seq_ids_T, inp.loss_mask_T)
+        seq_T = _segment_mean(lr_T.detach(), inp.seq_ids_T, inp.loss_mask_T, inp.num_seqs)
         return torch.where(inp.loss_mask_T, seq_T + inp.logprobs_T - inp.logprobs_T.detach(), lr_T)
     raise ValueError(f"unknown ratio_level {ratio_level!r}")
 

@@ -109,10 +109,12 @@ def test_entropy_bonus():
     assert loss.item() == pytest.approx(-0.03) and m["entropy"] == pytest.approx(3.0)
 
 
-def test_gspo_sequence_ratio_and_gradient():
+@pytest.mark.parametrize("num_seqs", [None, 2])  # read from the ids (a device sync) or given by the learner's host
+def test_gspo_sequence_ratio_and_gradient(num_seqs):
     # seq 0: log-ratios 0.1, 0.3 (mean 0.2); seq 1: 0.0
     inp = inputs(
-        [0.1, 0.3, -1.0], [0.0, 0.0, -1.0], [1.0, 1.0, 2.0], seq=[0, 0, 1], mode="seq_mean_token_mean"
+        [0.1, 0.3, -1.0], [0.0, 0.0, -1.0], [1.0, 1.0, 2.0], seq=[0, 0, 1], mode="seq_mean_token_mean",
+        num_seqs=num_seqs,
     )
     c = cfg("gspo", tis_cap=None, clip_low=0.5, clip_high=0.5)
     loss, _ = policy_loss(inp, c)
