@@ -34,10 +34,13 @@ per-expert nn.Linear experts made ~6k parameter tensors before the experts were 
 ``--also-fast-paths SPEC[;SPEC...]`` is an A/B within one process (one device call, one host): after each
 micro-batch size it times the same learner on the same batch again with each ``SPEC``'s fast paths (e.g.
 ``glu=recompute``), a row each; each ``SPEC`` passes the same check against the references first.
-``--cuda-graphs`` (with ``--compile``), after every size's rows: the compiled blocks again with inductor's
-CUDA graphs (``model.compile.compile_regions(cuda_graphs=True)``), each step opened with
-``torch.compiler.cudagraph_mark_step_begin()``, timed per size as a row "ours, cuda graphs" (no components,
-no profile; an error there is a note, the rows before it stand).
+``--cuda-graphs [blocks|learner]`` (with ``--compile``), after every size's rows: "blocks" (the flag alone) every
+compiled block again with inductor's CUDA graphs (``model.compile.compile_regions(cuda_graphs=True)``) on this
+fixed batch, each step opened with ``torch.compiler.cudagraph_mark_step_begin()``; "learner" the learner's own
+``learner.cuda_graphs`` (the MoE blocks as graphs, each micro-batch padded to a bucket of
+``learner.token_buckets``, the learner opening each micro-batch's graphs): what a training run gets. Timed per
+size as a row "ours, cuda graphs (MODE)" (no components, no profile; an error there is a note, the rows before
+it stand).
 
 Results: ``<out>/learner_mfu.json`` (everything) and ``<out>/learner_mfu.md`` (the table), rewritten
 after every part. ``--small`` runs the same plumbing on a CPU with a tiny config (fp32).
@@ -61,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -259,28 +263,38 @@ def train_step(learner, batch) -> dict:
 
 
 def run_cuda_graphs(report: Report, learner, token_sizes: list[int], args, clock, peak: float, cuda: bool, t_start: float):
-    """``--cuda-graphs``: the learner's blocks compiled again as CUDA graphs, each size timed once more."""
+    """``--cuda-graphs``: the learner's blocks compiled again as CUDA graphs, each size timed once more. "blocks":
+    every block, the bench opening each step's graphs; "learner": ``learner.cuda_graphs`` as a training run sets
+    it (the MoE blocks, micro-batches padded to buckets, the learner opening each micro-batch's graphs)."""
     from model.compile import compile_regions, resolve_compile_scope
 
     torch._dynamo.reset()
     scope = resolve_compile_scope(args.compile_scope, learner.device, on_cuda="blocks")
-    learner.compiled_regions = compile_regions(learner.base_model, scope=scope, cuda_graphs=True)
-    CUDA_GRAPHS["on"] = True
+    saved = (learner.cfg, learner.bucket_tokens)
     plain = argparse.Namespace(**{**vars(args), "components": False, "profile": False, "warmup": max(args.warmup, 3)})
     try:
+        if args.cuda_graphs == "learner":
+            learner.cfg = dataclasses.replace(learner.cfg, cuda_graphs=True)
+            learner.bucket_tokens = -(-learner.cfg.micro_batch_tokens // (learner.cfg.token_buckets or 8))
+            graphs = learner._graphs(scope, None)
+        else:
+            graphs, CUDA_GRAPHS["on"] = True, True
+        learner.compiled_regions = compile_regions(learner.base_model, scope=scope, cuda_graphs=graphs)
         for tokens in token_sizes:
             if time.time() - t_start > args.budget:
                 report.notes.append(f"budget reached before cuda graphs at {tokens} tokens")
                 continue
-            run_ours(report, learner, tokens, plain, clock, peak, cuda, "ours, cuda graphs")
+            run_ours(report, learner, tokens, plain, clock, peak, cuda, f"ours, cuda graphs ({args.cuda_graphs})")
             report.save(args.out)
     except Exception as e:  # an experiment: its failure is reported, the rows before it stand
         report.notes.append(f"cuda graphs: {type(e).__name__}: {str(e)[:300]}")
         print(f"[cuda graphs] failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        report.save(args.out)
         learner.optimizer.zero_grad(set_to_none=True)
         free(cuda)
     finally:
         CUDA_GRAPHS["on"] = False
+        learner.cfg, learner.bucket_tokens = saved
 
 
 def snapshot(learner):
@@ -1172,7 +1186,10 @@ def main() -> int:
     ap.add_argument("--checkpoint", default="none", choices=["none", "layer", "ffn", "attention"])
     ap.add_argument("--compile", action="store_true", help="learner.compile (regional torch.compile)")
     ap.add_argument("--compile-scope", default="auto", help="learner.compile_scope: auto (blocks on a GPU), regions, moe or blocks")
-    ap.add_argument("--cuda-graphs", action="store_true", help="with --compile: the blocks as CUDA graphs, timed after")
+    ap.add_argument("--cuda-graphs", nargs="?", const="blocks", default=None, choices=("blocks", "learner"),
+                    help="with --compile, timed after: every compiled block as a CUDA graph on this fixed batch "
+                    "(blocks, the default), or the learner's own option (learner.cuda_graphs: the MoE blocks, the "
+                    "micro-batch padded to a bucket)")  # fmt: skip
     ap.add_argument("--no-peer", dest="peer", action="store_false")
     ap.add_argument("--peer-row", type=int, default=1024, help="the peer's row length (tokens per sequence)")
     ap.add_argument("--no-components", dest="components", action="store_false")

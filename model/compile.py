@@ -133,7 +133,7 @@ class CompiledOrEager:
         self, fn: Callable, name: str, backend: str | Callable = "inductor", options: dict | None = None,
         dynamic: bool | None = False,
     ):  # fmt: skip
-        self.eager, self.name = fn, name
+        self.eager, self.name, self.options = fn, name, options
         self.compiled = torch.compile(fn, backend=backend, dynamic=dynamic, options=options)
         self.failed: str | None = None
 
@@ -237,7 +237,7 @@ def compile_regions(
     extra_kinds: tuple[tuple[type, str, Callable], ...] = (),
     options: dict | None = None,
     scope: str = "regions",
-    cuda_graphs: bool = False,
+    cuda_graphs: bool | str = False,
 ) -> list[CompiledOrEager]:
     """Point every norm, AttnRes mix, GLU, router, grouped MoE and KDA layer of ``model`` (and the modules
     of ``extra_kinds``: the vLLM model's decode step) at the shared compiled functions; returns the
@@ -248,8 +248,14 @@ def compile_regions(
     whose attribute is None does not take that path (an AttnRes mix outside an engine: no stacked mix) and
     gets no wrapper there. ``cuda_graphs``: the blocks' graphs replay as CUDA graphs (inductor's cudagraph
     trees, ``CUDA_GRAPH_OPTIONS``): one launch for a block's kernels instead of one each, a graph recorded per
-    token count; an experiment of bench/learner_mfu.py (``--cuda-graphs``), whose steps begin with
-    ``torch.compiler.cudagraph_mark_step_begin()``."""
+    input shape; True or "blocks" every block of ``scope``, "moe" the MoE blocks only (their inputs' shapes
+    follow the token count alone, which the learner pads to a few buckets: ``learner.cuda_graphs``; a KDA or MLA
+    layer's also follow the sequences' lengths). Steps begin with ``torch.compiler.cudagraph_mark_step_begin()``."""
+    if cuda_graphs not in (False, True, "blocks", "moe"):
+        raise ValueError(f"cuda_graphs must be False, True, 'blocks' or 'moe', got {cuda_graphs!r}")
+    if cuda_graphs and scope == "regions":
+        raise ValueError("cuda_graphs replays compiled blocks: it needs compile scope 'moe' or 'blocks', got 'regions'")
+    graphed = {"moe": block_kinds("moe")}.get(cuda_graphs, block_kinds(scope) if cuda_graphs else ())
     if torch._dynamo.config.recompile_limit < REGION_RECOMPILE_LIMIT:
         log.info("dynamo recompile_limit %d -> %d (compiled regions)", torch._dynamo.config.recompile_limit,
                  REGION_RECOMPILE_LIMIT)  # fmt: skip
@@ -266,7 +272,7 @@ def compile_regions(
                     # dynamo's automatic dynamic shapes (dynamic=None) make a new token count symbolic on
                     # its first recompile, where dynamic=False would compile every new count again
                     is_block = (cls, attr, fn) in blocks
-                    opts = {**(options or {}), **CUDA_GRAPH_OPTIONS} if is_block and cuda_graphs else options
+                    opts = {**(options or {}), **CUDA_GRAPH_OPTIONS} if (cls, attr, fn) in graphed else options
                     regions[fn] = CompiledOrEager(fn, fn.__name__, backend, opts, None if is_block else False)
                 setattr(module, attr, regions[fn])
     return list(regions.values())

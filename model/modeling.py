@@ -18,6 +18,7 @@ Forward options the RL stack relies on:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -104,6 +105,21 @@ def _normed_input(mix: AttnResMix | None, norm: RMSNorm, sources: list[torch.Ten
     return mix.normed(sources, norm)
 
 
+@contextlib.contextmanager
+def _uncounted(model: nn.Module, filler_tokens: int):
+    """Every MoE router of ``model`` leaves the last ``filler_tokens`` tokens out of its statistics meanwhile."""
+    if filler_tokens < 0:
+        raise ValueError(f"filler_tokens must be >= 0, got {filler_tokens}")
+    gates = [m for m in model.modules() if isinstance(m, MoEGate)] if filler_tokens else []
+    for g in gates:
+        g.uncounted_tokens = filler_tokens
+    try:
+        yield
+    finally:
+        for g in gates:
+            g.uncounted_tokens = 0
+
+
 @dataclass
 class _Step:
     """Per-forward context threaded through the layers."""
@@ -175,10 +191,19 @@ class HybridModel(HybridPreTrainedModel):
         routed_experts: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         replay_checked: bool = False,
+        filler_tokens: int = 0,
     ) -> tuple[torch.Tensor, HybridCache | None, list[torch.Tensor]]:
         """Returns (final normed hidden states [B, T, D], cache or None, experts used per MoE layer).
         ``replay_checked``: the caller checked ``routed_experts``' ids already (a device table checked when
-        it was filled): only its shape is checked here, with no host sync."""
+        it was filled): only its shape is checked here, with no host sync. ``filler_tokens``: the last tokens of
+        the flattened batch are filler (a learner's padding to a bucket size, its own packed sequence): the MoE
+        routers leave them out of their balancing statistics; everything else computes them as any token."""
+        with _uncounted(self, filler_tokens):
+            return self._forward(input_ids, cu_seqlens, past_key_values, use_cache, routed_experts, inputs_embeds,
+                                 replay_checked)  # fmt: skip
+
+    def _forward(self, input_ids, cu_seqlens, past_key_values, use_cache, routed_experts, inputs_embeds,
+                 replay_checked):  # fmt: skip
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         x_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -296,6 +321,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         logits_to_keep: int = 0,
         return_logits: bool = True,
         return_entropy: bool = False,
+        filler_tokens: int = 0,
         **unused,
     ) -> HybridCausalLMOutput:
         """``labels`` [B, T]: next-token cross-entropy (-100 ignored, no prediction across packed
@@ -304,14 +330,14 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         ``return_logits=False`` with ``target_ids``: no [B, T, V] logits are kept, not even for
         backward (the LM head is recomputed per chunk, ``model.lm_head``), so long packed batches fit.
         ``return_entropy``: also the entropy of each position's next-token distribution (fp32,
-        differentiable), from the chunks when ``return_logits=False``."""
+        differentiable), from the chunks when ``return_logits=False``. ``filler_tokens``: ``HybridModel.forward``'s."""
         unexpected = sorted(k for k, v in unused.items() if v is not None and k not in _HF_NOOP_KWARGS)
         if unexpected:
             raise TypeError(f"HybridForCausalLM.forward got unexpected arguments {unexpected}")
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             raise ValueError("padding masks are not supported: pack sequences with cu_seqlens instead")
         h_BTD, cache, choices = self.model(
-            input_ids, cu_seqlens, past_key_values, use_cache, routed_experts, inputs_embeds
+            input_ids, cu_seqlens, past_key_values, use_cache, routed_experts, inputs_embeds, filler_tokens=filler_tokens
         )
         out = HybridCausalLMOutput(past_key_values=cache, hidden_states=h_BTD)
         if not return_logits:

@@ -150,6 +150,9 @@ class MoEGate(nn.Module):
         self.balancing_quantile = config.moe_balancing_quantile
         self._stats: RoutingStats | None = None
         self._balancer_attached = False  # statistics pile up only while an ExpertBalancer consumes them
+        # the current forward's trailing filler tokens (a learner's bucket padding), which the statistics leave out:
+        # set around a forward by ``HybridModel`` (``filler_tokens``), read only by the eager ``_record``
+        self.uncounted_tokens = 0
         # ``model.compile.compile_regions`` swaps in the compiled one
         self.weights_fn: Callable = routing_weights
         nn.init.normal_(self.weight, std=config.initializer_range)
@@ -228,12 +231,17 @@ class MoEGate(nn.Module):
         check_replay_ids(replay_TK, self.num_experts)
         return replay_TK.long()
 
+    @torch.compiler.disable  # eager inside a compiled MoE block: a graph break only while statistics are collected
     @torch.no_grad()
     def _record(self, scores_TE, cutoff_T, experts_TK) -> None:
+        """Add this forward's routing to the step's statistics, its trailing ``uncounted_tokens`` left out. Eager
+        (outside any compiled graph): the statistics outlive the forward, where a graph's outputs under CUDA
+        graphs would be overwritten by its next replay, and the filler count is a plain attribute, not a guard."""
         if self._stats is None:
             self._stats = self.empty_stats()
+        n = scores_TE.shape[0] - self.uncounted_tokens
         bias = self.e_score_correction_bias
-        self._stats.record(self.balancing_mode, scores_TE, cutoff_T, experts_TK, bias, self.balancing_bins)
+        self._stats.record(self.balancing_mode, scores_TE[:n], cutoff_T[:n], experts_TK[:n], bias, self.balancing_bins)
 
 
 class SparseMoE(nn.Module):

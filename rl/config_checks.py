@@ -126,6 +126,12 @@ def _validate_learner(c: LearnerConfig, errors: list[str]) -> None:
     _check(not (c.dtype == "bfloat16" and c.device == "cpu"), "learner.dtype",
            "bfloat16 autocast is for GPUs; use float32 with device=cpu", errors)  # fmt: skip
     _choice(c.balancer, ("frozen", "update"), "learner.balancer", errors)
+    _check(c.token_buckets is None or c.token_buckets >= 1, "learner.token_buckets", "must be >= 1 (or unset)", errors)
+    _check(not c.cuda_graphs or c.compile, "learner.cuda_graphs", "replays compiled blocks: needs learner.compile=true",
+           errors)  # fmt: skip
+    _check(not c.cuda_graphs or c.device != "cpu", "learner.cuda_graphs", "needs a CUDA device, got device=cpu", errors)
+    _check(not c.cuda_graphs or c.num_workers == 1, "learner.cuda_graphs",
+           f"is for the single-process learner, got learner.num_workers={c.num_workers}", errors)  # fmt: skip
     _check(c.lora.r >= 1, "learner.lora.r", "must be >= 1", errors)
     _check(not (c.lora.target_parameters and c.lora.dropout), "learner.lora.dropout",
            f"must be 0 with target_parameters {list(c.lora.target_parameters)} (peft adapts parameters without "

@@ -15,6 +15,13 @@ Balancing bias: ``balancer = frozen`` (default) never changes it during RL; ``up
 after each optimizer step with the model's balancing rule, and the bias ships with the weights
 (it is a buffer of the state dict) at the next sync.
 
+CUDA graphs (``learner.cuda_graphs``, a single-process learner on a GPU): the compiled MoE blocks replay as
+inductor's CUDA graphs, one recorded per input shape, so every forward pads its micro-batch to a multiple of
+``learner.token_buckets``' size with one filler sequence (``_with_filler``): each packed sequence is computed
+apart and the routers leave the filler out of their statistics, so the batch's own logprobs, loss and gradients
+are those of the unpadded batch (tests/rl/test_learner_buckets.py); each micro-batch's passes begin a new graph
+step.
+
 Deviation: with ``ppo_epochs * num_minibatches == 1`` the pre-update logprobs are taken from the
 training forward itself (ratio == 1 exactly), saving a forward pass.
 
@@ -143,7 +150,9 @@ class Learner:
             from model.compile import compile_regions, resolve_compile_scope
 
             scope = resolve_compile_scope(cfg.compile_scope, self.device, on_cuda="blocks")
-            self.compiled_regions = compile_regions(self.base_model, scope=scope)
+            self.compiled_regions = compile_regions(self.base_model, scope=scope, cuda_graphs=self._graphs(scope, dist))
+        buckets = cfg.token_buckets or (8 if cfg.cuda_graphs else 0)
+        self.bucket_tokens = -(-cfg.micro_batch_tokens // buckets) if buckets else 0  # 0: micro-batches unpadded
         hidden = self.base_model.config.hidden_size
         self.value_head = nn.Linear(hidden, 1).to(self.device) if (algo.vf_coef or 0) > 0 else None
         self.dist = dist  # rl.parallel.Distributed, or None: a plain single-process learner
@@ -161,6 +170,24 @@ class Learner:
         self.version = 0
 
     # ------------------------------------------------------------------ setup helpers
+    def _graphs(self, scope: str, dist) -> str | bool:
+        """What ``compile_regions`` replays as CUDA graphs: the MoE blocks with ``learner.cuda_graphs``."""
+        if not self.cfg.cuda_graphs:
+            return False
+        if self.device.type != "cuda" or dist is not None or scope == "regions":
+            raise ValueError(
+                "learner.cuda_graphs needs the single-process learner on a CUDA device with compiled MoE blocks "
+                f"(compile_scope moe, blocks or auto), got device {self.device}, "
+                f"{'a sharded learner' if dist is not None else 'one process'}, compile scope {scope!r}"
+            )
+        return "moe"
+
+    def _new_graph_step(self) -> None:
+        """Before each micro-batch's passes under ``learner.cuda_graphs``: the previous ones' graph outputs are done
+        with (inductor's cudagraph trees overwrite them on the next replay)."""
+        if self.cfg.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+
     def _wrap_lora(self, model):
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
@@ -202,35 +229,37 @@ class Learner:
         from model.fast import pick
 
         model = model if model is not None else self.policy
-        ids_1T = to_device(batch.input_ids_T, self.device)[None]
-        cu_host = batch.cu_seqlens_N1
-        cu = to_device(cu_host, self.device)
-        # tokens the engine recorded no experts for (-1 rows) are routed freely in the same forward
-        routes = batch.routed_experts_TLK if self.cfg.routing_replay else None
+        T = batch.num_tokens
+        ids_host, cu_host, routes, filler = _with_filler(batch, self.bucket_tokens, self.cfg.routing_replay)
+        ids_1T = to_device(ids_host, self.device)[None]
+        cu = to_device(batch.cu_seqlens_N1, self.device)
         targets_1T = torch.roll(ids_1T, -1, dims=1)
         with self._paths():
             plain = pick("lm_head", self.device) == "plain"
         with self._paths(), self._autocast():
             out = model(
                 ids_1T, cu_seqlens=cu_host, routed_experts=routes, target_ids=targets_1T,
-                return_logits=plain, return_entropy=need_entropy and not plain,
+                return_logits=plain, return_entropy=need_entropy and not plain, filler_tokens=filler,
             )  # fmt: skip
-        logprobs_T = torch.zeros(ids_1T.shape[1], device=self.device, dtype=torch.float32)
-        logprobs_T = torch.cat([logprobs_T[:1], out.token_logprobs[0, :-1]])
+        # the batch's own tokens (the filler sequence, if any, comes after them)
+        own = {k: None if getattr(out, k) is None else getattr(out, k)[0, :T]
+               for k in ("token_logprobs", "entropy", "logits", "hidden_states")}  # fmt: skip
+        logprobs_T = torch.zeros(T, device=self.device, dtype=torch.float32)
+        logprobs_T = torch.cat([logprobs_T[:1], own["token_logprobs"][:-1]])
         # index_fill_, not ``starts[idx] = True``: that copies the True to the device from pageable memory, a
         # host sync in the middle of the forward (torch.cuda.set_sync_debug_mode, bench/learner_mfu.py)
         starts = torch.zeros_like(logprobs_T, dtype=torch.bool).index_fill_(0, cu[:-1].long(), True)
         logprobs_T = torch.where(starts, torch.zeros_like(logprobs_T), logprobs_T)
         entropy_T = None
         if need_entropy and not plain:  # from the head's chunks; a gradient only for an entropy term
-            ent_T = out.entropy[0] if self.algo.entropy_coef > 0 else out.entropy[0].detach()
+            ent_T = own["entropy"] if self.algo.entropy_coef > 0 else own["entropy"].detach()
             entropy_T = torch.cat([ent_T[:1], ent_T[:-1]])
         elif need_entropy:  # with grad only when the loss has an entropy term (it costs a [T, V] softmax)
             with contextlib.nullcontext() if self.algo.entropy_coef > 0 else torch.no_grad():
-                logits_TV = torch.cat([out.logits[0, :1], out.logits[0, :-1]]).float()
+                logits_TV = torch.cat([own["logits"][:1], own["logits"][:-1]]).float()
                 entropy_T = logits_TV.logsumexp(-1) - (logits_TV.softmax(-1) * logits_TV).sum(-1)
         values_T = (
-            self.value_head(out.hidden_states[0].float())[:, 0] if self.value_head is not None else None
+            self.value_head(own["hidden_states"].float())[:, 0] if self.value_head is not None else None
         )
         return ForwardOut(logprobs_T, entropy_T, values_T)
 
@@ -238,6 +267,7 @@ class Learner:
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Learner logprobs [T] without gradient (eval mode): parity checks and diagnostics."""
         self.policy.eval()
+        self._new_graph_step()
         return self.forward(batch).logprobs_T.cpu()
 
     @torch.no_grad()
@@ -246,6 +276,7 @@ class Learner:
         if self.value_head is None:
             raise ValueError("turn_values needs a value head (algorithm.vf_coef > 0)")
         self.policy.eval()
+        self._new_graph_step()
         values_T = self.forward(batch).values_T.cpu()
         return [values_T[(batch.seq_ids_T == i) & batch.value_mask_T].tolist() for i in range(batch.num_seqs)]
 
@@ -274,6 +305,7 @@ class Learner:
         out = {}
         for i, mb in enumerate(minibatches):
             for j, micro in enumerate(mb):
+                self._new_graph_step()
                 f = self.forward(micro)
                 out[i, j] = (f.logprobs_T, f.values_T)
         return out
@@ -303,6 +335,7 @@ class Learner:
         need_entropy = True
         sums: dict[str, torch.Tensor] = {}  # on the device: read back once, after the optimizer step
         for j, micro in enumerate(micro_batches):
+            self._new_graph_step()
             if micro.padding:
                 self._padding_backward(micro, need_entropy)
                 continue
@@ -376,6 +409,7 @@ class Learner:
             from rl.parallel import routing_stats_untouched
 
             gates = self.balancer.gates if self.balancer is not None and micro.padding else []
+            self._new_graph_step()
             with routing_stats_untouched(gates) if micro.padding else contextlib.nullcontext():
                 fwd = self.forward(micro)
                 w_T = micro.token_weights_T.to(self.device)
@@ -624,6 +658,22 @@ class Learner:
             load_sharded(self, path)
         else:
             self.load_state_dict(torch.load(path, weights_only=False))
+
+
+def _with_filler(batch: TrainBatch, bucket: int, replay: bool):
+    """(input ids, host cu_seqlens, routes or None, filler tokens) of ``batch`` padded up to a multiple of
+    ``bucket`` tokens (0: as it is) with one filler sequence of token 0, routed freely (-1 routes). Each packed
+    sequence is computed apart, so the batch's own tokens come out as without the filler."""
+    routes = batch.routed_experts_TLK if replay else None  # -1 rows: tokens routed freely in the same forward
+    T = batch.num_tokens
+    filler = -(-T // bucket) * bucket - T if bucket else 0
+    if not filler:
+        return batch.input_ids_T, batch.cu_seqlens_N1, routes, 0
+    ids = torch.cat([batch.input_ids_T, batch.input_ids_T.new_zeros(filler)])
+    cu = torch.cat([batch.cu_seqlens_N1, batch.cu_seqlens_N1.new_full((1,), T + filler)])
+    if routes is not None:
+        routes = torch.cat([routes, routes.new_full((filler, *routes.shape[1:]), -1)])
+    return ids, cu, routes, filler
 
 
 class _MismatchMeter:

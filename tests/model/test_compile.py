@@ -577,3 +577,24 @@ def test_blocks_scope_compiles_the_planned_mla_layer_as_one_graph(monkeypatch):
                                    "attention=varlen", "attention=loop", {"rtol": 2e-2, "atol": 2e-2}, autocast=True)  # fmt: skip
     planned = regions["mla_planned_forward"]
     assert planned.failed is None and planned.eager is mla_planned_forward and attn.planned_fn is planned
+
+
+def test_cuda_graphs_go_to_the_blocks_asked_for():
+    """``cuda_graphs``: True / "blocks" every compiled block of the scope replays as CUDA graphs, "moe" the MoE
+    blocks only (what ``learner.cuda_graphs`` asks for), never a small region; a graph of a block not compiled
+    whole (scope "regions") or an unknown value is refused."""
+    model = _small_model()
+
+    def graphed(**kw):
+        torch._dynamo.reset()
+        return {r.name for r in compile_regions(model, backend="inductor", scope="blocks", **kw)
+                if (r.options or {}).get("triton.cudagraphs")}  # fmt: skip
+
+    assert graphed(cuda_graphs="moe") == {"sparse_moe_forward"}
+    every = graphed(cuda_graphs=True)
+    assert "sparse_moe_forward" in every and "kda_forward" in every and graphed(cuda_graphs="blocks") == every
+    assert graphed() == set()
+    with pytest.raises(ValueError, match="needs compile scope 'moe' or 'blocks'"):
+        compile_regions(model, backend="aot_eager", scope="regions", cuda_graphs="moe")
+    with pytest.raises(ValueError, match="cuda_graphs must be"):
+        compile_regions(model, backend="aot_eager", scope="blocks", cuda_graphs="kda")

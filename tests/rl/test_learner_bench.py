@@ -154,8 +154,9 @@ def test_optimizer_is_split_and_the_peer_runs_after_our_learner_is_released(benc
 
 def test_cuda_graphs_are_timed_after_the_plain_rows_and_mark_every_step(bench, monkeypatch, tmp_path):
     """``--cuda-graphs``: the learner's blocks compiled again with inductor's CUDA graphs (on the CPU inductor
-    skips the graphs, the plumbing runs), a row "ours, cuda graphs" after the plain one, each of its steps
-    opened with ``cudagraph_mark_step_begin``; without ``--compile`` the flag is refused."""
+    skips the graphs, the plumbing runs), a row "ours, cuda graphs (blocks)" after the plain one, each of its
+    steps opened with ``cudagraph_mark_step_begin``; without ``--compile`` the flag is refused; the learner's own
+    option (``--cuda-graphs learner``) on a CPU is a note naming why, the plain row standing."""
     import pytest
     import torch
 
@@ -173,7 +174,7 @@ def test_cuda_graphs_are_timed_after_the_plain_rows_and_mark_every_step(bench, m
     monkeypatch.setattr(bench, "probe_ops", lambda *a: "moe=grouped")
     assert run(bench, monkeypatch, tmp_path, "--compile", "--compile-scope", "moe", "--cuda-graphs", "--no-components") == 0
     report = json.loads((tmp_path / "learner_mfu.json").read_text())
-    assert [r["impl"] for r in report["runs"]] == ["ours", "ours, cuda graphs"]
+    assert [r["impl"] for r in report["runs"]] == ["ours", "ours, cuda graphs (blocks)"]
     assert all(isinstance(r["graph_breaks"], dict) for r in report["runs"])  # dynamo's, by reason
     assert not report.get("notes") or not any("cuda graphs" in n for n in report["notes"])
     graphed = {name for name, opts in built if opts.get("triton.cudagraphs")}
@@ -181,3 +182,8 @@ def test_cuda_graphs_are_timed_after_the_plain_rows_and_mark_every_step(bench, m
     assert len(marks) >= 3 and not bench.CUDA_GRAPHS["on"]  # warm-up (3) and the timed step
     with pytest.raises(SystemExit):
         run(bench, monkeypatch, tmp_path, "--cuda-graphs")
+    assert run(bench, monkeypatch, tmp_path, "--compile", "--compile-scope", "moe", "--cuda-graphs", "learner",
+               "--no-components") == 0  # fmt: skip
+    report = json.loads((tmp_path / "learner_mfu.json").read_text())
+    assert [r["impl"] for r in report["runs"]] == ["ours"]
+    assert any("learner.cuda_graphs needs the single-process learner on a CUDA device" in n for n in report["notes"])
