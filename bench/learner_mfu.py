@@ -267,6 +267,7 @@ def run_cuda_graphs(report: Report, learner, token_sizes: list[int], args, clock
     every block, the bench opening each step's graphs; "learner": ``learner.cuda_graphs`` as a training run sets
     it (the MoE blocks, micro-batches padded to buckets, the learner opening each micro-batch's graphs)."""
     from model.compile import compile_regions, resolve_compile_scope
+    from rl.learner import bucket_tokens
 
     torch._dynamo.reset()
     scope = resolve_compile_scope(args.compile_scope, learner.device, on_cuda="blocks")
@@ -275,7 +276,7 @@ def run_cuda_graphs(report: Report, learner, token_sizes: list[int], args, clock
     try:
         if args.cuda_graphs == "learner":
             learner.cfg = dataclasses.replace(learner.cfg, cuda_graphs=True)
-            learner.bucket_tokens = -(-learner.cfg.micro_batch_tokens // (learner.cfg.token_buckets or 8))
+            learner.bucket_tokens = bucket_tokens(learner.cfg)
             graphs = learner._graphs(scope, None)
         else:
             graphs, CUDA_GRAPHS["on"] = True, True

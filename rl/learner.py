@@ -151,8 +151,7 @@ class Learner:
 
             scope = resolve_compile_scope(cfg.compile_scope, self.device, on_cuda="blocks")
             self.compiled_regions = compile_regions(self.base_model, scope=scope, cuda_graphs=self._graphs(scope, dist))
-        buckets = cfg.token_buckets or (8 if cfg.cuda_graphs else 0)
-        self.bucket_tokens = -(-cfg.micro_batch_tokens // buckets) if buckets else 0  # 0: micro-batches unpadded
+        self.bucket_tokens = bucket_tokens(cfg)
         hidden = self.base_model.config.hidden_size
         self.value_head = nn.Linear(hidden, 1).to(self.device) if (algo.vf_coef or 0) > 0 else None
         self.dist = dist  # rl.parallel.Distributed, or None: a plain single-process learner
@@ -658,6 +657,13 @@ class Learner:
             load_sharded(self, path)
         else:
             self.load_state_dict(torch.load(path, weights_only=False))
+
+
+def bucket_tokens(cfg: LearnerConfig) -> int:
+    """The size every micro-batch is padded to a multiple of: micro_batch_tokens / token_buckets (8 buckets with
+    cuda_graphs when unset), rounded up; 0: micro-batches unpadded."""
+    buckets = cfg.token_buckets or (8 if cfg.cuda_graphs else 0)
+    return -(-cfg.micro_batch_tokens // buckets) if buckets else 0
 
 
 def _with_filler(batch: TrainBatch, bucket: int, replay: bool):
