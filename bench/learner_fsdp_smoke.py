@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--steps", type=int, default=2)
     args = p.parse_args(argv)
-    from rl.parallel import free_address, init_distributed
+    from rl.parallel import group_store, init_distributed
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -102,7 +102,8 @@ def main(argv=None) -> int:
     report["unsharded_step1"] = {k: want[k] for k in ("loss", "grad_norm")}
     del plain
     torch.cuda.empty_cache() if cuda else None
-    d = init_distributed(0, 1, free_address(), device)
+    _store, address = group_store()  # the group's store: kept alive until the run ends
+    d = init_distributed(0, 1, address, device)
     report["backend"] = d.backend
     learner = build(args.preset, args.tokens, dtype, dist=d)
     steps = []

@@ -91,12 +91,20 @@ class LearnerRank(Learner):
         return self.dist.rank
 
 
-def _free_address() -> tuple[tuple[str, int], str]:
-    import ray
+class _Rendezvous:
+    """The group's store (``rl.parallel.group_store``), held on one node for as long as the group lives."""
 
-    from rl.parallel import free_address
+    def __init__(self) -> None:
+        import ray
 
-    return free_address(ray.util.get_node_ip_address()), ray.get_runtime_context().get_node_id()
+        from rl.parallel import group_store
+
+        self.store, self._address = group_store(ray.util.get_node_ip_address())
+        self._node = ray.get_runtime_context().get_node_id()
+
+    def address(self) -> tuple[tuple[str, int], str]:
+        """Where the store listens, and the node it is on (rank 0 goes there)."""
+        return self._address, self._node
 
 
 class LearnerGroup:
@@ -108,6 +116,7 @@ class LearnerGroup:
         if cfg.sharding not in SHARDING_MODES:
             raise ValueError(f"learner.sharding must be one of {SHARDING_MODES}, got {cfg.sharding!r}")
         self.cfg, self.world_size = cfg, cfg.num_workers
+        self._rendezvous = None
         self.sharded = cfg.sharding == "fsdp" or (cfg.sharding == "auto" and cfg.num_workers > 1)
         gpus = learner_rank_gpus(cfg)
         if not self.sharded:  # a rank's GPU reservation, as in a sharded group (rl/placement.py)
@@ -115,7 +124,8 @@ class LearnerGroup:
             return
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        address, node = ray.get(ray.remote(num_cpus=0)(_free_address).remote())
+        self._rendezvous = ray.remote(num_cpus=0)(_Rendezvous).remote()
+        address, node = ray.get(self._rendezvous.address.remote())
         actor = ray.remote(num_cpus=cfg.num_cpus, num_gpus=gpus)(LearnerRank)
         self.ranks = [
             actor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False) if r == 0 else None)
@@ -219,3 +229,5 @@ class LearnerGroup:
 
         for a in self.ranks:
             ray.kill(a)
+        if self._rendezvous is not None:
+            ray.kill(self._rendezvous)

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.constants import default_pg_timeout
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 """Largest host buffer of gathered parameters (one bucket) a weight export or sync holds at once."""
@@ -74,22 +74,29 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def free_address(host: str = "127.0.0.1") -> tuple[str, int]:
-    """``host`` and a free TCP port on it: where rank 0 listens for the group's rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return host, int(s.getsockname()[1])
+def group_store(host: str = "127.0.0.1") -> tuple[dist.TCPStore, tuple[str, int]]:
+    """The group's rendezvous store, listening on ``host`` at a port the OS picks as it binds; its address.
+
+    Whoever calls this keeps the store alive for as long as the group lives (the ranks join it as clients,
+    ``init_distributed``). Picking a free port and binding it later, in another process, leaves a window in
+    which anything else on the machine can take the port (``EADDRINUSE`` in rank 0); binding port 0 leaves
+    none.
+    """
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=default_pg_timeout)
+    return store, (host, int(store.port))
 
 
 def init_distributed(rank: int, world_size: int, address: tuple[str, int], device: torch.device) -> Distributed:
-    """Join the group (blocks until every rank has joined); NCCL on a GPU (which it binds), gloo on CPU."""
+    """Join the group whose store listens at ``address`` (``group_store``); blocks until every rank has
+    joined. NCCL on a GPU (which it binds), gloo on CPU."""
     backend = backend_for(device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         host, port = address
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=default_pg_timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 device_id=device if device.type == "cuda" else None)  # fmt: skip
     return Distributed(rank, world_size, backend)
 

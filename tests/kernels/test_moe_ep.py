@@ -11,7 +11,6 @@ still send and receive). float64, so the only difference is the GEMMs' grouping 
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from torch import nn
 
 from model.config import HybridConfig
 from model.moe import SparseMoE
+from rl.parallel import group_store, init_distributed
 
 E, K, T, WORLD = 8, 2, 11, 2
 CASES = ("free", "replay_some_free", "skewed_to_rank1")
@@ -52,11 +52,11 @@ def _share(rank: int) -> slice:
     return slice(rank * T // WORLD, (rank + 1) * T // WORLD)
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, address: tuple[str, int], out: str) -> None:
     from kernels.moe.ep import ExpertParallel
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    init_distributed(rank, WORLD, address, torch.device("cpu"))
     try:
         results = {}
         for name in CASES:
@@ -77,16 +77,12 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    store, address = group_store()  # the spawned ranks join it as clients
+    mp.spawn(_worker, args=(address, str(out)), nprocs=WORLD, join=True)
+    del store
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 

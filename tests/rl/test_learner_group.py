@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from test_learner import batches_for, make_cfg, make_group
 
 from rl.learner import Learner
 from rl.learner_group import LearnerGroup, padding_batch, spread
+from rl.parallel import group_store
 
 pytestmark = [pytest.mark.ray]
 
@@ -44,6 +46,17 @@ GROUP = {"expert_parallel": {"expert_parallel": 2},  # experts split over the 2 
 # (grad_norm). The weights themselves are held to 1e-5 absolute at the end.
 STEP_TOLERANCES = {"loss": 1e-4, "pg_loss": 1e-4, "entropy": 1e-4, "kl_ref": 1e-4, "value_loss": 1e-4,
                    "grad_norm": 3e-5}  # fmt: skip
+
+
+def test_the_group_store_holds_its_port_from_the_start():
+    """The rendezvous port is bound as it is chosen: nothing else can take it before rank 0 would listen
+    (the old pick-then-bind left that window open, and a CI run lost it: EADDRINUSE)."""
+    store, (host, port) = group_store()
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind((host, port))
+    client = torch.distributed.TCPStore(host, port, is_master=False)
+    client.set("k", "v")
+    assert store.get("k") == b"v"
 
 
 def test_spread_balances_tokens_and_pads_every_rank_to_the_same_count():
