@@ -5,6 +5,8 @@ their input under autocast, against a cast per projection."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from model_cases import tiny_config
@@ -95,32 +97,37 @@ def test_norm_recompute_equals_autograd_and_keeps_less(which):
 
 def test_model_step_equals_the_reference_ops_and_keeps_less():
     """Whole model, packed varlen, grouped MoE: default (recompute) paths vs autograd on the same ops, bit for bit;
-    "fused" (each mix and the norm after it as one node, its gradient in closed form) to fp32 rounding (each
-    gradient within 1e-5 of autograd's, relative to its norm; measured 2.2e-6 at most)."""
+    "fused" (each mix and the norm after it as one node, its gradient in closed form) as accurate as autograd:
+    each of its gradients within 2x autograd's own error (+ 2e-6) of the same model's float64 gradient,
+    relative to the gradient's norm. Against float64, not against autograd's fp32 digits: a KDA layer's
+    ``A_log`` gradient (2 heads, sums with cancellation) is 2.4e-5 off float64 on either path, so the two
+    fp32 paths differ there by ~1e-5 depending on the CPU (1.1e-5 on one CI machine; worst ratio to
+    autograd's error measured 1.3)."""
     torch.manual_seed(0)
     model = HybridForCausalLM(tiny_config(routed_expert_hidden_size=32)).train()
     lengths = [1, 15, 64, 65]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     ids = torch.randint(0, 128, (1, sum(lengths)))
-    params = [p for p in model.parameters() if p.requires_grad]
 
-    def step():
-        return model(ids, cu_seqlens=cu, target_ids=ids.roll(-1, 1), return_logits=False).token_logprobs
+    def grads(m: HybridForCausalLM, choice: str):
+        def step():
+            return m(ids, cu_seqlens=cu, target_ids=ids.roll(-1, 1), return_logits=False).token_logprobs
 
-    results = {}
-    for choice in ("torch", "recompute", "fused"):  # fused: each mix and the norm after it as one region
         glu_norm = "recompute" if choice == "fused" else choice
         with use_fast_paths("auto", moe="grouped", glu=glu_norm, attn_res=choice, norm=glu_norm):
-            results[choice] = run_and_grad(step, [], params)
+            return run_and_grad(step, [], [p for p in m.parameters() if p.requires_grad])
+
+    results = {choice: grads(model, choice) for choice in ("torch", "recompute", "fused")}
+    _, g64, _ = grads(copy.deepcopy(model).double(), "torch")
     out_ref, g_ref, bytes_ref = results["torch"]
     for choice in ("recompute", "fused"):
         out, g, _ = results[choice]
         torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
-        for a, b in zip(g, g_ref):
+        for a, b, truth in zip(g, g_ref, g64):
             if choice == "recompute":
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
             else:
-                assert error_ratio(b, a) <= 1e-5
+                assert error_ratio(truth, a.double()) <= 2 * error_ratio(truth, b.double()) + 2e-6
     assert results["recompute"][2] < 0.8 * bytes_ref
     assert results["fused"][2] < results["recompute"][2]  # the mixed input of each norm is not kept either
 
