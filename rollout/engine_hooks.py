@@ -140,6 +140,11 @@ def pop_request_records(worker, req_ids: list[str]) -> dict[str, RequestRecord]:
     return {r: recorder.pop(r) for r in req_ids}
 
 
+def set_turn_end_ids(worker, ids: list[int]) -> None:
+    """The model's stale-step guard: the ids that end every turn (``rollout.vllm_layers.StaleStepGuard``)."""
+    worker.model_runner.get_model().set_turn_end_ids(ids)
+
+
 def load_weights_inplace(worker, path: str) -> int:
     """Copy the tensors of a safetensors file into the running model; returns how many were copied."""
     from safetensors.torch import load_file

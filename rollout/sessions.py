@@ -11,9 +11,17 @@ Facts of the mechanism this code relies on (vllm/v1/core/sched/scheduler.py
 ``_update_request_as_session``): the token sampled last in a turn has not been fed through the
 model and is dropped when the next chunk arrives, so the next chunk starts with it; outputs of a
 resumable request are never ``finished``, a turn ends when its ``finish_reason`` is set.
+
+Under vLLM's async scheduler a turn that ends on a stop token has run one decode step past it; the
+model's stale-step guard (``rollout.vllm_layers.StaleStepGuard``) keeps the parked recurrent state at the
+turn's end, given the ids that end every turn. ``SessionEngine`` installs them from the first request (as
+vLLM's input processor completed its sampling parameters: stop ids and EOS) and refuses a request whose
+turn would end on other ids: the guard would miss its stale step, or freeze a token it feeds.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import msgspec
 from vllm import SamplingParams
@@ -23,9 +31,13 @@ from vllm.inputs import TokensPrompt
 class SessionEngine:
     """add_request / add_chunk / close on a ``vllm.LLMEngine``; ``step`` returns RequestOutputs."""
 
-    def __init__(self, llm_engine) -> None:
+    def __init__(self, llm_engine, install_turn_ends: Callable[[list[int]], None] | None = None) -> None:
+        """``install_turn_ends``: sets the model's stale-step guard (None: the engine schedules synchronously
+        and has none)."""
         self.engine = llm_engine
         self._tasks = llm_engine.get_supported_tasks()
+        self._install_turn_ends = install_turn_ends
+        self.turn_ends: frozenset[int] | None = None
 
     def _prompt(self, token_ids: list[int], cache_salt: str | None) -> TokensPrompt:
         prompt = TokensPrompt(prompt_token_ids=list(token_ids))  # vLLM extends prompt lists in place
@@ -37,7 +49,7 @@ class SessionEngine:
         self, external_id: str, token_ids: list[int], params: SamplingParams, resumable: bool, cache_salt=None
     ) -> str:
         """Start a request; returns vLLM's internal request id."""
-        if not resumable:
+        if not resumable and self._install_turn_ends is None:
             return self.engine.add_request(external_id, self._prompt(token_ids, cache_salt), params)
         proc = self.engine.input_processor
         req = proc.process_inputs(
@@ -45,8 +57,9 @@ class SessionEngine:
             self._prompt(token_ids, cache_salt),
             params,
             supported_tasks=self._tasks,
-            resumable=True,
+            resumable=resumable,
         )
+        self._check_turn_ends(req.sampling_params)
         proc.assign_request_id(req)
         self._submit(req)
         return req.request_id
@@ -69,7 +82,22 @@ class SessionEngine:
             resumable=True,
         )
         req.external_req_id = external_id
+        self._check_turn_ends(req.sampling_params)
         self._submit(req)
+
+    def _check_turn_ends(self, params) -> None:
+        if self._install_turn_ends is None:
+            return
+        ends = turn_end_ids(params)
+        if self.turn_ends is None:
+            self._install_turn_ends(sorted(ends))
+            self.turn_ends = ends
+        elif ends != self.turn_ends:
+            raise ValueError(
+                f"with async sessions every turn must end on the same ids: this engine's are "
+                f"{sorted(self.turn_ends)}, this request's {sorted(ends)} (stop_token_ids and EOS); use one "
+                "renderer per worker, or rollout.worker.async_sessions=false"
+            )
 
     def _submit(self, req) -> None:
         # In-process engines share objects with the output processor: both extend the session's
@@ -89,3 +117,12 @@ class SessionEngine:
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished_requests()
+
+
+def turn_end_ids(params) -> frozenset[int]:
+    """The ids that end a request's turn once sampled: its EOS (None when ignored) and its stop ids, as vLLM's
+    input processor completed them (the generation config's EOS ids join the stop ids there)."""
+    ids = set(params.stop_token_ids or ())
+    if params.eos_token_id is not None:
+        ids.add(params.eos_token_id)
+    return frozenset(ids)

@@ -61,6 +61,45 @@ from model.layers import SeqLayout, l2_normalize_qk, seq_layout
 from model.serving import fuse_linears, kda_state_dtypes, kda_state_shapes
 
 
+class StaleStepGuard:
+    """Keeps a parked session's recurrent state at its turn's end when the scheduler runs one step too far.
+
+    vLLM's async scheduler plans step N+1 before step N's tokens are known, so a turn that ends on a stop
+    token at step N runs one more decode step, whose input is that stop token. The scheduler then rolls its
+    token count back to the turn's end (the stop token counts as not computed, and the next turn's chunk
+    starts with it), and the attention layers' KV at that position is simply written again by the next
+    chunk; a recurrent state cannot be rolled back. So the KDA layers step such a token with a padding slot
+    (vLLM's PAD_SLOT_ID, -1: no state is read or written, the output is zero and is never used: the step's
+    sampled token is discarded).
+
+    ``ids_S`` (fixed address, -1 padded) holds the ids that end every turn the engine runs (the worker sets
+    them, ``set_ids``, and sends only requests that stop on each of them); ``mark`` flags the step's tokens
+    whose input is one of them, and ``decode_slots`` pads the slots of the flagged decode tokens (vLLM puts
+    a step's decodes first). A prompt token is never flagged: the next turn's chunk, which starts with that
+    stop token, goes through the prefill path. Device ops only, so a captured decode graph does the same."""
+
+    def __init__(self, capacity: int, device: torch.device | str) -> None:
+        self.ids_S = torch.full((capacity,), -1, dtype=torch.long, device=device)
+        self.stale_T: torch.Tensor | None = None
+
+    def set_ids(self, ids: list[int]) -> None:
+        ids = sorted(set(int(i) for i in ids))
+        if len(ids) > self.ids_S.numel() or any(i < 0 for i in ids):
+            raise ValueError(f"turn-end ids must be at most {self.ids_S.numel()} non-negative ids, got {ids}")
+        self.ids_S.fill_(-1)
+        if ids:
+            self.ids_S[: len(ids)].copy_(torch.tensor(ids, dtype=torch.long))
+
+    def mark(self, input_ids_T: torch.Tensor | None) -> None:
+        self.stale_T = None if input_ids_T is None else (input_ids_T[:, None] == self.ids_S[None, :]).any(-1)
+
+    def decode_slots(self, slots_N: torch.Tensor) -> torch.Tensor:
+        if self.stale_T is None:
+            return slots_N
+        stale_N = self.stale_T[: slots_N.shape[0]]
+        return torch.where(stale_N, torch.full_like(slots_N, -1), slots_N)
+
+
 def kda_state_copy_funcs():
     """Align-mode prefix caching copies whole per-slot states; all four are copied verbatim."""
     return (get_temporal_copy_spec,) * 4
@@ -73,6 +112,7 @@ class KDAStateLayer(nn.Module, MambaBase):
         super().__init__()
         self._kda = [kda]  # a plain reference: the parameters stay registered under the HF module tree
         self.decode_inputs_fn = kda_decode_inputs  # ``rollout.vllm_model`` may swap in a compiled one
+        self.stale_step_guard: StaleStepGuard | None = None  # set by the model when sessions run async
         self.w_in, self.in_sizes = fuse_input_projections(kda)
         self.config = config
         self.prefix = prefix
@@ -147,6 +187,8 @@ class KDAStateLayer(nn.Module, MambaBase):
         learner's full-sequence logprobs)."""
         kda = self._kda[0]
         conv_q, conv_k, conv_v, rec = self.kv_cache
+        if self.stale_step_guard is not None:
+            slots_N = self.stale_step_guard.decode_slots(slots_N)
         xq, xk, xv, fa, b, gate = self._input_projections(x_ND)
         silu = kda.q_conv1d.activation == "silu"
         q, k, v = (

@@ -22,6 +22,9 @@ Deviations from a stock vLLM model, on purpose:
   num MoE layers, top_k], -1 = route freely, the default): a recorded engine's experts for one request,
   replayed in this one. A gather inside the forward, so captured decode graphs take the routes too (a
   Python hook would not run on a replay). ``set_route_table`` fills it.
+* With ``stale_step_guard`` in the HF config (``WorkerConfig.async_sessions`` sets it through ``hf_overrides``)
+  every forward flags the decode tokens whose input ends a turn, and the KDA layers step them with no state
+  (``rollout.vllm_layers.StaleStepGuard``: the async scheduler's step past a turn's stop token).
 * vLLM's own torch.compile does not trace this model (it is not a ``support_torch_compile`` model: the
   learner's modules, the paged mixers' metadata reads). With ``enforce_eager=False`` the engine instead
   compiles the learner's element-wise regions (``model.compile``: norms, AttnRes mixes, GLUs, routing,
@@ -51,10 +54,14 @@ from rollout.vllm_layers import (
     KDAStateLayer,
     MLALatentPagedAttention,
     MLAPagedAttention,
+    StaleStepGuard,
     kda_decode_inputs,
     kda_state_copy_funcs,
 )
 from rollout.vllm_plugin import mla_cache_form, mla_kv_layout
+
+TURN_END_IDS = 16
+"""Room for the ids that end a turn (a renderer's stop ids and the model's EOS ids)."""
 
 
 def routes_at(table_PLK: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
@@ -119,6 +126,12 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         if os.environ.get("LONGHORIZON_ROUTE_TABLE", "0") == "1" and moe_layers:
             P = vllm_config.model_config.max_model_len
             self.route_table_PLK = torch.full((P, moe_layers, k), -1, dtype=torch.long, device=device)
+        self.stale_step_guard = None
+        if getattr(config, "stale_step_guard", False):  # sessions under the async scheduler (the worker sets it)
+            self.stale_step_guard = StaleStepGuard(TURN_END_IDS, device)
+            for mixer in mixers:
+                if isinstance(mixer, KDAStateLayer):
+                    mixer.stale_step_guard = self.stale_step_guard
         self.compiled_regions = [] if vllm_config.model_config.enforce_eager else self._compile(vllm_config)
 
     def _compile(self, vllm_config: VllmConfig) -> list:
@@ -148,6 +161,8 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        if self.stale_step_guard is not None:
+            self.stale_step_guard.mark(input_ids)
         routed = None if self.route_table_PLK is None else routes_at(self.route_table_PLK, positions)
         if inputs_embeds is not None:
             h_1TD, _, choices = self.model(inputs_embeds=inputs_embeds[None], routed_experts=routed, replay_checked=True)
@@ -162,6 +177,13 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         if tokens > self._routed_TLK.shape[0]:  # more tokens than the scheduler's step budget: eager runs only
             self._routed_TLK = self._routed_TLK.new_zeros(tokens, *self._routed_TLK.shape[1:])
         self._routed_TLK[:tokens].copy_(routed_TLK)
+
+    def set_turn_end_ids(self, ids: list[int]) -> None:
+        """The ids that end every turn this engine runs (``rollout.vllm_layers.StaleStepGuard``)."""
+        if self.stale_step_guard is None:
+            raise RuntimeError("this engine has no stale-step guard: construct it with hf_overrides "
+                               "{'stale_step_guard': True}")  # fmt: skip
+        self.stale_step_guard.set_ids(ids)
 
     def set_route_table(self, table_PLK: torch.Tensor | None) -> None:
         """Route position p of the next requests (one at a time) with ``table_PLK[p]`` ([P, num MoE layers,

@@ -97,6 +97,10 @@ class WorkerConfig:
     # compile workers of ``model.serving.inductor_compile_threads`` (bench/RESULTS.md); a batch between
     # two sizes runs in the next larger graph. Pass vLLM's list explicitly to get it back.
     cudagraph_capture_sizes: list[int] | None = None
+    # session workers under vLLM's async scheduler (its GPU default), the model's stale-step guard keeping each
+    # parked session's recurrent state at its turn's end (``scheduling_kwargs``); off: synchronous scheduling.
+    # Needs every turn to end on the same ids (one renderer per worker); not yet run on a GPU
+    async_sessions: bool = False
 
     def __post_init__(self) -> None:
         from rollout.vllm_plugin import MLA_CACHE_FORM_CHOICES
@@ -105,6 +109,8 @@ class WorkerConfig:
             raise ValueError(f"reuse must be one of {REUSE_MODES}, got {self.reuse!r}")
         if self.mla_cache_form is not None and self.mla_cache_form not in MLA_CACHE_FORM_CHOICES:
             raise ValueError(f"mla_cache_form must be one of {MLA_CACHE_FORM_CHOICES}, got {self.mla_cache_form!r}")
+        if self.async_sessions and self.reuse != "session":
+            raise ValueError(f"async_sessions applies to reuse='session' only, got reuse={self.reuse!r}")
         sizes = self.cudagraph_capture_sizes
         if sizes is not None and (not sizes or not all(isinstance(n, int) and n > 0 for n in sizes)):
             raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of positive ints, got {sizes!r}")
@@ -182,7 +188,7 @@ class RolloutWorker:
         from rollout.engine_hooks import install_step_recorder
         from rollout.sessions import SessionEngine
 
-        self.engine = SessionEngine(self.llm.llm_engine)
+        self.engine = SessionEngine(self.llm.llm_engine, self._install_turn_ends if self.config.async_sessions else None)
         self.llm.collective_rpc(install_step_recorder)
         self.max_resident = self._resident_budget()
         self.stats = {
@@ -221,18 +227,26 @@ class RolloutWorker:
             kwargs["block_size"] = c.block_size
         if c.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = c.max_num_batched_tokens
-        if c.mla_cache_form:
-            kwargs["hf_overrides"] = {"mla_cache_form": c.mla_cache_form}
+        overrides = {"mla_cache_form": c.mla_cache_form} if c.mla_cache_form else {}
+        if c.async_sessions:
+            overrides["stale_step_guard"] = True
+        if overrides:
+            kwargs["hf_overrides"] = overrides
         backend = c.attention_backend or latent_attention_backend(c)
         if backend:
             kwargs["attention_config"] = {"backend": backend}
         if c.gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
-        kwargs.update(scheduling_kwargs(c.reuse))
+        kwargs.update(scheduling_kwargs(c.reuse, c.async_sessions))
         if not c.enforce_eager:
             sizes = c.cudagraph_capture_sizes or capture_sizes(c.max_num_seqs)
             kwargs["compilation_config"] = {"cudagraph_capture_sizes": sorted(set(sizes))}
         return LLM(**kwargs)
+
+    def _install_turn_ends(self, ids: list[int]) -> None:
+        from rollout.engine_hooks import set_turn_end_ids
+
+        self.llm.collective_rpc(set_turn_end_ids, args=(ids,))
 
     def _resident_budget(self) -> int:
         if self.config.reuse != "session":
@@ -703,17 +717,19 @@ def latent_attention_backend(c: WorkerConfig) -> str | None:
     return "TRITON_ATTN"
 
 
-def scheduling_kwargs(reuse: str) -> dict[str, Any]:
-    """A session worker's engine schedules synchronously (vLLM's GPU default is async scheduling; its CPU
-    platform has none). An async scheduler plans step N+1 before step N's tokens are known, so a turn that
+def scheduling_kwargs(reuse: str, async_sessions: bool = False) -> dict[str, Any]:
+    """A session worker's engine schedules synchronously unless ``async_sessions`` (vLLM's GPU default is async
+    scheduling; its CPU platform has none). An async scheduler plans step N+1 before step N's tokens are known, so a turn that
     ends on a stop token at step N (a length stop is foreseen and not scheduled past) has run one more step:
     the stop token has gone through the model and the parked session's recurrent (KDA) state has moved past
     the turn's end, which no rollback of the scheduler's token count undoes, and the next turn, which starts
     with that token, would feed it twice. vLLM 0.26 (the GPU wheel) also delivers that stale step's token into
     the parked session, and when it ends the turn a second time the session is queued twice: on an H200
     (bench/rollout_gpu.py's reuse part, greedy turns that may end on EOS, 2026-12-04) the scheduler raised
-    ``Invalid request status: RUNNING`` at the fourth turn. Workers without sessions keep vLLM's default."""
-    return {"async_scheduling": False} if reuse == "session" else {}
+    ``Invalid request status: RUNNING`` at the fourth turn. Workers without sessions keep vLLM's default.
+    ``async_sessions`` keeps it too: the model's stale-step guard (``rollout.vllm_layers.StaleStepGuard``) steps
+    such a stop token with no state, so the parked state stays at the turn's end."""
+    return {"async_scheduling": False} if reuse == "session" and not async_sessions else {}
 
 
 def vllm_logs_info() -> bool:

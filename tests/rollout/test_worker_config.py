@@ -121,3 +121,9 @@ def test_session_workers_schedule_synchronously(tmp_path, monkeypatch):
     assert _engine_kwargs(monkeypatch, WorkerConfig(model_path=path))["async_scheduling"] is False
     for reuse in ("none", "prefix_cache"):
         assert "async_scheduling" not in _engine_kwargs(monkeypatch, WorkerConfig(model_path=path, reuse=reuse))
+    # async sessions keep vLLM's default and build the model with its stale-step guard
+    kwargs = _engine_kwargs(monkeypatch, WorkerConfig(model_path=path, async_sessions=True, mla_cache_form="latent"))
+    assert "async_scheduling" not in kwargs
+    assert kwargs["hf_overrides"] == {"mla_cache_form": "latent", "stale_step_guard": True}
+    with pytest.raises(ValueError, match="async_sessions applies to reuse='session' only"):
+        WorkerConfig(model_path=path, reuse="none", async_sessions=True)

@@ -1,0 +1,95 @@
+"""Session workers built for vLLM's async scheduler (``WorkerConfig.async_sessions``): the model's stale-step
+guard and the turn-end ids it is given, in a real vLLM engine (CPU, fp32).
+
+vLLM's CPU platform never schedules asynchronously, so the stale step itself (one decode step past a stop
+token, ``rollout.vllm_layers.StaleStepGuard``) happens on a GPU only. What runs here: the guard never
+touches a token the engine feeds on purpose (turns ending on stop tokens reuse their sessions exactly like
+a recompute and like the learner), a decode token whose input is a guarded id leaves the recurrent state
+as it was (the logprobs after it change; those before do not), and the ids come from the requests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_vllm_engine import LOGPROB_TOL, _episode, _prompt, assert_last_turn_equals_the_learner
+
+from rollout.engine_hooks import set_turn_end_ids
+from rollout.worker import TurnRequest
+
+pytestmark = pytest.mark.vllm
+TURNS = [_prompt(13, 70), _prompt(14, 21), _prompt(15, 12)]
+
+
+@pytest.fixture(scope="module")
+def stop(session_worker):
+    """Stop ids that end each of TURNS' greedy turns early (each turn's fourth token, found on the plain
+    session worker: every request of the guarded worker must end on the same ids)."""
+    free = _episode(session_worker, "free", TURNS, fresh_each_turn=True)
+    return tuple(sorted({o.token_ids[3] for o in free}))
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_ckpt):
+    from rollout_cases import SMALL_ENGINE
+
+    from rollout.worker import RolloutWorker
+
+    path, _ = tiny_ckpt
+    w = RolloutWorker(dict(model_path=str(path), reuse="session", async_sessions=True, **SMALL_ENGINE))
+    yield w
+    w.shutdown()
+
+
+def _guard_ids(worker) -> set[int]:
+    ids = worker.llm.collective_rpc(lambda w: w.model_runner.get_model().stale_step_guard.ids_S.tolist())[0]
+    return {i for i in ids if i >= 0}
+
+
+def test_guarded_sessions_ending_on_stop_tokens_equal_a_recompute(guarded, stop, tiny_ckpt):
+    _, model = tiny_ckpt
+    reused = _episode(guarded, "rs", TURNS, fresh_each_turn=False, stop=stop)
+    recomputed = _episode(guarded, "fs", TURNS, fresh_each_turn=True, stop=stop)
+    assert reused[0].finish_reason == "stop"
+    for t, (a, b) in enumerate(zip(reused, recomputed)):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason, t
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=LOGPROB_TOL)
+        if t >= 1:  # the chunk starts with the stop token: fed as a prompt token, never guarded
+            assert a.reused_session and a.num_computed_prompt_tokens == a.num_new_tokens + 1
+    assert_last_turn_equals_the_learner(model, TURNS, reused)
+    # the model's guard holds what ends these turns: the stop ids and the model's EOS
+    assert set(stop) <= guarded.engine.turn_ends == _guard_ids(guarded)
+    eos = guarded.llm.llm_engine.vllm_config.model_config.hf_config.eos_token_id
+    assert eos in guarded.engine.turn_ends
+
+
+def test_a_turn_ending_on_other_ids_is_refused(guarded, stop):
+    guarded.generate([TurnRequest("x", _prompt(20, 30), max_tokens=4, temperature=0.0, stop_token_ids=list(stop))])
+    other = [*stop, 999]
+    with pytest.raises(ValueError, match="every turn must end on the same ids"):
+        guarded.generate([TurnRequest("y", _prompt(21, 30), max_tokens=4, temperature=0.0, stop_token_ids=other)])
+    guarded.end_sessions(["x", "y"])
+
+
+def test_a_decode_token_with_a_guarded_id_leaves_the_state_as_it_was(guarded, stop):
+    """A guarded id sampled mid-turn (standing in for the stale step's stop token) is fed with no state: the
+    KDA layers' recurrent and conv states miss it, so the next logprob moves; everything before is equal."""
+
+    def turn(sid):
+        req = TurnRequest(sid, _prompt(30, 40), max_tokens=8, temperature=0.0, stop_token_ids=list(stop))
+        out = guarded.generate([req])[0]
+        guarded.end_sessions([sid])
+        return out
+
+    plain = turn("plain")
+    ends = set(guarded.engine.turn_ends)
+    k = next(i for i, t in enumerate(plain.token_ids[:-1]) if t not in ends and t not in plain.token_ids[:i])
+    guarded.llm.collective_rpc(set_turn_end_ids, args=(sorted(ends | {plain.token_ids[k]}),))
+    try:
+        frozen = turn("frozen")
+    finally:
+        guarded.llm.collective_rpc(set_turn_end_ids, args=(sorted(ends),))
+    assert frozen.token_ids[: k + 1] == plain.token_ids[: k + 1]
+    np.testing.assert_allclose(frozen.logprobs[: k + 1], plain.logprobs[: k + 1], atol=LOGPROB_TOL)
+    assert abs(frozen.logprobs[k + 1] - plain.logprobs[k + 1]) > 100 * LOGPROB_TOL
+    assert turn("again").logprobs == pytest.approx(plain.logprobs, abs=LOGPROB_TOL)  # the ids restored
