@@ -14,9 +14,11 @@ resumable request are never ``finished``, a turn ends when its ``finish_reason``
 
 Under vLLM's async scheduler a turn that ends on a stop token has run one decode step past it; the
 model's stale-step guard (``rollout.vllm_layers.StaleStepGuard``) keeps the parked recurrent state at the
-turn's end, given the ids that end every turn. ``SessionEngine`` installs them from the first request (as
-vLLM's input processor completed its sampling parameters: stop ids and EOS) and refuses a request whose
-turn would end on other ids: the guard would miss its stale step, or freeze a token it feeds.
+turn's end, given the ids that end the running turns. ``SessionEngine`` installs them from the first request
+of each batch (``begin_batch``; as vLLM's input processor completed its sampling parameters: stop ids and
+EOS), and every request of the batch must end on the same ids: the guard would miss another's stale step, or
+freeze a token it feeds. Changing them between batches is safe: the batch before has launched its stale steps
+already, and the ids' copy is ordered after them on the device.
 """
 
 from __future__ import annotations
@@ -37,7 +39,12 @@ class SessionEngine:
         self.engine = llm_engine
         self._tasks = llm_engine.get_supported_tasks()
         self._install_turn_ends = install_turn_ends
-        self.turn_ends: frozenset[int] | None = None
+        self.turn_ends: frozenset[int] | None = None  # what the model's guard holds
+        self._batch_ends: frozenset[int] | None = None  # what the current batch's turns end on
+
+    def begin_batch(self) -> None:
+        """The requests added from now on may end on other ids than the last batch's (see the module doc)."""
+        self._batch_ends = None
 
     def _prompt(self, token_ids: list[int], cache_salt: str | None) -> TokensPrompt:
         prompt = TokensPrompt(prompt_token_ids=list(token_ids))  # vLLM extends prompt lists in place
@@ -89,14 +96,15 @@ class SessionEngine:
         if self._install_turn_ends is None:
             return
         ends = turn_end_ids(params)
-        if self.turn_ends is None:
-            self._install_turn_ends(sorted(ends))
-            self.turn_ends = ends
-        elif ends != self.turn_ends:
+        if self._batch_ends is None:
+            if ends != self.turn_ends:
+                self._install_turn_ends(sorted(ends))
+                self.turn_ends = ends
+            self._batch_ends = ends
+        elif ends != self._batch_ends:
             raise ValueError(
-                f"with async sessions every turn must end on the same ids: this engine's are "
-                f"{sorted(self.turn_ends)}, this request's {sorted(ends)} (stop_token_ids and EOS); use one "
-                "renderer per worker, or rollout.worker.async_sessions=false"
+                f"with async sessions the turns of one batch must end on the same ids: this batch's are "
+                f"{sorted(self._batch_ends)}, this request's {sorted(ends)} (stop_token_ids and EOS)"
             )
 
     def _submit(self, req) -> None:

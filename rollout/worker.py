@@ -99,7 +99,7 @@ class WorkerConfig:
     cudagraph_capture_sizes: list[int] | None = None
     # session workers under vLLM's async scheduler (its GPU default), the model's stale-step guard keeping each
     # parked session's recurrent state at its turn's end (``scheduling_kwargs``); off: synchronous scheduling.
-    # Needs every turn to end on the same ids (one renderer per worker); not yet run on a GPU
+    # Needs the turns of one generate call to share their stop ids; not yet run on a GPU
     async_sessions: bool = False
 
     def __post_init__(self) -> None:
@@ -266,7 +266,12 @@ class RolloutWorker:
         ids = [r.session_id for r in reqs]
         if len(set(ids)) != len(ids):
             raise ValueError(f"one turn per session per call; duplicated session ids in {ids}")
+        stops = {tuple(sorted(set(r.stop_token_ids))) for r in reqs}
+        if self.config.async_sessions and len(stops) > 1:  # checked before any turn starts
+            raise ValueError(f"with async_sessions the turns of one generate call must share their stop_token_ids "
+                             f"(the stale-step guard holds one set at a time), got {sorted(stops)}")  # fmt: skip
         self.check_usable()
+        self.engine.begin_batch()
         outputs: dict[str, TurnOutput] = {}
         pending: list[_Pending] = []
         for r in reqs:

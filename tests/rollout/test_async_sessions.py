@@ -63,11 +63,17 @@ def test_guarded_sessions_ending_on_stop_tokens_equal_a_recompute(guarded, stop,
     assert eos in guarded.engine.turn_ends
 
 
-def test_a_turn_ending_on_other_ids_is_refused(guarded, stop):
-    guarded.generate([TurnRequest("x", _prompt(20, 30), max_tokens=4, temperature=0.0, stop_token_ids=list(stop))])
+def test_one_call_s_turns_share_their_stop_ids_and_the_guard_follows_each_call(guarded, stop):
     other = [*stop, 999]
-    with pytest.raises(ValueError, match="every turn must end on the same ids"):
-        guarded.generate([TurnRequest("y", _prompt(21, 30), max_tokens=4, temperature=0.0, stop_token_ids=other)])
+    mixed = [TurnRequest("x", _prompt(20, 30), max_tokens=4, temperature=0.0, stop_token_ids=list(stop)),
+             TurnRequest("y", _prompt(21, 30), max_tokens=4, temperature=0.0, stop_token_ids=other)]  # fmt: skip
+    with pytest.raises(ValueError, match="must share their stop_token_ids"):
+        guarded.generate(mixed)
+    assert "x" not in guarded.sessions and guarded.failure is None  # refused before any turn started
+    guarded.generate(mixed[1:])  # alone, it runs: the guard now holds its ids
+    assert 999 in guarded.engine.turn_ends == _guard_ids(guarded)
+    guarded.generate(mixed[:1])
+    assert 999 not in guarded.engine.turn_ends == _guard_ids(guarded)
     guarded.end_sessions(["x", "y"])
 
 
