@@ -695,7 +695,7 @@ def part_reuse(run: Run) -> None:
                     enforce_eager=not (a.cuda_graphs and run.cuda), max_num_batched_tokens=a.max_batched_tokens,
                     **run.gpu_share()),
     )  # fmt: skip
-    out = run.results.setdefault("reuse", {"config": {k: v for k, v in vars(cfg).items()}})
+    out = run.results.setdefault("reuse", {"config": {**vars(cfg), "async_sessions": a.async_sessions}})
     chunks = reuse.episode_chunks(cfg, ChatRenderer())
     out["new_tokens_per_turn"] = [sum(len(c[t]) for c in chunks) for t in range(cfg.turns)]
     modes = [m for m in a.modes.split(",") if m]
@@ -718,6 +718,9 @@ def part_reuse(run: Run) -> None:
             engine = dict(dtype="bfloat16", enforce_eager=cfg.engine["enforce_eager"],
                           max_num_batched_tokens=cfg.engine["max_num_batched_tokens"], **run.gpu_share())  # fmt: skip
             runs[mode] = reuse.PlainRun(mode, run.peer_checkpoint("gpu_1b"), chunks, cfg, engine)
+        elif mode == "session" and a.async_sessions:  # the session engine keeps vLLM's async scheduler
+            async_cfg = SimpleNamespace(**{**vars(cfg), "engine": {**cfg.engine, "async_sessions": True}})
+            runs[mode] = reuse.ModeRun(mode, run.checkpoint("gpu_1b"), chunks, async_cfg)
         else:
             runs[mode] = reuse.ModeRun(mode, run.checkpoint("gpu_1b"), chunks, cfg)
         starts[mode] = time.perf_counter() - t0
@@ -1437,6 +1440,9 @@ def main() -> None:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="reuse part: engines with enforce_eager=False (vLLM's CUDA graphs; checked equal to eager "
                         "by bench/rollout_throughput.py)")  # fmt: skip
+    p.add_argument("--async-sessions", action="store_true",
+                   help="reuse part: the session engine under vLLM's async scheduler with the stale-step guard "
+                        "(rollout.worker.async_sessions); its tokens must equal the none mode's")
     p.add_argument("--profile-turn", action="store_true",
                    help="reuse part: one more session turn under torch.profiler, its prefill and decode steps apart")
     p.add_argument("--engine-process", choices=("in", "separate"), default="in",
