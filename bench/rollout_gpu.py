@@ -731,6 +731,10 @@ def part_reuse(run: Run) -> None:
     for rep in range(cfg.repeats):  # fresh episodes each time: the host moves a single run's ratio
         reuse_turns(run, [runs[m] for m in head], out, rep)
         repeat_speedup(out, runs, cfg.turns)
+    if run.enough(30, "parity with the learner"):
+        ours = [m for m in head if m != "peer"]  # the peer is another model
+        out["last_turn_vs_learner"] = {m: guarded(lambda m=m: last_turn_parity(run, runs[m])) for m in ours}
+        log(f"last turn vs learner: {out['last_turn_vs_learner']}")
     if a.profile_turn and "session" in head and run.enough(40, "profiled turn"):
         extra = reuse.episode_chunks(SimpleNamespace(**{**vars(cfg), "turns": cfg.turns + 1}), ChatRenderer())
         ninth = [c[-1] for c in extra]
@@ -755,6 +759,22 @@ def part_reuse(run: Run) -> None:
         reuse_turns(run, [runs[m]], out)
         shutdown_mode(run, runs[m])
         reuse_results(run, runs, out, cfg.turns)
+
+
+def last_turn_parity(run: Run, mode_run, n: int = 4) -> dict:
+    """The last turn's sampling logprobs of ``n`` episodes against the learner on each whole history (routed
+    freely; bf16 on a GPU). A parked state that moved past a turn's end (an async scheduler's step past a stop
+    token, unguarded) shows as a gap far above the recomputing mode's, which sets the scale."""
+    torch = run.torch
+    model = run.learner("gpu_1b")
+    dtype = "bf16" if run.cuda else "fp32"
+    diffs = []
+    for i, sid in enumerate(mode_run.sids[:n]):
+        history, last = mode_run.history(i), mode_run.tokens[sid][-1]
+        if last:
+            ref, _ = learner_pass(run, model, history, dtype)
+            diffs.append(torch.tensor(mode_run.last_logprobs[sid]) - ref[len(history) - len(last) - 1 :])
+    return gap_stats(diffs) if diffs else {}
 
 
 def reuse_results(run: Run, runs: dict, out: dict, turns: int) -> None:

@@ -172,6 +172,7 @@ class ModeRun:
             t0 = time.perf_counter()
             outs = self.worker.generate(reqs)
             dt = time.perf_counter() - t0
+        self.last_logprobs = {s: o.logprobs for s, o in zip(self.sids, outs)}
         full = sum(self.context[s] + len(r.token_ids) for s, r in zip(self.sids, reqs))
         computed = sum(o.num_computed_prompt_tokens for o in outs)
         for i, (s, r, o) in enumerate(zip(self.sids, reqs, outs)):
@@ -179,6 +180,10 @@ class ModeRun:
             self.tokens.setdefault(f"{s}", []).append(o.token_ids)
             self.tokens.setdefault(f"e{i}", []).append(o.token_ids)
         self.record_turn(t, sum(len(r.token_ids) for r in reqs), full, computed, dt, steps.summary(dt))
+
+    def history(self, i: int) -> list[int]:
+        """Episode ``i`` of the current repeat: its chunks and sampled tokens so far, in order."""
+        return [t for chunk, out in zip(self.chunks[i], self.tokens[self.sids[i]]) for t in (*chunk, *out)]
 
     def record_turn(
         self, t: int, new: int, context: int, computed: int, seconds: float, steps: dict | None = None

@@ -9,7 +9,9 @@ from itertools import pairwise
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 from rollout_cases import SMALL_ENGINE
 
 pytestmark = pytest.mark.vllm
@@ -67,7 +69,7 @@ def test_mode_run_splits_each_turn_into_engine_steps_and_worker_time(bench, tiny
     from rollout.renderer import ChatRenderer
     from rollout.sessions import SessionEngine
 
-    path, _ = tiny_ckpt
+    path, model = tiny_ckpt
     args = SimpleNamespace(episodes=2, turns=2, prompt=96, obs=24, obs_min=None, gen=5, max_model_len=512,
                            kv_mib=32, block_size=None)  # fmt: skip
     run = bench.ModeRun("session", path, bench.episode_chunks(args, ChatRenderer()), args)
@@ -79,6 +81,14 @@ def test_mode_run_splits_each_turn_into_engine_steps_and_worker_time(bench, tiny
         assert type(run.worker.engine).step is SessionEngine.step
     finally:
         run.shutdown()
+    # each episode's history and last-turn logprobs (bench/rollout_gpu.py's parity check reads them): the learner's
+    for i, sid in enumerate(run.sids):
+        history, last = run.history(i), run.tokens[sid][-1]
+        assert len(history) == run.context[sid] and len(run.last_logprobs[sid]) == len(last) > 0
+        with torch.no_grad():
+            x = torch.tensor([history])
+            ref = model(x[:, :-1], target_ids=x[:, 1:]).token_logprobs[0][len(history) - len(last) - 1 :]
+        np.testing.assert_allclose(run.last_logprobs[sid], ref.numpy(), atol=2e-5)
     for row in run.turns:
         steps = row["steps"]
         assert steps["count"] >= args.gen  # one step at least per generated token
