@@ -101,8 +101,10 @@ def register() -> None:
     from vllm import ModelRegistry
 
     from model.config import HybridConfig  # registers the config with AutoConfig
+    from rollout.vllm_compat import backport_session_rollback
 
     _register_arch_convertor(HybridConfig.model_type)
+    backport_session_rollback()  # sessions under an async scheduler (rollout.vllm_compat)
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         from rollout.vllm_model import VllmHybridForCausalLM  # the class: no inspection subprocess
 

@@ -237,6 +237,13 @@ class RolloutWorker:
             kwargs["attention_config"] = {"backend": backend}
         if c.gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
+        if c.async_sessions:
+            from rollout.vllm_compat import MISSING, session_rollback
+
+            if session_rollback() == MISSING:
+                raise ValueError("async_sessions needs a vLLM scheduler that rolls a stopped session back to its "
+                                 "turn's end (vLLM 0.32, or 0.26 with rollout.vllm_compat's backport); this one "
+                                 "has neither: set rollout.worker.async_sessions=false")  # fmt: skip
         kwargs.update(scheduling_kwargs(c.reuse, c.async_sessions))
         if not c.enforce_eager:
             sizes = c.cudagraph_capture_sizes or capture_sizes(c.max_num_seqs)
@@ -578,6 +585,13 @@ class RolloutWorker:
         if not p.resumable:
             s.internal_id = None
         computed = max(0, rec.num_computed_tokens - max(0, len(p.tokens) - 1))
+        last = p.prompt_len + len(p.tokens) - 1
+        if self.config.async_sessions and p.finish_reason == "stop" and fed_position(rec, last):
+            # the async scheduler's stale step fed the stop token (its state guarded, its routes meaningless):
+            # the token is fed for real with the next turn, as under synchronous scheduling
+            if routed is not None:
+                routed[-1] = -1
+            computed = max(0, computed - 1)
         self.stats["turns"] += 1
         self.stats["reused_turns"] += int(p.reused)
         self.stats["computed_prompt_tokens"] += computed
@@ -761,6 +775,11 @@ def _sampled_logprobs(completion) -> list[float]:
         flat = lps.logprobs
         return [float(flat[i]) for i in starts]
     return [float(lp[t].logprob) for lp, t in zip(lps, completion.token_ids)]
+
+
+def fed_position(rec, position: int) -> bool:
+    """Whether the steps of a request's record (``rollout.engine_hooks.RequestRecord``) fed ``position``."""
+    return any(bool((q == position).any()) for q in rec.positions)
 
 
 def _routed_rows(
