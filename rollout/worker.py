@@ -291,6 +291,10 @@ class RolloutWorker:
 
         try:
             self._run(pending)
+            if self.config.async_sessions:
+                # the step an async scheduler ran past the last turn's stop: processed now (its output dropped,
+                # rollout.vllm_compat), so the next turn never resumes a session with a step still in flight
+                self.engine.step()
             records = self.llm.collective_rpc(pop_request_records, args=([p.internal_id for p in pending],))[0]
         except Exception as e:  # the engine's state is unknown now: this worker takes no more turns
             self.failure = f"{type(e).__name__}: {e}"
