@@ -242,7 +242,7 @@ class RolloutWorker:
 
             if session_rollback() == MISSING:
                 raise ValueError("async_sessions needs a vLLM scheduler that rolls a stopped session back to its "
-                                 "turn's end (vLLM 0.32, or 0.26 with rollout.vllm_compat's backport); this one "
+                                 "turn's end (vLLM >= 0.31, or 0.26 with rollout.vllm_compat's backport); this one "
                                  "has neither: set rollout.worker.async_sessions=false")  # fmt: skip
         kwargs.update(scheduling_kwargs(c.reuse, c.async_sessions))
         if not c.enforce_eager:
