@@ -4,9 +4,10 @@ The async scheduler plans step N+1 before step N's tokens are known. When a resu
 ``rollout.sessions``) stops at step N, step N+1 is already in flight for it: it feeds the stop token and
 samples one more, stale, token. What must happen then, and what each version does:
 
-* vLLM 0.31 and later (0.32 here; ``Scheduler._handle_stopped_request``) rolls the session back to its turn's end: its computed
-  count drops by the in-flight tokens (the stop token counts as not fed, as under synchronous scheduling, and
-  the next chunk starts with it) and the stale step's output is dropped when it returns (``drop_stale_output``).
+* vLLM 0.31 and later (0.32 here; ``Scheduler._handle_stopped_request``) rolls the session back to its
+  turn's end: its computed count drops by the in-flight tokens (the stop token counts as not fed, as under
+  synchronous scheduling, and the next chunk starts with it) and the stale step's output is dropped when it
+  returns (``drop_stale_output``).
 * vLLM 0.26 (to 0.30) does neither: the stop token counts as fed, the stale token is appended to the parked session,
   and when it is a stop token again the session is queued twice (``Invalid request status: RUNNING``, seen on
   an H200). It has the other half of the machinery, though: ``Request.async_tokens_to_discard``, which its
