@@ -1,11 +1,13 @@
-"""Session workers built for vLLM's async scheduler (``WorkerConfig.async_sessions``): the model's stale-step
-guard and the turn-end ids it is given, in a real vLLM engine (CPU, fp32).
+"""Session workers under vLLM's async scheduler (``WorkerConfig.async_sessions``), in a real vLLM engine (CPU,
+fp32): the model's stale-step guard and the turn-end ids it is given.
 
-vLLM's CPU platform never schedules asynchronously, so the stale step itself (one decode step past a stop
-token, ``rollout.vllm_layers.StaleStepGuard``) happens on a GPU only. What runs here: the guard never
-touches a token the engine feeds on purpose (turns ending on stop tokens reuse their sessions exactly like
-a recompute and like the learner), a decode token whose input is a guarded id leaves the recurrent state
-as it was (the logprobs after it change; those before do not), and the ids come from the requests.
+vLLM's CPU platform turns the async scheduler off ("not required on CPU"); this module's engine is built with
+it back on (the platform's config hook wrapped while the engine starts): vLLM's ``AsyncScheduler``, which runs
+a decode step past each turn's stop token, and vLLM 0.32's rollback of a stopped session. With the guard, turns
+ending on stop tokens reuse their sessions exactly like a recompute and like the learner; with the guard
+switched off, the same episode parts from the recompute at its second turn (the stale step moved the parked
+state). Also: a decode token whose input is a guarded id leaves the recurrent state as it was, and the ids
+follow each generate call's requests.
 """
 
 from __future__ import annotations
@@ -32,11 +34,21 @@ def stop(session_worker):
 @pytest.fixture(scope="module")
 def guarded(tiny_ckpt):
     from rollout_cases import SMALL_ENGINE
+    from vllm.platforms.cpu import CpuPlatform
 
     from rollout.worker import RolloutWorker
 
+    platform_hook = CpuPlatform.check_and_update_config.__func__
+
+    def async_too(cls, vllm_config):
+        platform_hook(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
     path, _ = tiny_ckpt
-    w = RolloutWorker(dict(model_path=str(path), reuse="session", async_sessions=True, **SMALL_ENGINE))
+    with pytest.MonkeyPatch.context() as mp:  # while the engine starts (its scheduler is chosen then)
+        mp.setattr(CpuPlatform, "check_and_update_config", classmethod(async_too))
+        w = RolloutWorker(dict(model_path=str(path), reuse="session", async_sessions=True, **SMALL_ENGINE))
+    assert type(w.llm.llm_engine.engine_core.engine_core.scheduler).__name__ == "AsyncScheduler"
     yield w
     w.shutdown()
 
@@ -61,6 +73,19 @@ def test_guarded_sessions_ending_on_stop_tokens_equal_a_recompute(guarded, stop,
     assert set(stop) <= guarded.engine.turn_ends == _guard_ids(guarded)
     eos = guarded.llm.llm_engine.vllm_config.model_config.hf_config.eos_token_id
     assert eos in guarded.engine.turn_ends
+
+
+def test_without_the_guard_the_stale_step_moves_the_parked_state(guarded, stop, monkeypatch):
+    """The control: the async scheduler's step past the first turn's stop token, stepped with the session's
+    state, leaves the reused session off the recompute from its second turn."""
+    from rollout.vllm_layers import StaleStepGuard
+
+    recomputed = _episode(guarded, "fs", TURNS, fresh_each_turn=True, stop=stop)
+    monkeypatch.setattr(StaleStepGuard, "decode_slots", lambda self, slots_N: slots_N)
+    unguarded = _episode(guarded, "us", TURNS, fresh_each_turn=False, stop=stop)
+    assert unguarded[0].token_ids == recomputed[0].token_ids and unguarded[0].finish_reason == "stop"
+    second = (unguarded[1].token_ids, recomputed[1].token_ids)
+    assert second[0] != second[1] or np.abs(np.subtract(unguarded[1].logprobs, recomputed[1].logprobs)).max() > 1e-3
 
 
 def test_one_call_s_turns_share_their_stop_ids_and_the_guard_follows_each_call(guarded, stop):
