@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
+import tempfile
 
 os.environ["VLLM_KIMI_K3_GEMM_AR"] = "0"
 os.environ["VLLM_ENABLE_GEMM_RS"] = "0"
@@ -33,12 +33,6 @@ class _NoCudaStream:
         return lambda *args, **kwargs: None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def build_native(ckpt: str):
     """vLLM's native model class for ``ckpt`` (resolved by vLLM from config.json), constructed on the CPU."""
     from vllm.config import set_current_vllm_config
@@ -53,7 +47,8 @@ def build_native(ckpt: str):
     with set_current_vllm_config(vc):
         init_distributed_environment(
             world_size=1, rank=0, local_rank=0, backend="gloo",
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            # a file rendezvous: no port to pick (one picked free could be taken before the group binds it)
+            distributed_init_method=f"file://{tempfile.mkdtemp()}/rendezvous",
         )  # fmt: skip
         initialize_model_parallel(1, 1)
     cls, arch = ModelRegistry.resolve_model_cls(vc.model_config.architectures, vc.model_config)
