@@ -51,6 +51,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend, GDNAttentionMetadataBuilder
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from kernels.conv import conv_state_step_
@@ -75,11 +76,17 @@ class StaleStepGuard:
     ``ids_S`` (fixed address, -1 padded) holds the ids that end every turn the engine runs (the worker sets
     them, ``set_ids``, and sends only requests that stop on each of them); ``mark`` flags the step's tokens
     whose input is one of them, and ``decode_slots`` pads the slots of the flagged decode tokens (vLLM puts
-    a step's decodes first). A prompt token is never flagged: the next turn's chunk, which starts with that
-    stop token, goes through the prefill path. Device ops only, so a captured decode graph does the same."""
+    a step's decodes first). A prompt token is never flagged: vLLM counts a one-token chunk of a prompt that
+    continues a state as a decode ("short extend"; the next turn's chunk starting with the stop token is
+    longer, but a long prompt's last chunk can be one token), so the step's metadata builder
+    (``KDAMetadataBuilder``) marks the decode rows still prefilling in ``prompt_R`` (fixed address too, written
+    only when a step has one), and those are stepped as they are. Device ops only, so a captured decode graph
+    does the same."""
 
-    def __init__(self, capacity: int, device: torch.device | str) -> None:
+    def __init__(self, capacity: int, max_decodes: int, device: torch.device | str) -> None:
         self.ids_S = torch.full((capacity,), -1, dtype=torch.long, device=device)
+        self.prompt_R = torch.zeros(max_decodes, dtype=torch.bool, device=device)
+        self._prompt_rows = False  # whether prompt_R holds a True now
         self.stale_T: torch.Tensor | None = None
 
     def set_ids(self, ids: list[int]) -> None:
@@ -93,11 +100,50 @@ class StaleStepGuard:
     def mark(self, input_ids_T: torch.Tensor | None) -> None:
         self.stale_T = None if input_ids_T is None else (input_ids_T[:, None] == self.ids_S[None, :]).any(-1)
 
+    def set_prompt_decodes(self, prefilling_R: torch.Tensor | None) -> None:
+        """The step's decode rows that are prompt tokens (vLLM's ``is_prefilling`` of its decode requests, on the
+        host), or None; a device write only when a row is one, or the last step had one."""
+        rows = prefilling_R is not None and bool(prefilling_R.any())
+        if rows:
+            if prefilling_R.numel() > self.prompt_R.numel():
+                raise ValueError(f"{prefilling_R.numel()} decode rows, room for {self.prompt_R.numel()}")
+            self.prompt_R.zero_()
+            self.prompt_R[: prefilling_R.numel()].copy_(prefilling_R.to(torch.bool))
+        elif self._prompt_rows:
+            self.prompt_R.zero_()
+        self._prompt_rows = rows
+
     def decode_slots(self, slots_N: torch.Tensor) -> torch.Tensor:
         if self.stale_T is None:
             return slots_N
-        stale_N = self.stale_T[: slots_N.shape[0]]
+        N = slots_N.shape[0]
+        stale_N = self.stale_T[:N] & ~self.prompt_R[:N]
         return torch.where(stale_N, torch.full_like(slots_N, -1), slots_N)
+
+
+class KDAMetadataBuilder(GDNAttentionMetadataBuilder):
+    """vLLM's gated-delta-net metadata, and the step's prompt rows among its decodes handed to the KDA layers'
+    stale-step guard (``StaleStepGuard.set_prompt_decodes``; nothing when the model has none)."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        layer = vllm_config.compilation_config.static_forward_context.get(layer_names[0])
+        self.stale_step_guard: StaleStepGuard | None = getattr(layer, "stale_step_guard", None)
+
+    def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
+        meta = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
+        if self.stale_step_guard is not None:
+            prefilling = getattr(common_attn_metadata, "is_prefilling", None)
+            self.stale_step_guard.set_prompt_decodes(None if prefilling is None else prefilling[: meta.num_decodes])
+        return meta
+
+
+class KDAAttentionBackend(GDNAttentionBackend):
+    """vLLM's gated-delta-net backend with ``KDAMetadataBuilder``."""
+
+    @staticmethod
+    def get_builder_cls() -> type[GDNAttentionMetadataBuilder]:
+        return KDAMetadataBuilder
 
 
 def kda_state_copy_funcs():
@@ -134,6 +180,9 @@ class KDAStateLayer(nn.Module, MambaBase):
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
         return MambaAttentionBackendEnum.GDN_ATTN
+
+    def get_attn_backend(self):
+        return KDAAttentionBackend
 
     # --- forward --------------------------------------------------------------------------------------
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:

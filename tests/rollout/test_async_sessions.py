@@ -14,13 +14,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_vllm_engine import LOGPROB_TOL, _episode, _prompt, assert_last_turn_equals_the_learner
+from test_vllm_engine import (
+    LOGPROB_TOL,
+    _episode,
+    _prompt,
+    assert_last_turn_equals_the_learner,
+    learner_logprobs,
+)
 
 from rollout.engine_hooks import set_turn_end_ids
 from rollout.worker import TurnRequest
 
 pytestmark = pytest.mark.vllm
 TURNS = [_prompt(13, 70), _prompt(14, 21), _prompt(15, 12)]
+CHUNK = 64  # the engine's tokens a step: longer prompts are prefilled in chunks
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +54,8 @@ def guarded(tiny_ckpt):
     path, _ = tiny_ckpt
     with pytest.MonkeyPatch.context() as mp:  # while the engine starts (its scheduler is chosen then)
         mp.setattr(CpuPlatform, "check_and_update_config", classmethod(async_too))
-        w = RolloutWorker(dict(model_path=str(path), reuse="session", async_sessions=True, **SMALL_ENGINE))
+        w = RolloutWorker(dict(model_path=str(path), reuse="session", async_sessions=True,
+                               max_num_batched_tokens=CHUNK, **SMALL_ENGINE))  # fmt: skip
     assert type(w.llm.llm_engine.engine_core.engine_core.scheduler).__name__ == "AsyncScheduler"
     yield w
     w.shutdown()
@@ -124,3 +132,24 @@ def test_a_decode_token_with_a_guarded_id_leaves_the_state_as_it_was(guarded, st
     np.testing.assert_allclose(frozen.logprobs[: k + 1], plain.logprobs[: k + 1], atol=LOGPROB_TOL)
     assert abs(frozen.logprobs[k + 1] - plain.logprobs[k + 1]) > 100 * LOGPROB_TOL
     assert turn("again").logprobs == pytest.approx(plain.logprobs, abs=LOGPROB_TOL)  # the ids restored
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_one_token_prompt_chunk_with_a_turn_end_id_is_fed(guarded, stop, tiny_ckpt, monkeypatch, marked):
+    """A prompt whose last chunk is one token, a turn-end id: vLLM counts that chunk as a decode of a continuing
+    state (a "short extend"), and the metadata builder marks it as a prompt row, so it is fed and the turn equals
+    the learner. The control: unmarked, it is stepped with no state and the first sampled token's logprob parts."""
+    from rollout.vllm_layers import StaleStepGuard
+
+    _, model = tiny_ckpt
+    if not marked:
+        monkeypatch.setattr(StaleStepGuard, "set_prompt_decodes", lambda self, rows: None)
+    prompt = [*_prompt(40, 2 * CHUNK), stop[0]]  # chunks of 64, 64 and 1
+    req = TurnRequest("se", prompt, max_tokens=6, temperature=0.0, stop_token_ids=list(stop))
+    out = guarded.generate([req])[0]
+    guarded.end_sessions(["se"])
+    ref = learner_logprobs(model, prompt + out.token_ids)[len(prompt) - 1 :].numpy()
+    if marked:
+        np.testing.assert_allclose(out.logprobs, ref, atol=LOGPROB_TOL)
+    else:
+        assert abs(out.logprobs[0] - ref[0]) > 100 * LOGPROB_TOL
