@@ -128,7 +128,7 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
             self.route_table_PLK = torch.full((P, moe_layers, k), -1, dtype=torch.long, device=device)
         self.stale_step_guard = None
         if getattr(config, "stale_step_guard", False):  # sessions under the async scheduler (the worker sets it)
-            self.stale_step_guard = StaleStepGuard(TURN_END_IDS, vllm_config.scheduler_config.max_num_seqs, device)
+            self.stale_step_guard = StaleStepGuard(TURN_END_IDS, rows, device)  # rows: any decode batch, padded too
             for mixer in mixers:
                 if isinstance(mixer, KDAStateLayer):
                     mixer.stale_step_guard = self.stale_step_guard
