@@ -1462,7 +1462,7 @@ def main() -> None:
                         "by bench/rollout_throughput.py)")  # fmt: skip
     p.add_argument("--async-sessions", action="store_true",
                    help="reuse part: the session engine under vLLM's async scheduler with the stale-step guard "
-                        "(rollout.worker.async_sessions); its tokens must equal the none mode's")
+                        "(rollout.worker.async_sessions); reuse.last_turn_vs_learner says whether its state stayed right")
     p.add_argument("--profile-turn", action="store_true",
                    help="reuse part: one more session turn under torch.profiler, its prefill and decode steps apart")
     p.add_argument("--engine-process", choices=("in", "separate"), default="in",

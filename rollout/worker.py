@@ -242,8 +242,8 @@ class RolloutWorker:
 
             if session_rollback() == MISSING:
                 raise ValueError("async_sessions needs a vLLM scheduler that rolls a stopped session back to its "
-                                 "turn's end (vLLM >= 0.31, or 0.26 with rollout.vllm_compat's backport); this one "
-                                 "has neither: set rollout.worker.async_sessions=false")  # fmt: skip
+                                 "turn's end (vLLM >= 0.31, or 0.26-0.30 with rollout.vllm_compat's backport); this "
+                                 "one has neither: set rollout.engine.async_sessions=false")  # fmt: skip
         kwargs.update(scheduling_kwargs(c.reuse, c.async_sessions))
         if not c.enforce_eager:
             sizes = c.cudagraph_capture_sizes or capture_sizes(c.max_num_seqs)
@@ -273,8 +273,8 @@ class RolloutWorker:
         ids = [r.session_id for r in reqs]
         if len(set(ids)) != len(ids):
             raise ValueError(f"one turn per session per call; duplicated session ids in {ids}")
-        stops = {tuple(sorted(set(r.stop_token_ids))) for r in reqs}
-        if self.config.async_sessions and len(stops) > 1:  # checked before any turn starts
+        stops = {tuple(sorted(set(r.stop_token_ids))) for r in reqs} if self.config.async_sessions else set()
+        if len(stops) > 1:  # checked before any turn starts
             raise ValueError(f"with async_sessions the turns of one generate call must share their stop_token_ids "
                              f"(the stale-step guard holds one set at a time), got {sorted(stops)}")  # fmt: skip
         self.check_usable()
@@ -742,10 +742,10 @@ def latent_attention_backend(c: WorkerConfig) -> str | None:
 
 def scheduling_kwargs(reuse: str, async_sessions: bool = False) -> dict[str, Any]:
     """A session worker's engine schedules synchronously unless ``async_sessions`` (vLLM's GPU default is async
-    scheduling; its CPU platform has none). An async scheduler plans step N+1 before step N's tokens are known, so a turn that
-    ends on a stop token at step N (a length stop is foreseen and not scheduled past) has run one more step:
-    the stop token has gone through the model and the parked session's recurrent (KDA) state has moved past
-    the turn's end, which no rollback of the scheduler's token count undoes, and the next turn, which starts
+    scheduling; its CPU platform has none). An async scheduler plans step N+1 before step N's tokens are known,
+    so a turn that ends on a stop token at step N (a length stop is foreseen and not scheduled past) has run one
+    more step: the stop token has gone through the model and the parked session's recurrent (KDA) state has moved
+    past the turn's end, which no rollback of the scheduler's token count undoes, and the next turn, which starts
     with that token, would feed it twice. vLLM 0.26 (the GPU wheel) also delivers that stale step's token into
     the parked session, and when it ends the turn a second time the session is queued twice: on an H200
     (bench/rollout_gpu.py's reuse part, greedy turns that may end on EOS, 2026-12-04) the scheduler raised

@@ -33,7 +33,7 @@ CHUNK = 64  # the engine's tokens a step: longer prompts are prefilled in chunks
 @pytest.fixture(scope="module")
 def stop(session_worker):
     """Stop ids that end each of TURNS' greedy turns early (each turn's fourth token, found on the plain
-    session worker: every request of the guarded worker must end on the same ids)."""
+    session worker: the turns of one call on the guarded worker share their stop ids)."""
     free = _episode(session_worker, "free", TURNS, fresh_each_turn=True)
     return tuple(sorted({o.token_ids[3] for o in free}))
 
