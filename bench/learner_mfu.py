@@ -285,8 +285,11 @@ def run_cuda_graphs(report: Report, learner, token_sizes: list[int], args, clock
             if time.time() - t_start > args.budget:
                 report.notes.append(f"budget reached before cuda graphs at {tokens} tokens")
                 continue
-            run_ours(report, learner, tokens, plain, clock, peak, cuda, f"ours, cuda graphs ({args.cuda_graphs})")
-            report.save(args.out)
+            for variant in (None, *args.also_fast_paths):  # the A/B again, bound by the GPU's own time
+                with fast_paths_set(learner, variant):
+                    impl = f"ours, cuda graphs ({args.cuda_graphs})" + (f", {variant}" if variant else "")
+                    run_ours(report, learner, tokens, plain, clock, peak, cuda, impl)
+                report.save(args.out)
     except Exception as e:  # an experiment: its failure is reported, the rows before it stand
         report.notes.append(f"cuda graphs: {type(e).__name__}: {str(e)[:300]}")
         print(f"[cuda graphs] failed: {type(e).__name__}: {str(e)[:300]}", flush=True)

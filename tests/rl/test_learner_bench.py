@@ -155,7 +155,7 @@ def test_optimizer_is_split_and_the_peer_runs_after_our_learner_is_released(benc
 def test_cuda_graphs_are_timed_after_the_plain_rows_and_mark_every_step(bench, monkeypatch, tmp_path):
     """``--cuda-graphs``: the learner's blocks compiled again with inductor's CUDA graphs (on the CPU inductor
     skips the graphs, the plumbing runs), a row "ours, cuda graphs (blocks)" after the plain one, each of its
-    steps opened with ``cudagraph_mark_step_begin``; without ``--compile`` the flag is refused; the learner's own
+    steps opened with ``cudagraph_mark_step_begin``, the ``--also-fast-paths`` A/B timed again there; without ``--compile`` the flag is refused; the learner's own
     option (``--cuda-graphs learner``) on a CPU is a note naming why, the plain row standing."""
     import pytest
     import torch
@@ -172,9 +172,11 @@ def test_cuda_graphs_are_timed_after_the_plain_rows_and_mark_every_step(bench, m
     monkeypatch.setattr(mc.CompiledOrEager, "__init__", record)
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
     monkeypatch.setattr(bench, "probe_ops", lambda *a: "moe=grouped")
-    assert run(bench, monkeypatch, tmp_path, "--compile", "--compile-scope", "moe", "--cuda-graphs", "--no-components") == 0
+    args = ("--compile", "--compile-scope", "moe", "--cuda-graphs", "--no-components", "--also-fast-paths", "moe=loop")
+    assert run(bench, monkeypatch, tmp_path, *args) == 0
     report = json.loads((tmp_path / "learner_mfu.json").read_text())
-    assert [r["impl"] for r in report["runs"]] == ["ours", "ours, cuda graphs (blocks)"]
+    assert [r["impl"] for r in report["runs"]] == [
+        "ours", "ours, moe=loop", "ours, cuda graphs (blocks)", "ours, cuda graphs (blocks), moe=loop"]  # fmt: skip
     assert all(isinstance(r["graph_breaks"], dict) for r in report["runs"])  # dynamo's, by reason
     assert not report.get("notes") or not any("cuda graphs" in n for n in report["notes"])
     graphed = {name for name, opts in built if opts.get("triton.cudagraphs")}
