@@ -72,7 +72,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 PRESETS = {"tiny": ROOT / "configs/model/cpu_tiny.yaml", "gpu_1b": ROOT / "configs/model/gpu_1b.yaml"}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-PARTS = ("kernels", "logprobs", "layers", "mla", "weights", "reuse")
+PARTS = ("kernels", "logprobs", "layers", "mla", "weights", "reuse", "longctx")
 ROUTER_LOGIT_STD = 3.0
 
 
@@ -163,8 +163,7 @@ class Run:
                 max_num_seqs=16,
                 kv_cache_memory_bytes=(256 if self.args.small else 2048) << 20,
                 **self.gpu_share(),
-                **extra,
-            )
+            ) | extra
             self.workers[key] = RolloutWorker(cfg)
             log(f"engine {key} up in {time.perf_counter() - t0:.1f} s")
         return self.workers[key]
@@ -775,6 +774,46 @@ def last_turn_parity(run: Run, mode_run, n: int = 4) -> dict:
             ref, _ = learner_pass(run, model, history, dtype)
             diffs.append(torch.tensor(mode_run.last_logprobs[sid]) - ref[len(history) - len(last) - 1 :])
     return gap_stats(diffs) if diffs else {}
+
+
+def part_longctx(run: Run) -> None:
+    """Engine against learner at the reuse part's context lengths (``--long-lengths``): one greedy turn per
+    prompt length, all in one call (their prefills chunked together as the reuse part's are), on an engine
+    set up as the reuse part's (bf16, its MLA form, CUDA graphs with ``--cuda-graphs``) and on an eager one.
+    Each length's gap to the learner (routed freely), and the learner's own fast paths against its
+    references on the longest, so a gap that grows with length is placed on one side."""
+    from rollout.worker import TurnRequest
+
+    a, torch = run.args, run.torch
+    out = run.results.setdefault("longctx", {})
+    lengths = [int(x) for x in a.long_lengths.split(",") if x]
+    model = run.learner("gpu_1b")
+    ps = [p[:n] for p, n in zip(prompts(len(lengths), max(lengths), max(lengths), model.config.vocab_size, seed=11), lengths)]
+    engines = {"cuda_graphs" if a.cuda_graphs and run.cuda else "eager": not (a.cuda_graphs and run.cuda)}
+    engines.setdefault("eager", True)
+    for name, eager in engines.items():
+        if not run.enough(90, f"longctx {name}"):
+            return
+        extra = dict(max_model_len=a.max_model_len, enforce_eager=eager, max_num_seqs=max(16, len(ps)),
+                     max_num_batched_tokens=a.max_batched_tokens)  # fmt: skip
+        w = run.worker("gpu_1b", "bf16", None, **extra)
+        outs = w.generate([TurnRequest(f"L{name}{i}", p, max_tokens=16, temperature=0.0) for i, p in enumerate(ps)])
+        w.end_sessions([o.session_id for o in outs])
+        rows = {}
+        for n, p, o in zip(lengths, ps, outs):
+            ref, _ = learner_pass(run, model, p + o.token_ids, "bf16")
+            rows[n] = gap_stats([torch.tensor(o.logprobs) - ref[n - 1 :]])
+        out[name] = rows
+        log(f"longctx {name}: {rows}")
+        run.drop_worker("gpu_1b", "bf16", None, 0, *sorted(extra.items()))
+        run.save()
+    x = torch.tensor([ps[-1]], device=run.device)
+    with torch.no_grad(), torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=run.cuda):
+        fast = model(x[:, :-1], target_ids=x[:, 1:]).token_logprobs[0].float().cpu()
+    ref, _ = learner_pass(run, model, ps[-1], "bf16")
+    out["learner_fast_vs_reference"] = gap_stats([fast - ref])
+    log(f"longctx learner fast paths vs references at {lengths[-1]}: {out['learner_fast_vs_reference']}")
+    run.save()
 
 
 def reuse_results(run: Run, runs: dict, out: dict, turns: int) -> None:
@@ -1469,6 +1508,8 @@ def main() -> None:
                    help="reuse part: each engine's core in this process (the workers' default) or in a process "
                         "of its own (vLLM's default: its scheduler and the model step overlap this process's "
                         "output handling)")  # fmt: skip
+    p.add_argument("--long-lengths", default="512,1536,3072,4608,6144",
+                   help="longctx part: prompt lengths, one greedy turn each, against the learner")
     p.add_argument("--layer-variants", default="single,batch,chunked", help="layers part: request layouts")
     p.add_argument(
         "--layer-chunk", type=int, default=None, help="layers part: max_num_batched_tokens of 'chunked' (256)"
@@ -1491,6 +1532,7 @@ def main() -> None:
         "mla": part_mla,
         "weights": part_weights,
         "reuse": part_reuse,
+        "longctx": part_longctx,
     }
     try:
         for name, sub, seconds in parts:
