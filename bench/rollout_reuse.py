@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MODES = ("session", "prefix_cache", "none")
+ROUTE_LOG_EPISODES = 4  # episodes whose engine routes a ModeRun keeps (bench/rollout_gpu.py's parity check)
 
 
 def build_model(out: Path, preset: Path) -> None:
@@ -160,6 +161,7 @@ class ModeRun:
         self.worker.llm.reset_prefix_cache()
         self.sids = [f"e{i}r{rep}" for i in range(len(self.chunks))]
         self.context = dict.fromkeys(self.sids, 0)
+        self.route_log: dict[str, list | None] = {s: [] for s in self.sids[:ROUTE_LOG_EPISODES]}
         self.turns: list[dict] = []
         self.reps.append(self.turns)
 
@@ -173,6 +175,8 @@ class ModeRun:
             outs = self.worker.generate(reqs)
             dt = time.perf_counter() - t0
         self.last_logprobs = {s: o.logprobs for s, o in zip(self.sids, outs)}
+        for s, o in zip(self.sids, outs):
+            self.log_routes(s, o)
         full = sum(self.context[s] + len(r.token_ids) for s, r in zip(self.sids, reqs))
         computed = sum(o.num_computed_prompt_tokens for o in outs)
         for i, (s, r, o) in enumerate(zip(self.sids, reqs, outs)):
@@ -180,6 +184,32 @@ class ModeRun:
             self.tokens.setdefault(f"{s}", []).append(o.token_ids)
             self.tokens.setdefault(f"e{i}", []).append(o.token_ids)
         self.record_turn(t, sum(len(r.token_ids) for r in reqs), full, computed, dt, steps.summary(dt))
+
+    def log_routes(self, sid: str, out) -> None:
+        """Keep the engine's routes of ``sid``'s turn (its new prompt ids, then its sampled ids; the previous
+        turn's last sampled token gets the row recorded when it was fed), for the first few episodes."""
+        log = self.route_log.get(sid)
+        if log is None:
+            return
+        if out.prompt_routed_experts is None or out.routed_experts is None:
+            self.route_log[sid] = None  # the engine recorded none: nothing to replay
+            return
+        if log and out.prev_token_routed_experts is not None:
+            log[-1][1][-1] = out.prev_token_routed_experts
+        log.append((out.prompt_routed_experts, out.routed_experts.copy()))
+
+    def history_routes(self, i: int):
+        """[len(history(i)), L, K] int32: the engine's experts of each token of episode ``i`` (-1 where it
+        recorded none, e.g. the last sampled token), or None without records."""
+        import numpy as np
+
+        log = self.route_log.get(self.sids[i])
+        if not log:
+            return None
+        rows = np.concatenate([r for turn in log for r in turn]).astype(np.int32)
+        if len(rows) != len(self.history(i)):
+            raise ValueError(f"episode {i}: {len(rows)} route rows for a history of {len(self.history(i))} tokens")
+        return np.where(rows >= np.iinfo(np.uint16).max, -1, rows)
 
     def history(self, i: int) -> list[int]:
         """Episode ``i`` of the current repeat: its chunks and sampled tokens so far, in order."""

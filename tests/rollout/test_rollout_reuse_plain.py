@@ -87,8 +87,14 @@ def test_mode_run_splits_each_turn_into_engine_steps_and_worker_time(bench, tiny
         assert len(history) == run.context[sid] and len(run.last_logprobs[sid]) == len(last) > 0
         with torch.no_grad():
             x = torch.tensor([history])
-            ref = model(x[:, :-1], target_ids=x[:, 1:]).token_logprobs[0][len(history) - len(last) - 1 :]
+            out = model(x[:, :-1], target_ids=x[:, 1:], output_router_choices=True)
+            ref = out.token_logprobs[0][len(history) - len(last) - 1 :]
         np.testing.assert_allclose(run.last_logprobs[sid], ref.numpy(), atol=2e-5)
+        # the engine's experts of every fed token, across turns (the parity check replays them)
+        routes = run.history_routes(i)
+        assert routes.shape[0] == len(history) and (routes[-1] == -1).all() and (routes[:-1] >= 0).all()
+        free = np.sort(out.router_choices.numpy(), -1)
+        assert (np.sort(routes[:-1], -1) == free).all(-1).mean() > 0.99  # fp32: ties aside, the same experts
     for row in run.turns:
         steps = row["steps"]
         assert steps["count"] >= args.gen  # one step at least per generated token
