@@ -692,7 +692,7 @@ def part_reuse(run: Run) -> None:
         max_model_len=a.max_model_len, kv_mib=a.kv_mib, block_size=None, repeats=a.repeats,
         engine=dict(dtype="bfloat16", max_resident_sessions=a.episodes, in_process=a.engine_process == "in",
                     enforce_eager=not (a.cuda_graphs and run.cuda), max_num_batched_tokens=a.max_batched_tokens,
-                    **run.gpu_share()),
+                    mla_cache_form=a.mla_form, **run.gpu_share()),
     )  # fmt: skip
     out = run.results.setdefault("reuse", {"config": {**vars(cfg), "async_sessions": a.async_sessions}})
     chunks = reuse.episode_chunks(cfg, ChatRenderer())
@@ -1521,13 +1521,15 @@ def main() -> None:
                         "by bench/rollout_throughput.py)")  # fmt: skip
     p.add_argument("--async-sessions", action="store_true",
                    help="reuse part: the session engine under vLLM's async scheduler with the stale-step guard "
-                        "(rollout.worker.async_sessions); reuse.last_turn_vs_learner says whether its state stayed right")
+                        "(rollout.engine.async_sessions); reuse.last_turn_vs_learner says whether its state stayed right")
     p.add_argument("--profile-turn", action="store_true",
                    help="reuse part: one more session turn under torch.profiler, its prefill and decode steps apart")
     p.add_argument("--engine-process", choices=("in", "separate"), default="in",
                    help="reuse part: each engine's core in this process (the workers' default) or in a process "
                         "of its own (vLLM's default: its scheduler and the model step overlap this process's "
                         "output handling)")  # fmt: skip
+    p.add_argument("--mla-form", default=None, choices=("expanded", "latent"),
+                   help="reuse part: our engines' MLA cache form (default: the worker's, latent on CUDA)")
     p.add_argument("--long-lengths", default="512,1536,3072,4608,6144",
                    help="longctx part: prompt lengths, one greedy turn each, against the learner")
     p.add_argument("--layer-variants", default="single,batch,chunked", help="layers part: request layouts")
