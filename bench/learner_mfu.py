@@ -263,9 +263,17 @@ def train_step(learner, batch) -> dict:
 
 
 def run_cuda_graphs(report: Report, learner, token_sizes: list[int], args, clock, peak: float, cuda: bool, t_start: float):
-    """``--cuda-graphs``: the learner's blocks compiled again as CUDA graphs, each size timed once more. "blocks":
-    every block, the bench opening each step's graphs; "learner": ``learner.cuda_graphs`` as a training run sets
-    it (the MoE blocks, micro-batches padded to buckets, the learner opening each micro-batch's graphs)."""
+    """``--cuda-graphs``: the learner's blocks compiled again as CUDA graphs, each size timed once more, for each
+    mode named. "blocks": every block, the bench opening each step's graphs; "learner": ``learner.cuda_graphs``
+    as a training run sets it (the MoE blocks, micro-batches padded to buckets, the learner opening each
+    micro-batch's graphs)."""
+    for mode in args.cuda_graphs:
+        run_cuda_graphs_mode(report, learner, token_sizes, args, clock, peak, cuda, t_start, mode)
+
+
+def run_cuda_graphs_mode(
+    report: Report, learner, token_sizes: list[int], args, clock, peak: float, cuda: bool, t_start: float, mode: str
+) -> None:
     from model.compile import compile_regions, resolve_compile_scope
     from rl.learner import bucket_tokens
 
@@ -274,7 +282,7 @@ def run_cuda_graphs(report: Report, learner, token_sizes: list[int], args, clock
     saved = (learner.cfg, learner.bucket_tokens)
     plain = argparse.Namespace(**{**vars(args), "components": False, "profile": False, "warmup": max(args.warmup, 3)})
     try:
-        if args.cuda_graphs == "learner":
+        if mode == "learner":
             learner.cfg = dataclasses.replace(learner.cfg, cuda_graphs=True)
             learner.bucket_tokens = bucket_tokens(learner.cfg)
             graphs = learner._graphs(scope, None)
@@ -283,16 +291,16 @@ def run_cuda_graphs(report: Report, learner, token_sizes: list[int], args, clock
         learner.compiled_regions = compile_regions(learner.base_model, scope=scope, cuda_graphs=graphs)
         for tokens in token_sizes:
             if time.time() - t_start > args.budget:
-                report.notes.append(f"budget reached before cuda graphs at {tokens} tokens")
+                report.notes.append(f"budget reached before cuda graphs ({mode}) at {tokens} tokens")
                 continue
             for variant in (None, *args.also_fast_paths):  # the A/B again, bound by the GPU's own time
                 with fast_paths_set(learner, variant):
-                    impl = f"ours, cuda graphs ({args.cuda_graphs})" + (f", {variant}" if variant else "")
+                    impl = f"ours, cuda graphs ({mode})" + (f", {variant}" if variant else "")
                     run_ours(report, learner, tokens, plain, clock, peak, cuda, impl)
                 report.save(args.out)
     except Exception as e:  # an experiment: its failure is reported, the rows before it stand
-        report.notes.append(f"cuda graphs: {type(e).__name__}: {str(e)[:300]}")
-        print(f"[cuda graphs] failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        report.notes.append(f"cuda graphs ({mode}): {type(e).__name__}: {str(e)[:300]}")
+        print(f"[cuda graphs {mode}] failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         report.save(args.out)
         learner.optimizer.zero_grad(set_to_none=True)
         free(cuda)
@@ -1156,6 +1164,15 @@ def markdown(report: Report) -> str:
     return "\n".join(lines)
 
 
+def _graph_modes(spec: str) -> list[str]:
+    """``--cuda-graphs``: "blocks", "learner" or both separated by ","; each timed in turn."""
+    modes = [m for m in spec.split(",") if m]
+    bad = [m for m in modes if m not in ("blocks", "learner")]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"--cuda-graphs {spec!r}: name blocks, learner or blocks,learner")
+    return modes
+
+
 def _fast_paths_list(specs: str) -> list[str]:
     """``--also-fast-paths``: one or more fast-path specs separated by ";" (each checked as ``--fast-paths``)."""
     return [_fast_paths_arg(spec) for spec in specs.split(";") if spec]
@@ -1190,10 +1207,10 @@ def main() -> int:
     ap.add_argument("--checkpoint", default="none", choices=["none", "layer", "ffn", "attention"])
     ap.add_argument("--compile", action="store_true", help="learner.compile (regional torch.compile)")
     ap.add_argument("--compile-scope", default="auto", help="learner.compile_scope: auto (blocks on a GPU), regions, moe or blocks")
-    ap.add_argument("--cuda-graphs", nargs="?", const="blocks", default=None, choices=("blocks", "learner"),
+    ap.add_argument("--cuda-graphs", nargs="?", const="blocks", default=None, type=_graph_modes,
                     help="with --compile, timed after: every compiled block as a CUDA graph on this fixed batch "
                     "(blocks, the default), or the learner's own option (learner.cuda_graphs: the MoE blocks, the "
-                    "micro-batch padded to a bucket)")  # fmt: skip
+                    "micro-batch padded to a bucket), or both in turn (blocks,learner)")  # fmt: skip
     ap.add_argument("--no-peer", dest="peer", action="store_false")
     ap.add_argument("--peer-row", type=int, default=1024, help="the peer's row length (tokens per sequence)")
     ap.add_argument("--no-components", dest="components", action="store_false")
