@@ -286,7 +286,8 @@ def _prime_kda_plan(B: int, T: int, cu_seqlens: torch.Tensor, layout: SeqLayout)
     """The Triton kernel's chunk plan for this forward's cu_seqlens, built once from the layout's host
     bounds: every KDA layer (forward and backward) then finds it in the plan cache without reading
     cu_seqlens back from the GPU."""
-    from kernels.kda.triton.common import plan_chunks
+    from kernels.kda.triton.common import padded_chunk_count, plan_chunks
 
     bounds = [0] + [end for _, _, end in layout.bounds]
-    return plan_chunks(B, T, cu_seqlens, cu_seqlens.device, bounds=bounds)
+    chunks_to = padded_chunk_count(T, layout.num_seqs) if layout.static else None
+    return plan_chunks(B, T, cu_seqlens, cu_seqlens.device, bounds=bounds, chunks_to=chunks_to)

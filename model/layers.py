@@ -246,6 +246,7 @@ class SeqLayout:
     bounds: list[tuple[int, int, int]]  # (batch row, start, end) per sequence, in state order
     cu_seqlens_N1: torch.Tensor | None = None
     max_len: int = 0
+    static: bool = False  # shapes fixed by (B, T, num_seqs) alone: max_len = T, KDA chunk plans padded
     cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -263,9 +264,14 @@ class SeqLayout:
         return self.cached("pos_i32", lambda: self.pos_BT.to(torch.int32).contiguous())
 
 
-def seq_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> SeqLayout:
+def seq_layout(
+    B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device, static: bool = False
+) -> SeqLayout:
     """The layout of a forward. Pass cu_seqlens as a CPU tensor to build it without a device sync
-    (a device cu_seqlens is read on the host once here)."""
+    (a device cu_seqlens is read on the host once here). ``static``: every shape and plain number the layers
+    pass to their kernels follows from (B, T, number of sequences) alone -- ``max_len`` is T (an upper bound for
+    varlen attention) and the KDA chunk plan is padded to its largest size -- so compiled layers replay as CUDA
+    graphs across micro-batches whose sequences differ (a learner pads T and the sequence count to buckets)."""
     if cu_seqlens is None:
         seq_BT = torch.arange(B, device=device)[:, None].expand(B, T)
         pos_BT = torch.arange(T, device=device)[None, :].expand(B, T)
@@ -282,8 +288,9 @@ def seq_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.de
     lengths_N = (cu_N1[1:] - cu_N1[:-1]).long()
     seq_T = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), lengths_N, output_size=T)
     pos_T = torch.arange(T, device=device) - cu_N1[:-1].long()[seq_T]
-    max_len = max((b - a for a, b in itertools.pairwise(cu)), default=0)
-    return SeqLayout(seq_T[None], pos_T[None], [(0, a, b) for a, b in itertools.pairwise(cu)], cu_N1, max_len)
+    max_len = T if static else max((b - a for a, b in itertools.pairwise(cu)), default=0)
+    bounds = [(0, a, b) for a, b in itertools.pairwise(cu)]
+    return SeqLayout(seq_T[None], pos_T[None], bounds, cu_N1, max_len, static)
 
 
 class ShortConvolution(nn.Module):

@@ -192,24 +192,27 @@ class HybridModel(HybridPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         replay_checked: bool = False,
         filler_tokens: int = 0,
+        static_layout: bool = False,
     ) -> tuple[torch.Tensor, HybridCache | None, list[torch.Tensor]]:
         """Returns (final normed hidden states [B, T, D], cache or None, experts used per MoE layer).
         ``replay_checked``: the caller checked ``routed_experts``' ids already (a device table checked when
         it was filled): only its shape is checked here, with no host sync. ``filler_tokens``: the last tokens of
         the flattened batch are filler (a learner's padding to a bucket size, its own packed sequence): the MoE
-        routers leave them out of their balancing statistics; everything else computes them as any token."""
+        routers leave them out of their balancing statistics; everything else computes them as any token.
+        ``static_layout``: ``model.layers.seq_layout``'s ``static`` (the same values, shapes fixed by the token and
+        sequence counts alone: what a learner replaying its layers as CUDA graphs passes)."""
         with _uncounted(self, filler_tokens):
             return self._forward(input_ids, cu_seqlens, past_key_values, use_cache, routed_experts, inputs_embeds,
-                                 replay_checked)  # fmt: skip
+                                 replay_checked, static_layout)  # fmt: skip
 
     def _forward(self, input_ids, cu_seqlens, past_key_values, use_cache, routed_experts, inputs_embeds,
-                 replay_checked):  # fmt: skip
+                 replay_checked, static_layout=False):  # fmt: skip
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         x_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T, _ = x_BTD.shape
         # the layout is built once per forward, from the host: a CPU cu_seqlens costs no device sync
-        layout = seq_layout(B, T, cu_seqlens, x_BTD.device)
+        layout = seq_layout(B, T, cu_seqlens, x_BTD.device, static=static_layout)
         if cu_seqlens is not None:
             cu_seqlens = layout.cu_seqlens_N1.long()
         if use_cache and past_key_values is None:
@@ -322,6 +325,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         return_logits: bool = True,
         return_entropy: bool = False,
         filler_tokens: int = 0,
+        static_layout: bool = False,
         **unused,
     ) -> HybridCausalLMOutput:
         """``labels`` [B, T]: next-token cross-entropy (-100 ignored, no prediction across packed
@@ -330,15 +334,17 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         ``return_logits=False`` with ``target_ids``: no [B, T, V] logits are kept, not even for
         backward (the LM head is recomputed per chunk, ``model.lm_head``), so long packed batches fit.
         ``return_entropy``: also the entropy of each position's next-token distribution (fp32,
-        differentiable), from the chunks when ``return_logits=False``. ``filler_tokens``: ``HybridModel.forward``'s."""
+        differentiable), from the chunks when ``return_logits=False``. ``filler_tokens``, ``static_layout``:
+        ``HybridModel.forward``'s."""
         unexpected = sorted(k for k, v in unused.items() if v is not None and k not in _HF_NOOP_KWARGS)
         if unexpected:
             raise TypeError(f"HybridForCausalLM.forward got unexpected arguments {unexpected}")
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             raise ValueError("padding masks are not supported: pack sequences with cu_seqlens instead")
         h_BTD, cache, choices = self.model(
-            input_ids, cu_seqlens, past_key_values, use_cache, routed_experts, inputs_embeds, filler_tokens=filler_tokens
-        )
+            input_ids, cu_seqlens, past_key_values, use_cache, routed_experts, inputs_embeds,
+            filler_tokens=filler_tokens, static_layout=static_layout,
+        )  # fmt: skip
         out = HybridCausalLMOutput(past_key_values=cache, hidden_states=h_BTD)
         if not return_logits:
             if target_ids is None or labels is not None:

@@ -15,12 +15,14 @@ Balancing bias: ``balancer = frozen`` (default) never changes it during RL; ``up
 after each optimizer step with the model's balancing rule, and the bias ships with the weights
 (it is a buffer of the state dict) at the next sync.
 
-CUDA graphs (``learner.cuda_graphs``, a single-process learner on a GPU): the compiled MoE blocks replay as
-inductor's CUDA graphs, one recorded per input shape, so every forward pads its micro-batch to a multiple of
-``learner.token_buckets``' size with one filler sequence (``_with_filler``): each packed sequence is computed
-apart and the routers leave the filler out of their statistics, so the batch's own logprobs, loss and gradients
-are those of the unpadded batch (tests/rl/test_learner_buckets.py); each micro-batch's passes begin a new graph
-step.
+CUDA graphs (``learner.cuda_graphs``, a single-process learner on a GPU): every compiled block (MoE, KDA and MLA
+layers, LM head chunks) replays as inductor's CUDA graphs, one recorded per input shape, so every forward pads its
+micro-batch to a multiple of ``learner.token_buckets``' size with one filler sequence and its sequence count to a
+power of two with empty sequences (``_with_filler``), and builds a static layout (``seq_layout(static=True)``:
+varlen attention's longest length is the token count, the KDA chunk plan padded to its largest size): each packed
+sequence is computed apart and the routers leave the filler out of their statistics, so the batch's own logprobs,
+loss and gradients are those of the unpadded batch (tests/rl/test_learner_buckets.py); each micro-batch's passes
+begin a new graph step.
 
 Deviation: with ``ppo_epochs * num_minibatches == 1`` the pre-update logprobs are taken from the
 training forward itself (ratio == 1 exactly), saving a forward pass.
@@ -170,7 +172,8 @@ class Learner:
 
     # ------------------------------------------------------------------ setup helpers
     def _graphs(self, scope: str, dist) -> str | bool:
-        """What ``compile_regions`` replays as CUDA graphs: the MoE blocks with ``learner.cuda_graphs``."""
+        """What ``compile_regions`` replays as CUDA graphs with ``learner.cuda_graphs``: every compiled block of
+        the scope (the micro-batches' layouts are static: ``_with_filler``'s buckets, ``seq_layout(static=True)``)."""
         if not self.cfg.cuda_graphs:
             return False
         if self.device.type != "cuda" or dist is not None or scope == "regions":
@@ -179,7 +182,13 @@ class Learner:
                 f"(compile_scope moe, blocks or auto), got device {self.device}, "
                 f"{'a sharded learner' if dist is not None else 'one process'}, compile scope {scope!r}"
             )
-        return "moe"
+        return True
+
+    @property
+    def static_layout(self) -> bool:
+        """With CUDA graphs every compiled layer replays, so its shapes follow the token and sequence buckets alone
+        (``_with_filler``'s, ``model.layers.seq_layout(static=True)``)."""
+        return bool(self.cfg.cuda_graphs)
 
     def _new_graph_step(self) -> None:
         """Before each micro-batch's passes under ``learner.cuda_graphs``: the previous ones' graph outputs are done
@@ -229,7 +238,9 @@ class Learner:
 
         model = model if model is not None else self.policy
         T = batch.num_tokens
-        ids_host, cu_host, routes, filler = _with_filler(batch, self.bucket_tokens, self.cfg.routing_replay)
+        ids_host, cu_host, routes, filler = _with_filler(
+            batch, self.bucket_tokens, self.cfg.routing_replay, seqs_pow2=self.static_layout
+        )
         ids_1T = to_device(ids_host, self.device)[None]
         cu = to_device(batch.cu_seqlens_N1, self.device)
         targets_1T = torch.roll(ids_1T, -1, dims=1)
@@ -239,6 +250,7 @@ class Learner:
             out = model(
                 ids_1T, cu_seqlens=cu_host, routed_experts=routes, target_ids=targets_1T,
                 return_logits=plain, return_entropy=need_entropy and not plain, filler_tokens=filler,
+                static_layout=self.static_layout,
             )  # fmt: skip
         # the batch's own tokens (the filler sequence, if any, comes after them)
         own = {k: None if getattr(out, k) is None else getattr(out, k)[0, :T]
@@ -666,20 +678,28 @@ def bucket_tokens(cfg: LearnerConfig) -> int:
     return -(-cfg.micro_batch_tokens // buckets) if buckets else 0
 
 
-def _with_filler(batch: TrainBatch, bucket: int, replay: bool):
+def _with_filler(batch: TrainBatch, bucket: int, replay: bool, seqs_pow2: bool = False):
     """(input ids, host cu_seqlens, routes or None, filler tokens) of ``batch`` padded up to a multiple of
     ``bucket`` tokens (0: as it is) with one filler sequence of token 0, routed freely (-1 routes). Each packed
-    sequence is computed apart, so the batch's own tokens come out as without the filler."""
+    sequence is computed apart, so the batch's own tokens come out as without the filler. ``seqs_pow2``: empty
+    sequences appended up to a power of two of sequences (a static layout's sequence bucket)."""
     routes = batch.routed_experts_TLK if replay else None  # -1 rows: tokens routed freely in the same forward
     T = batch.num_tokens
     filler = -(-T // bucket) * bucket - T if bucket else 0
-    if not filler:
-        return batch.input_ids_T, batch.cu_seqlens_N1, routes, 0
-    ids = torch.cat([batch.input_ids_T, batch.input_ids_T.new_zeros(filler)])
-    cu = torch.cat([batch.cu_seqlens_N1, batch.cu_seqlens_N1.new_full((1,), T + filler)])
-    if routes is not None:
-        routes = torch.cat([routes, routes.new_full((filler, *routes.shape[1:]), -1)])
+    ids, cu = batch.input_ids_T, batch.cu_seqlens_N1
+    if filler:
+        ids = torch.cat([ids, ids.new_zeros(filler)])
+        cu = torch.cat([cu, cu.new_full((1,), T + filler)])
+        if routes is not None:
+            routes = torch.cat([routes, routes.new_full((filler, *routes.shape[1:]), -1)])
+    if seqs_pow2:
+        n = len(cu) - 1
+        cu = torch.cat([cu, cu.new_full((next_pow2(n) - n,), T + filler)])
     return ids, cu, routes, filler
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 class _MismatchMeter:

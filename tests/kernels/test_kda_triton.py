@@ -452,6 +452,32 @@ def test_pool_decode_step_equals_the_torch_pool_step(tokens, layout, slot_dtype)
     assert torch.equal(bf16_pool, pool)  # the states as without out_dtype
 
 
+def test_a_plan_padded_to_a_static_shape_gives_the_same_values_and_gradients():
+    """``plan_chunks(chunks_to=...)`` (a learner's static layout under CUDA graphs): zero-length sequences after the
+    batch and the chunk list padded to ``padded_chunk_count`` with empty chunks give the unpadded plan's output and
+    gradients bit for bit (scratch buffers NaN-poisoned: a padded chunk that read or wrote a real slot would show)."""
+    chunk, common = MODS["chunk"], MODS["common"]
+    lengths = [1, 15, 70]
+    T = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu_pad = torch.cat([cu, cu.new_full((2,), T)])  # two empty sequences: 5 in all
+    q, k, v, g, beta, _ = _inputs(T, H=2, seed=6)
+    do = torch.randn(v.shape, generator=torch.Generator().manual_seed(7))
+    plan = common.plan_chunks(1, T, cu, q.device)
+    padded = common.plan_chunks(1, T, cu_pad, q.device, chunks_to=common.padded_chunk_count(T, 5))
+    assert (plan.num_chunks, padded.num_chunks) == (4, 7) and padded.num_seqs == 5
+
+    def grads(p):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
+        o = chunk.chunk_kda_planned(*leaves, p.cu_seqlens_N1, p.chunk_indices_C2, p.chunk_offsets_N1, 0.25)
+        return [o.detach(), *torch.autograd.grad(o, leaves, do)]
+
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), grads(plan), grads(padded)):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="less than the plan's 4 chunks"):
+        common.plan_chunks(1, T, cu, q.device, chunks_to=3)
+
+
 def test_planned_ops_equal_the_autograd_function_and_trace_whole():
     """``chunk_kda_planned`` (the learner's compiled KDA layer: custom ops under a node with nothing else inside)
     gives the values and gradients of ``chunk_kda_triton`` bit for bit on a packed batch, eagerly and inside a

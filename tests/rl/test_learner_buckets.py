@@ -42,18 +42,31 @@ def test_the_filler_is_one_sequence_of_free_routes_up_to_the_bucket():
     assert routes.dtype == batch.routed_experts_TLK.dtype and (routes[T:] == -1).all()
     assert torch.equal(routes[:T], batch.routed_experts_TLK)
     assert _with_filler(batch, 0, replay=True)[3] == 0 and _with_filler(batch, T, replay=False)[2:] == (None, 0)
+    # a static layout's sequence bucket: empty sequences after the filler, up to a power of two
+    n = len(cu) - 1
+    _, cu_pow2, _, _ = _with_filler(batch, 64, replay=True, seqs_pow2=True)
+    want = 1 << (n - 1).bit_length()
+    assert len(cu_pow2) - 1 == want and cu_pow2[: n + 1].tolist() == cu.tolist()
+    assert (cu_pow2[n:] == T + filler).all() and (want > n or n & (n - 1) == 0)
 
 
-@pytest.mark.parametrize("balancing", ["quantile", "quantile_histogram"])
-def test_a_padded_step_equals_the_unpadded_one(balancing):
+@pytest.mark.parametrize("balancing,static", [("quantile", False), ("quantile_histogram", False), ("quantile", True)])
+def test_a_padded_step_equals_the_unpadded_one(balancing, static):
     """Logprobs and entropy of the batch's tokens, the step's metrics, every parameter after the AdamW step and the
     balancer's new biases (statistics over the batch's own tokens only) agree to fp32 rounding, with routing replay
     (-1 filler routes) and the balancer updating. The histogram mode's biases within one bin's width: a score that
-    rounds differently in a longer GEMM may cross a bin edge there (the exact mode is continuous in the scores)."""
+    rounds differently in a longer GEMM may cross a bin edge there (the exact mode is continuous in the scores).
+    ``static``: the layout ``learner.cuda_graphs`` runs on (empty sequences up to a power of two, varlen attention's
+    longest length the token count, the KDA plan padded), set here on the CPU learner by hand."""
     (c, a), (_, b) = _pair("learner.balancer=update", f"model.arch.moe_balancing={balancing}")
+    if static:
+        b.cfg = dataclasses.replace(b.cfg, cuda_graphs=True)
+        assert b.static_layout
     group = _with_routes(make_group(3))
     mbs = batches_for(a, c, group)
     assert any(mb.num_tokens % 64 for mbs_i in mbs for mb in mbs_i)  # the padding is exercised
+    if static:  # and the empty sequences
+        assert len(_with_filler(mbs[0][0], 64, False, seqs_pow2=True)[1]) > len(_with_filler(mbs[0][0], 64, False)[1])
     fa, fb = a.forward(mbs[0][0], need_entropy=True), b.forward(mbs[0][0], need_entropy=True)
     torch.testing.assert_close(fb.logprobs_T, fa.logprobs_T, rtol=0, atol=1e-5)
     torch.testing.assert_close(fb.entropy_T, fa.entropy_T, rtol=0, atol=1e-5)

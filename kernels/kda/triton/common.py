@@ -50,7 +50,12 @@ _PLAN_CACHE_SIZE = 8
 
 
 def plan_chunks(
-    B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device, bounds: list[int] | None = None
+    B: int,
+    T: int,
+    cu_seqlens: torch.Tensor | None,
+    device: torch.device,
+    bounds: list[int] | None = None,
+    chunks_to: int | None = None,
 ) -> ChunkPlan:
     """Chunk layout, cached so that every KDA layer of a step, and its backward, share one plan.
 
@@ -61,18 +66,20 @@ def plan_chunks(
     keyed by its values, read with the one host copy a build needs anyway (one device sync per call,
     no rebuild on a hit). Without cu_seqlens the key is (B, T) and nothing syncs. A miss validates
     cu_seqlens and builds the plan. ``bounds``: the caller's host copy of cu_seqlens (the model's
-    sequence layout has one), so that a miss builds without reading the device tensor either."""
+    sequence layout has one), so that a miss builds without reading the device tensor either. ``chunks_to``:
+    the plan's chunk list padded to this length (a static shape for CUDA graphs, ``padded_chunk_count``) with
+    empty chunks past the last sequence's end, which every kernel masks out."""
     if cu_seqlens is not None and cu_seqlens.is_inference():
         bounds = _bounds(cu_seqlens)
-        key, ref = (B, T, str(device), "values", tuple(bounds)), None
+        key, ref = (B, T, str(device), chunks_to, "values", tuple(bounds)), None
     else:
-        key, ref = (B, T, str(device), None if cu_seqlens is None else cu_seqlens._version), cu_seqlens
+        key, ref = (B, T, str(device), chunks_to, None if cu_seqlens is None else cu_seqlens._version), cu_seqlens
     for i, (k, cu, plan) in enumerate(_PLAN_CACHE):
         if k == key and cu is ref:
             if i:
                 _PLAN_CACHE.insert(0, _PLAN_CACHE.pop(i))
             return plan
-    plan = _build_plan(B, T, cu_seqlens, device, bounds)
+    plan = _build_plan(B, T, cu_seqlens, device, bounds, chunks_to)
     _PLAN_CACHE.insert(0, (key, ref, plan))
     del _PLAN_CACHE[_PLAN_CACHE_SIZE:]
     return plan
@@ -86,8 +93,20 @@ def _bounds(cu_seqlens: torch.Tensor) -> list[int]:
     return [int(x) for x in cu_seqlens.tolist()]
 
 
+def padded_chunk_count(T: int, num_seqs: int) -> int:
+    """The most chunks ``num_seqs`` packed sequences of ``T`` tokens in all can take: each sequence's last chunk
+    may be partial, so sum(ceil(len / BT)) <= ceil(T / BT) + num_seqs. A plan padded to it has one shape for
+    every layout of (T, num_seqs)."""
+    return -(-T // BT) + num_seqs
+
+
 def _build_plan(
-    B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device, bounds: list[int] | None = None
+    B: int,
+    T: int,
+    cu_seqlens: torch.Tensor | None,
+    device: torch.device,
+    bounds: list[int] | None = None,
+    chunks_to: int | None = None,
 ) -> ChunkPlan:
     i32 = dict(device=device, dtype=torch.int32)
     if cu_seqlens is None:
@@ -109,6 +128,8 @@ def _build_plan(
         n_chunks = (b - a + BT - 1) // BT
         indices.extend((n, c) for c in range(n_chunks))
         offsets.append(offsets[-1] + n_chunks)
+    if chunks_to is not None:
+        indices = _pad_chunks(indices, bounds, chunks_to)
     host = dict(dtype=torch.int32)
     indices_C2 = to_device(torch.tensor(indices, **host).reshape(-1, 2), device)
     return ChunkPlan(
@@ -118,6 +139,19 @@ def _build_plan(
         len(bounds) - 1,
         len(indices),
     )
+
+
+def _pad_chunks(indices: list[tuple[int, int]], bounds: list[int], chunks_to: int) -> list[tuple[int, int]]:
+    """``indices`` padded to ``chunks_to`` entries with chunks of the last sequence that start at or past its end:
+    their programs load nothing and store nothing (every tile is masked to the sequence's end), and no sequence's
+    chunk range (``chunk_offsets``) reaches them, so the state passes never read their slots."""
+    if chunks_to < len(indices):
+        raise ValueError(f"chunks_to = {chunks_to} is less than the plan's {len(indices)} chunks")
+    n = len(bounds) - 2
+    if n < 0:
+        raise ValueError("padding a chunk plan needs at least one sequence")
+    first = -(-(bounds[-1] - bounds[-2]) // BT)  # the last sequence's chunk count: the empty ones come after
+    return indices + [(n, first + j) for j in range(chunks_to - len(indices))]
 
 
 def block_size(n: int) -> int:
