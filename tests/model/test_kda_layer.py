@@ -142,3 +142,25 @@ def test_bf16_layer_stays_finite_with_gate_saturated_for_thousands_of_tokens():
     assert float(g.min()) == pytest.approx(-5.0, abs=1e-3)
     y, state = run(layer, x)
     assert torch.isfinite(y).all() and torch.isfinite(state.recurrent_NHKV).all()
+
+
+def test_a_static_layout_fixes_the_kernels_shapes_by_token_and_sequence_count():
+    """``seq_layout(static=True)`` (a learner under CUDA graphs): varlen attention's longest length is T and the KDA
+    layers' chunk plan is padded to ``padded_chunk_count`` whatever the lengths, with empty chunks after the last
+    sequence's end; the plain layout keeps the exact ones."""
+    pytest.importorskip("triton")
+    from kernels.kda.triton.common import BT, padded_chunk_count
+    from model.kda import _layout_plan
+
+    T = 3 * BT
+    for lengths in ([1, BT + 1, 2 * BT - 2, 0], [3 * BT - 2, 1, 1, 0]):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        plain, static = seq_layout(1, T, cu, "cpu"), seq_layout(1, T, cu, "cpu", static=True)
+        assert plain.max_len == max(lengths) and static.max_len == T and static.static and not plain.static
+        exact = sum(-(-n // BT) for n in lengths)
+        assert _layout_plan(plain, 1, T, cu, torch.device("cpu")).num_chunks == exact
+        padded = _layout_plan(static, 1, T, cu, torch.device("cpu"))
+        assert padded.num_chunks == padded_chunk_count(T, len(lengths)) == 3 + len(lengths) > exact
+        ci = padded.chunk_indices_C2.tolist()
+        starts = [cu[n].item() + c * BT for n, c in ci]
+        assert all(s >= T for s in starts[exact:]) and all(s < cu[n + 1] for (n, _), s in zip(ci[:exact], starts))
