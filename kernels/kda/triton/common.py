@@ -101,12 +101,7 @@ def padded_chunk_count(T: int, num_seqs: int) -> int:
 
 
 def _build_plan(
-    B: int,
-    T: int,
-    cu_seqlens: torch.Tensor | None,
-    device: torch.device,
-    bounds: list[int] | None = None,
-    chunks_to: int | None = None,
+    B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device, bounds: list[int] | None, chunks_to: int | None
 ) -> ChunkPlan:
     i32 = dict(device=device, dtype=torch.int32)
     if cu_seqlens is None:
