@@ -297,7 +297,7 @@ def test_layout_is_built_once_per_forward_from_a_host_cu_seqlens(monkeypatch):
 
     built = []
     real = modeling.seq_layout
-    monkeypatch.setattr(modeling, "seq_layout", lambda *a: built.append(a[2]) or real(*a))
+    monkeypatch.setattr(modeling, "seq_layout", lambda *a, **kw: built.append(a[2]) or real(*a, **kw))
     model = HybridForCausalLM(tiny_config()).eval()
     cu = packed_cu([3, 5, 8])
     model(torch.randint(0, 128, (1, 16)), cu_seqlens=cu)
