@@ -804,8 +804,7 @@ def part_longctx(run: Run) -> None:
     lengths = [int(x) for x in a.long_lengths.split(",") if x]
     model = run.learner("gpu_1b")
     ps = [p[:n] for p, n in zip(prompts(len(lengths), max(lengths), max(lengths), model.config.vocab_size, seed=11), lengths)]
-    engines = {"cuda_graphs" if a.cuda_graphs and run.cuda else "eager": not (a.cuda_graphs and run.cuda)}
-    engines.setdefault("eager", True)
+    engines = {"cuda_graphs": False, "eager": True} if a.cuda_graphs and run.cuda else {"eager": True}
     for name, eager in engines.items():
         if not run.enough(90, f"longctx {name}"):
             return
@@ -814,15 +813,11 @@ def part_longctx(run: Run) -> None:
         w = run.worker("gpu_1b", "bf16", None, **extra)
         outs = w.generate([TurnRequest(f"L{name}{i}", p, max_tokens=16, temperature=0.0) for i, p in enumerate(ps)])
         w.end_sessions([o.session_id for o in outs])
-        rows = {}
-        for n, p, o in zip(lengths, ps, outs):
-            lps = torch.tensor(o.logprobs)
-            ref, free = learner_pass(run, model, p + o.token_ids, "bf16")
-            rows[n] = gap_stats([lps - ref[n - 1 :]])
-            routes = engine_routes(o.prompt_routed_experts, o.routed_experts, free)
-            if routes is not None:  # as the learner trains: the engine's experts replayed
-                rep, _ = learner_pass(run, model, p + o.token_ids, "bf16", routes=routes[0])
-                rows[n]["replayed"] = gap_stats([lps - rep[n - 1 :]])
+        rows = {  # each length apart: routed freely, and the engine's experts replayed (``replayed``)
+            n: compare_to_learner(run, {"sampled_prompts": [p], "sampled": [(o.token_ids, o.logprobs, o.routed_experts,
+                                                                            o.prompt_routed_experts)]}, "gpu_1b", "bf16")
+            for n, p, o in zip(lengths, ps, outs)
+        }  # fmt: skip
         out[name] = rows
         log(f"longctx {name}: {rows}")
         run.drop_worker("gpu_1b", "bf16", None, 0, *sorted(extra.items()))

@@ -158,10 +158,12 @@ class ModeRun:
 
     def start_repeat(self, rep: int) -> None:
         """Fresh episodes (new session ids, empty prefix cache) for repetition ``rep``."""
+        from envs.types import Episode
+
         self.worker.llm.reset_prefix_cache()
         self.sids = [f"e{i}r{rep}" for i in range(len(self.chunks))]
         self.context = dict.fromkeys(self.sids, 0)
-        self.route_log: dict[str, list | None] = {s: [] for s in self.sids[:ROUTE_LOG_EPISODES]}
+        self.route_log = {s: Episode(s, "", "") for s in self.sids[:ROUTE_LOG_EPISODES]}  # None: no routes
         self.turns: list[dict] = []
         self.reps.append(self.turns)
 
@@ -175,8 +177,8 @@ class ModeRun:
             outs = self.worker.generate(reqs)
             dt = time.perf_counter() - t0
         self.last_logprobs = {s: o.logprobs for s, o in zip(self.sids, outs)}
-        for s, o in zip(self.sids, outs):
-            self.log_routes(s, o)
+        for s, r, o in zip(self.sids, reqs, outs):
+            self.log_routes(s, r.token_ids, o)
         full = sum(self.context[s] + len(r.token_ids) for s, r in zip(self.sids, reqs))
         computed = sum(o.num_computed_prompt_tokens for o in outs)
         for i, (s, r, o) in enumerate(zip(self.sids, reqs, outs)):
@@ -185,31 +187,31 @@ class ModeRun:
             self.tokens.setdefault(f"e{i}", []).append(o.token_ids)
         self.record_turn(t, sum(len(r.token_ids) for r in reqs), full, computed, dt, steps.summary(dt))
 
-    def log_routes(self, sid: str, out) -> None:
-        """Keep the engine's routes of ``sid``'s turn (its new prompt ids, then its sampled ids; the previous
-        turn's last sampled token gets the row recorded when it was fed), for the first few episodes."""
-        log = self.route_log.get(sid)
-        if log is None:
+    def log_routes(self, sid: str, chunk: list[int], out) -> None:
+        """Keep ``sid``'s turn with the engine's routes (its new prompt ids, then its sampled ids; the previous
+        turn's last sampled token gets the row recorded when it was fed, as rollout/episode.py does), for the
+        first few episodes."""
+        from envs.types import Turn
+
+        ep = self.route_log.get(sid)
+        if ep is None:
             return
         if out.prompt_routed_experts is None or out.routed_experts is None:
             self.route_log[sid] = None  # the engine recorded none: nothing to replay
             return
-        if log and out.prev_token_routed_experts is not None:
-            log[-1][1][-1] = out.prev_token_routed_experts
-        log.append((out.prompt_routed_experts, out.routed_experts.copy()))
+        if ep.turns and out.prev_token_routed_experts is not None:
+            ep.turns[-1].routed_experts[-1] = out.prev_token_routed_experts
+        ep.turns.append(Turn(chunk, list(out.token_ids), list(out.logprobs), routed_experts=out.routed_experts.copy(),
+                             prompt_routed_experts=out.prompt_routed_experts))  # fmt: skip
 
     def history_routes(self, i: int):
         """[len(history(i)), L, K] int32: the engine's experts of each token of episode ``i`` (-1 where it
-        recorded none, e.g. the last sampled token), or None without records."""
-        import numpy as np
+        recorded none, e.g. the last sampled token; laid out as the learner's batches are), or None without
+        records."""
+        from rl.batching import _routes
 
-        log = self.route_log.get(self.sids[i])
-        if not log:
-            return None
-        rows = np.concatenate([r for turn in log for r in turn]).astype(np.int32)
-        if len(rows) != len(self.history(i)):
-            raise ValueError(f"episode {i}: {len(rows)} route rows for a history of {len(self.history(i))} tokens")
-        return np.where(rows >= np.iinfo(np.uint16).max, -1, rows)
+        ep = self.route_log.get(self.sids[i])
+        return _routes(ep, len(ep.token_ids)) if ep and ep.turns else None
 
     def history(self, i: int) -> list[int]:
         """Episode ``i`` of the current repeat: its chunks and sampled tokens so far, in order."""

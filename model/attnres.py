@@ -14,8 +14,9 @@ Memory: autograd on the mix keeps the stacked sources, their fp32 RMS-normalised
 normed output, about three [S, B, T, D] fp32 tensors per mix (33 mixes in gpu_1b). With
 ``model.fast`` op "attn_res" = ``recompute`` only the sources are kept (they are the block sums the
 model holds anyway) and the mix is recomputed in backward: the same ops, bit-exact; ``fused`` (the
-default; on CUDA ``triton``, the same node on two Triton kernels) runs the mix and the sub-layer's RMSNorm after it as one autograd node (``attn_res_mix_norm``
-forward, ``attn_res_mix_norm_grads`` backward: the closed-form gradient, the forward recomputed inside it),
+default; on CUDA ``triton``, the same node on two Triton kernels) runs the mix and the sub-layer's RMSNorm
+after it as one autograd node (``attn_res_mix_norm`` forward, ``attn_res_mix_norm_grads`` backward: the
+closed-form gradient, the forward recomputed inside it),
 which also keeps only the sources: one compiled call each way, where a checkpoint made three (forward,
 recomputation, backward) and its own bookkeeping.
 """

@@ -250,7 +250,8 @@ def compile_regions(
     trees, ``CUDA_GRAPH_OPTIONS``): one launch for a block's kernels instead of one each, a graph recorded per
     input shape; True or "blocks" every block of ``scope``, "moe" the MoE blocks only (their inputs' shapes
     follow the token count alone; a KDA or MLA layer's also follow the sequences' lengths unless the layout is
-    static, ``model.layers.seq_layout(static=True)``, as ``learner.cuda_graphs`` builds it). Steps begin with ``torch.compiler.cudagraph_mark_step_begin()``."""
+    static, ``model.layers.seq_layout(static=True)``, as ``learner.cuda_graphs`` builds it). Steps begin with
+    ``torch.compiler.cudagraph_mark_step_begin()``."""
     if cuda_graphs not in (False, True, "blocks", "moe"):
         raise ValueError(f"cuda_graphs must be False, True, 'blocks' or 'moe', got {cuda_graphs!r}")
     if cuda_graphs and scope == "regions":
