@@ -23,7 +23,8 @@ pattern, heads, KDA head size, MLA ranks, experts, top-k, shared experts, vocabu
 on the hidden size, it has no latent MoE), same bf16 autocast, fused AdamW and token count per step,
 as equal-length rows (its best case: no packing). The ratio ours / peer of tokens/s is reported. The
 peer runs after all of our sizes, alone on the device: our learner (weights, gradients, optimizer state,
-compiled graphs, the allocator's cache) is released first, and its peak memory is its own.
+compiled graphs, the allocator's cache) is released first, and its peak memory is its own (``--peer-first``:
+before anything of ours is built, so that a call's time limit cannot cut it).
 
 The optimizer component is also split (``optimizer_times``): clip_grad_norm_ alone, AdamW's step alone,
 the host's dispatch time of the two, and on a GPU the device's busy time and kernel count of one clip +
@@ -1088,6 +1089,21 @@ def run_peer(report: Report, arch: dict, tokens: int, args, clock: Clock, peak: 
     free(cuda)
 
 
+def run_peers(report: Report, arch: dict, token_sizes: list[int], args, clock: Clock, peak: float, cuda: bool,
+              t_start: float) -> None:
+    for tokens in token_sizes:
+        if time.time() - t_start > args.budget:
+            report.notes.append(f"budget reached before peer at {tokens} tokens")
+            continue
+        try:
+            run_peer(report, arch, tokens, args, clock, peak, cuda)
+        except torch.OutOfMemoryError as e:
+            report.notes.append(f"peer at {tokens} tokens: out of memory")
+            print(f"[oom] peer {tokens}: {str(e)[:200]}", flush=True)
+            free(cuda)
+        report.save(args.out)
+
+
 def release_learner(learner, cuda: bool) -> float | None:
     """Drop our learner's device memory before the peer runs: gradients, optimizer state, the parameters'
     storage (so that a reference left anywhere holds no memory), the reference model, compiled graphs and
@@ -1212,6 +1228,8 @@ def main() -> int:
                     "(blocks, the default), or the learner's own option (learner.cuda_graphs: the MoE blocks, the "
                     "micro-batch padded to a bucket), or both in turn (blocks,learner)")  # fmt: skip
     ap.add_argument("--no-peer", dest="peer", action="store_false")
+    ap.add_argument("--peer-first", action="store_true",
+                    help="time the peer before ours (its row lands even when a later part of ours runs out of time)")
     ap.add_argument("--peer-row", type=int, default=1024, help="the peer's row length (tokens per sequence)")
     ap.add_argument("--no-components", dest="components", action="store_false")
     ap.add_argument("--profile", action="store_true", help="kernel launches and host syncs of one step")
@@ -1272,6 +1290,9 @@ def main() -> int:
         fast_paths = probe_ops(report, arch, cuda) if args.probe and not args.skip_check else "auto"
     report.env["fast_paths_spec"] = str(fast_paths)
     report.save(args.out)
+    if args.peer and args.peer_first:  # alone on the device too: nothing of ours is built yet
+        report.env["resident_before_peer_gib"] = torch.cuda.memory_allocated() / 2**30 if cuda else None
+        run_peers(report, arch, [int(t) for t in args.tokens.split(",") if t], args, clock, peak, cuda, t_start)
     device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
     sizes = [int(t) for t in f"{args.tokens},{args.memory_tokens if args.memory_breakdown else ''}".split(",") if t]
     learner = make_learner(arch, device, dtype, max(sizes), args, fast_paths)
@@ -1325,20 +1346,10 @@ def main() -> int:
         report.save(args.out)
     if args.cuda_graphs:
         run_cuda_graphs(report, learner, token_sizes, args, clock, peak, cuda, t_start)
-    if args.peer:  # the peer runs alone on the device: our model, optimizer state and caches are gone
+    if args.peer and not args.peer_first:  # the peer runs alone on the device: our model, optimizer state and caches are gone
         report.env["resident_before_peer_gib"] = release_learner(learner, cuda)
         learner = None
-        for tokens in token_sizes:
-            if time.time() - t_start > args.budget:
-                report.notes.append(f"budget reached before peer at {tokens} tokens")
-                continue
-            try:
-                run_peer(report, arch, tokens, args, clock, peak, cuda)
-            except torch.OutOfMemoryError as e:
-                report.notes.append(f"peer at {tokens} tokens: out of memory")
-                print(f"[oom] peer {tokens}: {str(e)[:200]}", flush=True)
-                free(cuda)
-            report.save(args.out)
+        run_peers(report, arch, token_sizes, args, clock, peak, cuda, t_start)
     print(markdown(report), flush=True)
     print(f"[done] {time.time() - t_start:.0f} s", flush=True)
     return 0
