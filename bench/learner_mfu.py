@@ -1175,6 +1175,7 @@ def markdown(report: Report) -> str:
                                 for k, v in r["compiled_regions"].items())  # fmt: skip
             lines.append(f"\n{r['tokens']} tokens, compiled: {regions}; recompile limit hits: "
                          f"{len(r.get('recompile_limit_hits', []))}")  # fmt: skip
+    lines += [f"\nnote: {n}" for n in report.notes]
     if report.env.get("resident_before_peer_gib") is not None:
         lines.append(f"\npeer measured alone: {report.env['resident_before_peer_gib']:.2f} GiB of ours left allocated")
     return "\n".join(lines)
@@ -1350,6 +1351,7 @@ def main() -> int:
         report.env["resident_before_peer_gib"] = release_learner(learner, cuda)
         learner = None
         run_peers(report, arch, token_sizes, args, clock, peak, cuda, t_start)
+    report.save(args.out)  # the notes of the last parts (a budget reached) too
     print(markdown(report), flush=True)
     print(f"[done] {time.time() - t_start:.0f} s", flush=True)
     return 0
