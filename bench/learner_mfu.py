@@ -38,8 +38,9 @@ micro-batch size it times the same learner on the same batch again with each ``S
 ``--cuda-graphs [blocks|learner]`` (with ``--compile``), after every size's rows: "blocks" (the flag alone) every
 compiled block again with inductor's CUDA graphs (``model.compile.compile_regions(cuda_graphs=True)``) on this
 fixed batch, each step opened with ``torch.compiler.cudagraph_mark_step_begin()``; "learner" the learner's own
-``learner.cuda_graphs`` (the MoE blocks as graphs, each micro-batch padded to a bucket of
-``learner.token_buckets``, the learner opening each micro-batch's graphs): what a training run gets. Timed per
+``learner.cuda_graphs`` (every compiled block as graphs on the static layout: each micro-batch padded to a bucket
+of ``learner.token_buckets`` and its sequence count to a power of two, the learner opening each micro-batch's
+graphs): what a training run gets. Timed per
 size as a row "ours, cuda graphs (MODE)" (no components, no profile; an error there is a note, the rows before
 it stand).
 
@@ -266,8 +267,7 @@ def train_step(learner, batch) -> dict:
 def run_cuda_graphs(report: Report, learner, token_sizes: list[int], args, clock, peak: float, cuda: bool, t_start: float):
     """``--cuda-graphs``: the learner's blocks compiled again as CUDA graphs, each size timed once more, for each
     mode named. "blocks": every block, the bench opening each step's graphs; "learner": ``learner.cuda_graphs``
-    as a training run sets it (the MoE blocks, micro-batches padded to buckets, the learner opening each
-    micro-batch's graphs)."""
+    as a training run sets it (every block on the static layout, the learner opening each micro-batch's graphs)."""
     for mode in args.cuda_graphs:
         run_cuda_graphs_mode(report, learner, token_sizes, args, clock, peak, cuda, t_start, mode)
 
@@ -1226,8 +1226,8 @@ def main() -> int:
     ap.add_argument("--compile-scope", default="auto", help="learner.compile_scope: auto (blocks on a GPU), regions, moe or blocks")
     ap.add_argument("--cuda-graphs", nargs="?", const="blocks", default=None, type=_graph_modes,
                     help="with --compile, timed after: every compiled block as a CUDA graph on this fixed batch "
-                    "(blocks, the default), or the learner's own option (learner.cuda_graphs: the MoE blocks, the "
-                    "micro-batch padded to a bucket), or both in turn (blocks,learner)")  # fmt: skip
+                    "(blocks, the default), or the learner's own option (learner.cuda_graphs: every block on the "
+                    "static layout, the micro-batch padded to a bucket), or both in turn (blocks,learner)")  # fmt: skip
     ap.add_argument("--no-peer", dest="peer", action="store_false")
     ap.add_argument("--peer-first", action="store_true",
                     help="time the peer before ours (its row lands even when a later part of ours runs out of time)")
