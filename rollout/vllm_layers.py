@@ -23,7 +23,8 @@
     head on the latent output. The cache holds 2 * latent_head_size values per token and layer
     (kv_lora_rank + qk_rope rounded up to a head size: a CPU paged-attention size, on CUDA a multiple of
     32 for vLLM's Triton backend, ``rollout.vllm_plugin.latent_head_size``; stored twice because vLLM's
-    paged attention keeps separate K and V pages): about 2x the single-latent cache of vLLM's GPU MLA
+    paged attention keeps separate K and V pages, but on the Triton backend read once: its kernel takes the K
+    pages as V, ``read_values_from_keys``): about 2x the single-latent cache of vLLM's GPU MLA
     backends (kv_lora_rank + rope, once), but H times fewer KV heads than the expanded form. On CPU the
     latent size must fit a paged-attention head size (at most 512): K3's 512 + 64 = 576 does not and
     is rejected with a ValueError; at that size vLLM's own MLA backends are the route.
@@ -42,6 +43,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -373,6 +377,7 @@ class MLALatentPagedAttention(_PagedMLA):
             raise ValueError(f"latent head size {head_size} < kv_lora_rank + qk_rope = {latent_dim}")
         # one KV head; the expanded form's scale, since q_lat . c_kv == q_nope . k_nope exactly
         super().__init__(mla, head_size, 1, cache_config, prefix)
+        self.values_from_keys = read_values_from_keys(self.attn)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         mla = self._mla[0]
@@ -388,3 +393,46 @@ class MLALatentPagedAttention(_PagedMLA):
         lat_THR = out.view(T, H, self.head_size)[..., :R]  # attention-weighted c_kv per head
         attn_THV = torch.einsum("thr,hvr->thv", lat_THR, w_uv_HVR)
         return mla._output(x_1TD, attn_THV[None])[0]
+
+
+def read_values_from_keys(attn: nn.Module) -> bool:
+    """The latent form on vLLM's Triton backend (the CUDA default): its kernel reads V from the K pages. V = c_kv
+    is K's first kv_lora_rank columns and only those columns of the output are used (``lat_THR``), so they come
+    out value for value the same while the kernel streams one page a token instead of two (the V pages are still
+    written, never read). ``LONGHORIZON_MLA_VALUES_FROM_KEYS=0`` at construction keeps vLLM's own reads (the A/B).
+    True when applied: the layer's impl is vLLM's ``TritonAttentionImpl`` itself, not a subclass or another backend."""
+    impl = getattr(attn, "impl", None)
+    if os.environ.get("LONGHORIZON_MLA_VALUES_FROM_KEYS", "1") == "0" or impl is None:
+        return False
+    try:
+        from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+    except ImportError:  # a vLLM without the Triton backend
+        return False
+    if type(impl) is not TritonAttentionImpl:
+        return False
+    impl.__class__ = values_from_keys_impl(TritonAttentionImpl)
+    return True
+
+
+@functools.cache
+def values_from_keys_impl(impl_cls: type) -> type:
+    """``impl_cls`` whose forward hands its module's ``unified_attention`` the K pages as V: the module's name bound
+    to a wrapper for the call (the impl reads it as a global), restored after it, also on an error. The wrapper
+    takes keyword arguments only: a version of the impl that passes the caches by position fails loudly."""
+    module = sys.modules[impl_cls.__module__]
+
+    class ValuesFromKeys(impl_cls):
+        def forward(self, *args, **kwargs):
+            kernel = module.unified_attention
+            module.unified_attention = functools.partial(_values_from_keys, kernel)
+            try:
+                return super().forward(*args, **kwargs)
+            finally:
+                module.unified_attention = kernel
+
+    ValuesFromKeys.__name__ = ValuesFromKeys.__qualname__ = f"ValuesFromKeys{impl_cls.__name__}"
+    return ValuesFromKeys
+
+
+def _values_from_keys(kernel, *, k: torch.Tensor, v: torch.Tensor, **kwargs):
+    return kernel(k=k, v=k, **kwargs)
