@@ -23,8 +23,8 @@
     head on the latent output. The cache holds 2 * latent_head_size values per token and layer
     (kv_lora_rank + qk_rope rounded up to a head size: a CPU paged-attention size, on CUDA a multiple of
     32 for vLLM's Triton backend, ``rollout.vllm_plugin.latent_head_size``; stored twice because vLLM's
-    paged attention keeps separate K and V pages, but on the Triton backend read once: its kernel takes the K
-    pages as V, ``read_values_from_keys``): about 2x the single-latent cache of vLLM's GPU MLA
+    paged attention keeps separate K and V pages; on the Triton backend they can be read once, its kernel taking
+    the K pages as V: ``read_values_from_keys``, opt-in until run on a GPU): about 2x the single-latent cache of vLLM's GPU MLA
     backends (kv_lora_rank + rope, once), but H times fewer KV heads than the expanded form. On CPU the
     latent size must fit a paged-attention head size (at most 512): K3's 512 + 64 = 576 does not and
     is rejected with a ValueError; at that size vLLM's own MLA backends are the route.
@@ -399,10 +399,11 @@ def read_values_from_keys(attn: nn.Module) -> bool:
     """The latent form on vLLM's Triton backend (the CUDA default): its kernel reads V from the K pages. V = c_kv
     is K's first kv_lora_rank columns and only those columns of the output are used (``lat_THR``), so they come
     out value for value the same while the kernel streams one page a token instead of two (the V pages are still
-    written, never read). ``LONGHORIZON_MLA_VALUES_FROM_KEYS=0`` at construction keeps vLLM's own reads (the A/B).
-    True when applied: the layer's impl is vLLM's ``TritonAttentionImpl`` itself, not a subclass or another backend."""
+    written, never read). Opt-in until it has run on a GPU: ``LONGHORIZON_MLA_VALUES_FROM_KEYS=1`` at construction
+    (unset or 0: vLLM's own reads). True when applied: the layer's impl is vLLM's ``TritonAttentionImpl`` itself, not
+    a subclass or another backend."""
     impl = getattr(attn, "impl", None)
-    if os.environ.get("LONGHORIZON_MLA_VALUES_FROM_KEYS", "1") == "0" or impl is None:
+    if os.environ.get("LONGHORIZON_MLA_VALUES_FROM_KEYS", "0") != "1" or impl is None:
         return False
     try:
         from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl

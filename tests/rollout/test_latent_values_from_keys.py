@@ -6,7 +6,7 @@ vLLM 0.26's ``TritonAttentionImpl.forward`` does (a module global, keyword argum
 identity the swap relies on (the output's first kv_lora_rank columns are the same with V = K as with V = c_kv),
 that the wrapped impl hands the kernel the K pages as V and puts the module's kernel back after the call, also
 after an error, and that only vLLM's own impl class is swapped. The GPU run is bench/rollout_gpu.py (parity
-against the learner, the same tokens with ``LONGHORIZON_MLA_VALUES_FROM_KEYS=0``)."""
+against the learner, with and without ``LONGHORIZON_MLA_VALUES_FROM_KEYS=1``)."""
 
 from __future__ import annotations
 
@@ -90,6 +90,9 @@ class _Layer(torch.nn.Module):
 
 def test_only_vllms_own_triton_impl_is_swapped(monkeypatch):
     triton_attn = pytest.importorskip("vllm.v1.attention.backends.triton_attn")
+    monkeypatch.delenv("LONGHORIZON_MLA_VALUES_FROM_KEYS", raising=False)
+    assert read_values_from_keys(_Layer(object.__new__(triton_attn.TritonAttentionImpl))) is False  # opt-in
+    monkeypatch.setenv("LONGHORIZON_MLA_VALUES_FROM_KEYS", "1")
     own = object.__new__(triton_attn.TritonAttentionImpl)  # its class only: nothing of it runs on a CPU
     assert read_values_from_keys(_Layer(own)) is True
     assert type(own).__name__ == "ValuesFromKeysTritonAttentionImpl"
