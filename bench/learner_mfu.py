@@ -173,11 +173,7 @@ def make_learner(arch: dict, device: str, dtype: str, tokens: int, args, fast_pa
         checkpoint_scope=args.checkpoint if args.checkpoint != "none" else "layer", compile=args.compile,
         compile_scope=args.compile_scope,
     )  # fmt: skip
-    learner = Learner(cfg.model, cfg.learner, cfg.algorithm)
-    if device == "cuda":  # fused AdamW: what a GPU learner runs (the Learner's default is foreach)
-        params = [p for g in learner.optimizer.param_groups for p in g["params"]]
-        learner.optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), fused=True)
-    return learner
+    return Learner(cfg.model, cfg.learner, cfg.algorithm)  # on CUDA its AdamW is fused (rl.learner.fused_adamw)
 
 
 def matmul_params(model: torch.nn.Module, top_k: int, num_experts: int) -> int:

@@ -165,8 +165,9 @@ class Learner:
         if self.value_head is not None:
             params += list(self.value_head.parameters())
         self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
-        )
+            params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
+            fused=fused_adamw(self.device, dist),
+        )  # fmt: skip
         self.step_count = 0
         self.version = 0
 
@@ -669,6 +670,14 @@ class Learner:
             load_sharded(self, path)
         else:
             self.load_state_dict(torch.load(path, weights_only=False))
+
+
+def fused_adamw(device: torch.device, dist) -> bool | None:
+    """AdamW's ``fused``: True for a single-process learner on CUDA (the fp32 master weights, gradients and moments
+    in one multi-tensor kernel: what bench/learner_mfu.py has timed, 10 ms of gpu_1b's step on an H200), None
+    (torch's default, foreach) elsewhere: on CPU, and for the sharded learner (its DTensor parameters were never
+    run fused)."""
+    return True if device.type == "cuda" and dist is None else None
 
 
 def bucket_tokens(cfg: LearnerConfig) -> int:

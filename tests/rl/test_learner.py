@@ -249,3 +249,14 @@ def test_bad_learner_kernel_settings_are_named():
         c = make_cfg(override)
         with pytest.raises(ValueError, match=field):
             Learner(c.model, c.learner, c.algorithm)
+
+
+def test_adamw_is_fused_for_a_single_process_learner_on_cuda_only(cfg):
+    """One multi-tensor AdamW kernel on CUDA (what bench/learner_mfu.py times), torch's default elsewhere."""
+    from rl.learner import fused_adamw
+
+    assert fused_adamw(torch.device("cuda"), None) is True
+    assert fused_adamw(torch.device("cuda"), object()) is None  # the sharded learner
+    assert fused_adamw(torch.device("cpu"), None) is None
+    learner = Learner(cfg.model, cfg.learner, cfg.algorithm)  # this machine's CPU learner
+    assert learner.optimizer.defaults["fused"] is None
