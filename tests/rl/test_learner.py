@@ -260,3 +260,22 @@ def test_adamw_is_fused_for_a_single_process_learner_on_cuda_only(cfg):
     assert fused_adamw(torch.device("cpu"), None) is None
     learner = Learner(cfg.model, cfg.learner, cfg.algorithm)  # this machine's CPU learner
     assert learner.optimizer.defaults["fused"] is None
+
+
+def test_clipping_inside_the_fused_step_gives_the_clipped_update():
+    """A fused AdamW clips inside its step (``grad_scale``); the update and the reported norm are those of
+    ``clip_grad_norm_`` followed by the step, with the clip engaged (norm far above ``grad_clip``)."""
+    c = make_cfg("learner.grad_clip=0.01")
+    out = []
+    for fused in (True, False):
+        learner = Learner(c.model, c.learner, c.algorithm)
+        params = [p for g in learner.optimizer.param_groups for p in g["params"]]
+        learner.optimizer = torch.optim.AdamW(params, lr=c.learner.lr, fused=fused)  # on CPU too
+        metrics = learner.train_step(batches_for(learner, c, make_group()))
+        moments = torch.cat([learner.optimizer.state[p]["exp_avg"].flatten() for p in params])
+        out.append((metrics["grad_norm"], torch.cat([p.detach().flatten() for p in params]), moments))
+        assert (getattr(learner.optimizer, "grad_scale", None) is not None) == fused
+    (norm_f, params_f, m_f), (norm_u, params_u, m_u) = out
+    assert norm_f == pytest.approx(norm_u, rel=1e-6) and norm_f > 100 * c.learner.grad_clip
+    assert torch.allclose(m_f, m_u, rtol=1e-5, atol=1e-12)  # the first moment is the clipped gradient itself
+    assert torch.allclose(params_f, params_u, rtol=0, atol=1e-6)
