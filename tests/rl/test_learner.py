@@ -279,3 +279,28 @@ def test_clipping_inside_the_fused_step_gives_the_clipped_update():
     assert norm_f == pytest.approx(norm_u, rel=1e-6) and norm_f > 100 * c.learner.grad_clip
     assert torch.allclose(m_f, m_u, rtol=1e-5, atol=1e-12)  # the first moment is the clipped gradient itself
     assert torch.allclose(params_f, params_u, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("saved_fused, loaded_fused", [(False, True), (True, False)])
+def test_a_resumed_optimizer_keeps_this_learners_kernels(tmp_path, saved_fused, loaded_fused):
+    """A checkpoint's optimizer state carries the saving learner's ``fused`` flag; the resumed learner keeps its
+    own (a GPU run resuming a CPU or sharded run's checkpoint stays fused, and clips inside the step; a fused
+    flag loaded into a learner that clips apart would meet a fused-only grad_scale) and continues the run."""
+    c = make_cfg("learner.grad_clip=0.01")
+
+    def learner_with(fused: bool) -> Learner:
+        learner = Learner(c.model, c.learner, c.algorithm)
+        params = [p for g in learner.optimizer.param_groups for p in g["params"]]
+        learner.optimizer = torch.optim.AdamW(params, lr=c.learner.lr, fused=fused)
+        return learner
+
+    a = learner_with(saved_fused)
+    a.train_step(batches_for(a, c, make_group(0)))
+    a.save(str(tmp_path / "learner.pt"))
+    m_a = a.train_step(batches_for(a, c, make_group(1)))
+    b = learner_with(loaded_fused)
+    b.load(str(tmp_path / "learner.pt"))
+    assert all(bool(g["fused"]) == loaded_fused for g in b.optimizer.param_groups)
+    m_b = b.train_step(batches_for(b, c, make_group(1)))
+    assert m_b["grad_norm"] == pytest.approx(m_a["grad_norm"], rel=1e-5)
+    assert m_b["loss"] == pytest.approx(m_a["loss"], rel=1e-5, abs=1e-7)
