@@ -23,6 +23,7 @@ recomputation, backward) and its own bookkeeping.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -105,6 +106,11 @@ def attn_res_mix_norm_grads(
             *(dv[i].to(src.dtype) for i, src in enumerate(sources)))  # fmt: skip
 
 
+TRITON_BACKWARDS = {"triton": "tile", "triton_passes": "passes"}
+"""``model.fast`` op "attn_res" choices that run the node on ``kernels.attnres.triton``, and the backward kernel each
+takes (``BACKWARD_KERNELS``)."""
+
+
 class _MixNormNode(torch.autograd.Function):
     """``fns[0](query, norm_weight, eps, out_weight, out_eps, *sources)`` (``attn_res_mix_norm``) keeping only the
     sources and weights; backward ``fns[1]`` (``attn_res_mix_norm_grads``)."""
@@ -154,18 +160,19 @@ class AttnResMix(nn.Module):
             # own backward graph keeps a stacked copy of the sources (inductor's partitioner), about S x [T, D] more
             # a mix than the sources
             return fns[0](self.query, self.norm.weight, self.norm.eps, norm.weight, norm.eps, *sources)
-        if fast.pick("attn_res", sources[0].device) in ("recompute", "fused", "triton"):
+        if fast.pick("attn_res", sources[0].device) in ("recompute", "fused", *TRITON_BACKWARDS):
             return recompute_in_backward(self.mix, *sources)
         return self.mix(*sources)
 
     def _mix_norm_fns(self, sources: list[torch.Tensor]) -> tuple[Callable, Callable]:
         """(forward, gradient) of the mix-and-norm node: ``model.fast`` op "attn_res" = triton on CUDA with at most
         ``MAX_SOURCES`` sources, the Triton kernels (``kernels.attnres.triton``); else the (compiled) functions."""
-        if sources[0].is_cuda and fast.pick("attn_res", sources[0].device) == "triton":
+        op = fast.pick("attn_res", sources[0].device)
+        if sources[0].is_cuda and op in TRITON_BACKWARDS:
             from kernels.attnres.triton import MAX_SOURCES, mix_norm_forward, mix_norm_grads
 
             if len(sources) <= MAX_SOURCES:
-                return mix_norm_forward, mix_norm_grads
+                return mix_norm_forward, functools.partial(mix_norm_grads, kernel=TRITON_BACKWARDS[op])
         return self.mix_norm_fn, self.mix_norm_grads_fn
 
     def normed(self, sources: list[torch.Tensor], norm: RMSNorm) -> torch.Tensor:
@@ -179,7 +186,7 @@ class AttnResMix(nn.Module):
             return self.stacked_mix_norm_fn(
                 self.query, self.norm.weight, self.norm.eps, norm.weight, norm.eps, torch.stack(sources)
             )
-        if op in ("fused", "triton") and self.stacked_mix_fn is None:
+        if op in ("fused", *TRITON_BACKWARDS) and self.stacked_mix_fn is None:
             return self(sources, norm)  # one source: ``forward`` norms it
         return norm(self(sources))
 

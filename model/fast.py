@@ -10,7 +10,7 @@ to); the choice is process-wide, read at each call, with "auto" resolved by the 
 | ``conv`` | ``torch``: the shifted-tap PyTorch conv | ``triton``: one varlen causal conv kernel (``kernels.conv``) | triton | torch |
 | ``lm_head`` | ``plain``: [T, V] logits, then log-softmax | ``chunked``: logits per token chunk, recomputed in backward (``model.lm_head``) | chunked | chunked (measured faster) |
 | ``glu`` | ``torch``: SiTU / SiLU-GLU by autograd (keeps its fp32 intermediates for backward) | ``recompute``: the same ops, only gate/up kept, recomputed in backward (bit-exact); ``triton``: SiTU-GLU as one fused kernel each way (``kernels.glu``; SiLU takes ``recompute``) | triton | recompute |
-| ``attn_res`` | ``torch``: the AttnRes mix by autograd (keeps the stacked sources and norm intermediates) | ``recompute``: the same ops, only the sources kept, recomputed in backward (bit-exact); ``fused``: the mix and the sub-layer's RMSNorm after it as one node keeping only the sources (``model.attnres.attn_res_mix_norm`` forward, bit-exact eager; its closed-form gradient ``attn_res_mix_norm_grads`` backward, to fp32 rounding: one compiled call each way); ``triton``: that node on two Triton kernels over the unstacked sources, each reading every source row once (``kernels.attnres.triton``; CUDA, up to 8 sources, else ``fused``) | triton | fused |
+| ``attn_res`` | ``torch``: the AttnRes mix by autograd (keeps the stacked sources and norm intermediates) | ``recompute``: the same ops, only the sources kept, recomputed in backward (bit-exact); ``fused``: the mix and the sub-layer's RMSNorm after it as one node keeping only the sources (``model.attnres.attn_res_mix_norm`` forward, bit-exact eager; its closed-form gradient ``attn_res_mix_norm_grads`` backward, to fp32 rounding: one compiled call each way); ``triton``: that node on two Triton kernels over the unstacked sources, each reading every source row once (``kernels.attnres.triton``; CUDA, up to 8 sources, else ``fused``); ``triton_passes``: the same with the backward kernel that walks a row's sources as vectors instead of holding them as one tile (``kernels.attnres.triton.BACKWARD_KERNELS``; the A/B, not yet timed) | triton | fused |
 | ``norm`` | ``torch``: RMSNorm and L2 norm by autograd (keep an fp32 normalised copy) | ``recompute``: the same ops, only the input kept (bit-exact) | recompute | recompute |
 
 "recompute" means what autograd keeps: under ``model.compile`` a compiled norm, GLU or KDA region is not
@@ -43,7 +43,7 @@ CHOICES = {
     "conv": ("auto", "torch", "triton"),
     "lm_head": ("auto", "plain", "chunked"),
     "glu": ("auto", "torch", "recompute", "triton"),
-    "attn_res": ("auto", "torch", "recompute", "fused", "triton"),
+    "attn_res": ("auto", "torch", "recompute", "fused", "triton", "triton_passes"),
     "norm": ("auto", "torch", "recompute"),
 }
 

@@ -155,6 +155,70 @@ def _mix_norm_bwd(dh_ptr, q_ptr, kw_ptr, ow_ptr, du_ptr, dgo_ptr, N, D, eps, out
     tl.store(dgo_ptr + pid * D + d, dgo, mask=dm)
 
 
+@triton.jit
+def _pick(x, sidx, i: tl.constexpr):
+    """Element ``i`` of the [SP] vector ``x`` as a scalar."""
+    return tl.reduce(tl.where(sidx == i, x, 0.0), 0, _sum_combine)
+
+
+@triton.jit
+def _mix_norm_bwd_passes(dh_ptr, q_ptr, kw_ptr, ow_ptr, du_ptr, dgo_ptr, N, D, eps, out_eps,
+                         p0, p1, p2, p3, p4, p5, p6, p7, g0, g1, g2, g3, g4, g5, g6, g7,
+                         S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    """``_mix_norm_bwd`` with no [SP, BD] tile: each row's sources are walked three times as [BD] vectors (the
+    per-source scalars r, <v, u>, the logits, then <dmix, v>, then each source's gradient), the per-source
+    scalars kept in [SP] vectors. A source row is read from memory once and from cache twice more; a program
+    holds a few [BD] vectors where the tile version holds several [SP, BD] ones (fewer registers, no masked
+    reductions over the tile to split it back into rows)."""
+    pid, P = tl.program_id(0), tl.num_programs(0)
+    d = tl.arange(0, BD)
+    dm = d < D
+    sidx = tl.arange(0, SP)
+    u = tl.load(q_ptr + d, mask=dm, other=0.0).to(tl.float32) * tl.load(kw_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    go = tl.load(ow_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    du = tl.full([BD], 0.0, tl.float32)
+    dgo = tl.full([BD], 0.0, tl.float32)
+    for row in range(pid.to(tl.int64), N, P):  # int64 rows: row * D stays exact past 2^31 elements
+        r = tl.full([SP], 0.0, tl.float32)
+        vu = tl.full([SP], 0.0, tl.float32)
+        for i in tl.static_range(S):
+            vi = tl.load(_source(i, p0, p1, p2, p3, p4, p5, p6, p7) + row * D + d, mask=dm, other=0.0).to(tl.float32)
+            r = tl.where(sidx == i, 1.0 / tl.sqrt(tl.reduce(vi * vi, 0, _sum_combine) / D + eps), r)
+            vu = tl.where(sidx == i, tl.reduce(vi * u, 0, _sum_combine), vu)
+        logit = tl.where(sidx < S, r * vu, -float("inf"))
+        e = tl.exp(logit - tl.reduce(logit, 0, tl.standard._elementwise_max))
+        a = e / tl.reduce(e, 0, _sum_combine)
+        m = tl.full([BD], 0.0, tl.float32)
+        for i in tl.static_range(S):
+            vi = tl.load(_source(i, p0, p1, p2, p3, p4, p5, p6, p7) + row * D + d, mask=dm, other=0.0).to(tl.float32)
+            m += _pick(a, sidx, i) * vi
+        rho = 1.0 / tl.sqrt(tl.reduce(m * m, 0, _sum_combine) / D + out_eps)
+        dh = tl.load(dh_ptr + row * D + d, mask=dm, other=0.0).to(tl.float32)
+        yg = dh * go
+        dmix = rho * (yg - m * (rho * rho) * (tl.reduce(m * yg, 0, _sum_combine) / D))
+        da = tl.full([SP], 0.0, tl.float32)
+        for i in tl.static_range(S):
+            vi = tl.load(_source(i, p0, p1, p2, p3, p4, p5, p6, p7) + row * D + d, mask=dm, other=0.0).to(tl.float32)
+            da = tl.where(sidx == i, tl.reduce(dmix * vi, 0, _sum_combine), da)
+        ds = a * (da - tl.reduce(a * da, 0, _sum_combine))
+        for i in tl.static_range(S):
+            vi = tl.load(_source(i, p0, p1, p2, p3, p4, p5, p6, p7) + row * D + d, mask=dm, other=0.0).to(tl.float32)
+            ri, dsi = _pick(r, sidx, i), _pick(ds, sidx, i)
+            dvi = _pick(a, sidx, i) * dmix + dsi * (ri * u - (ri * ri * ri * _pick(vu, sidx, i) / D) * vi)
+            gi = _source(i, g0, g1, g2, g3, g4, g5, g6, g7)
+            tl.store(gi + row * D + d, dvi.to(gi.dtype.element_ty), mask=dm)
+            du += (dsi * ri) * vi
+        dgo += dh * m * rho
+    tl.store(du_ptr + pid * D + d, du, mask=dm)
+    tl.store(dgo_ptr + pid * D + d, dgo, mask=dm)
+
+
+BACKWARD_KERNELS = {"tile": (_mix_norm_bwd, 8), "passes": (_mix_norm_bwd_passes, 4)}
+"""``mix_norm_grads``' kernels and their warps: "tile" (the default, measured in the learner's step on GPUs) holds
+a row's sources as one [SP, BD] tile; "passes" walks them as [BD] vectors (``model.fast`` op attn_res =
+triton_passes: the A/B)."""
+
+
 def _rows_of(sources, weights) -> tuple[list[torch.Tensor], int, int]:
     """The sources as contiguous [N, D] rows (views where they already are), N and D; bad shapes named. The
     sources may differ in dtype (under autocast a block's running sum starts as a bf16 sub-layer output beside
@@ -188,11 +252,14 @@ def mix_norm_forward(
 
 def mix_norm_grads(
     query: torch.Tensor, key_weight: torch.Tensor, eps: float, out_weight: torch.Tensor, out_eps: float,
-    dh: torch.Tensor, *sources: torch.Tensor, programs: int | None = None,
+    dh: torch.Tensor, *sources: torch.Tensor, programs: int | None = None, kernel: str = "tile",
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """``model.attnres.attn_res_mix_norm_grads``: (d query, d key_weight, d out_weight, *d sources), each in its
     input's dtype. ``programs``: how many programs share the rows (default: 4 per streaming multiprocessor on
-    CUDA, 4 elsewhere); each adds one [D] fp32 partial of the weights' sums."""
+    CUDA, 4 elsewhere); each adds one [D] fp32 partial of the weights' sums. ``kernel``: a key of
+    ``BACKWARD_KERNELS``."""
+    if kernel not in BACKWARD_KERNELS:
+        raise ValueError(f"attn_res_mix_norm: backward kernel {kernel!r}; choose from {sorted(BACKWARD_KERNELS)}")
     rows, N, D = _rows_of(sources, (query, key_weight, out_weight))
     if dh.shape != sources[0].shape:
         raise ValueError(f"attn_res_mix_norm: the output gradient must be {tuple(sources[0].shape)}, got "
@@ -206,9 +273,10 @@ def mix_norm_grads(
     dgo = torch.zeros(P, D, device=dev, dtype=torch.float32)
     if N:
         S = len(rows)
-        _mix_norm_bwd[(P,)](dh.reshape(N, D).contiguous(), query, key_weight, out_weight, du, dgo, N, D, float(eps),
-                            float(out_eps), *_padded(rows), *_padded(grads), S=S, SP=triton.next_power_of_2(S),
-                            BD=triton.next_power_of_2(D), num_warps=8)  # fmt: skip
+        fn, warps = BACKWARD_KERNELS[kernel]
+        fn[(P,)](dh.reshape(N, D).contiguous(), query, key_weight, out_weight, du, dgo, N, D, float(eps),
+                 float(out_eps), *_padded(rows), *_padded(grads), S=S, SP=triton.next_power_of_2(S),
+                 BD=triton.next_power_of_2(D), num_warps=warps)  # fmt: skip
     du, dgo = du.sum(0), dgo.sum(0)
     shape = sources[0].shape
     return ((du * key_weight.float()).to(query.dtype), (du * query.float()).to(key_weight.dtype),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -56,14 +58,15 @@ def _sources(S: int, D: int, dtype, seed: int, shape=(2, 7)):
     return sources, q, kw, ow, torch.randn(*shape, D, generator=gen).to(dtype)
 
 
+@pytest.mark.parametrize("kernel", ["tile", "passes"])
 @pytest.mark.parametrize("S", [2, 3, 6, 8])
 @pytest.mark.parametrize("D", [64, 48])
-def test_learner_mix_norm_kernels_equal_the_node_reference(monkeypatch, S, D):
+def test_learner_mix_norm_kernels_equal_the_node_reference(monkeypatch, S, D, kernel):
     """The learner's kernels over unstacked sources (``mix_norm_forward``, ``mix_norm_grads``) against
     ``attn_res_mix_norm`` and its closed-form gradient ``attn_res_mix_norm_grads`` (itself held to autograd in
     tests/model/test_attnres.py), fp32, sources of different scales, a non-zero query: the output within 1e-6,
     every gradient within 2e-5 relative to its largest element, with 1, 3 and more programs than rows sharing
-    the rows (the weights' partial sums)."""
+    the rows (the weights' partial sums); both backward kernels (``BACKWARD_KERNELS``)."""
     from model.attnres import attn_res_mix_norm, attn_res_mix_norm_grads
 
     mod = _interpreted()
@@ -75,14 +78,15 @@ def test_learner_mix_norm_kernels_equal_the_node_reference(monkeypatch, S, D):
     want = attn_res_mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh, *sources)
     names = ["d query", "d key weight", "d out weight", *(f"d source {i}" for i in range(S))]
     for programs in (1, 3, 64):
-        grads = mod.mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh, *sources, programs=programs)
+        grads = mod.mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh, *sources, programs=programs, kernel=kernel)
         assert len(grads) == 3 + S
         for name, w, g in zip(names, want, grads):
             assert g.shape == w.shape and g.dtype == w.dtype, name
             assert_close(f"{name} ({programs} programs)", w, g, 2e-5 * float(w.abs().max()))
 
 
-def test_learner_mix_norm_kernels_in_bf16_and_bad_input(monkeypatch):
+@pytest.mark.parametrize("kernel", ["tile", "passes"])
+def test_learner_mix_norm_kernels_in_bf16_and_bad_input(monkeypatch, kernel):
     """bf16 sources: each output in its input's dtype, within bf16 rounding of the fp32 reference; a bf16 source
     among fp32 ones: the fp32 mix, each gradient in its source's dtype; more sources than the kernel takes and
     sources of two shapes are refused by name."""
@@ -95,7 +99,7 @@ def test_learner_mix_norm_kernels_in_bf16_and_bad_input(monkeypatch):
     want = attn_res_mix_norm(q, kw, 1e-5, ow, 1e-6, *(s.float() for s in sources))
     assert got.dtype == torch.bfloat16
     assert_close("bf16 mix + norm", want, got.float(), 0.03 * float(want.abs().max()))
-    grads = mod.mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh, *sources)
+    grads = mod.mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh, *sources, kernel=kernel)
     want = attn_res_mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh.float(), *(s.float() for s in sources))
     assert [g.dtype for g in grads] == [torch.float32] * 3 + [torch.bfloat16] * 4
     for w, g in zip(want, grads):
@@ -104,18 +108,21 @@ def test_learner_mix_norm_kernels_in_bf16_and_bad_input(monkeypatch):
         mod.mix_norm_forward(q, kw, 1e-5, ow, 1e-6, *([sources[0]] * 9))
     with pytest.raises(ValueError, match="1 to 8 sources of one shape"):
         mod.mix_norm_forward(q, kw, 1e-5, ow, 1e-6, sources[0], sources[1][:1])
+    with pytest.raises(ValueError, match="backward kernel 'rows'"):
+        mod.mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh, *sources, kernel="rows")
     mixed = [sources[0], *(s.float() for s in sources[1:])]  # a bf16 source beside fp32 ones, as under autocast
     got = mod.mix_norm_forward(q, kw, 1e-5, ow, 1e-6, *mixed)
     assert got.dtype == torch.float32
     assert_close("mixed mix + norm", attn_res_mix_norm(q, kw, 1e-5, ow, 1e-6, *mixed), got, 1e-6)
-    grads = mod.mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh.float(), *mixed)
+    grads = mod.mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh.float(), *mixed, kernel=kernel)
     want = attn_res_mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh.float(), *mixed)
     assert [g.dtype for g in grads[3:]] == [t.dtype for t in mixed]
     for w, g in zip(want, grads):  # the bf16 source's gradient within its own rounding
         assert_close("mixed gradient", w.float(), g.float(), 2e-5 if g.dtype == torch.float32 else 1e-2)
 
 
-def test_the_learner_node_on_the_kernels_backpropagates_like_autograd(monkeypatch):
+@pytest.mark.parametrize("kernel", ["tile", "passes"])
+def test_the_learner_node_on_the_kernels_backpropagates_like_autograd(monkeypatch, kernel):
     """``model.attnres._MixNormNode`` with the Triton pair (what op "attn_res" = triton runs on CUDA) gives the
     gradients autograd takes through the reference mix and norm, fp32, to every source and weight."""
     from model.attnres import _MixNormNode, attn_res_mix
@@ -126,8 +133,18 @@ def test_the_learner_node_on_the_kernels_backpropagates_like_autograd(monkeypatc
     leaves = [t.clone().requires_grad_() for t in (q, kw, ow, *sources)]
     ref = rms_norm(attn_res_mix(leaves[0], leaves[1], 1e-5, *leaves[3:]), leaves[2], 1e-6)
     want = torch.autograd.grad(ref, leaves, dh)
-    fns = (mod.mix_norm_forward, mod.mix_norm_grads)
+    fns = (mod.mix_norm_forward, functools.partial(mod.mix_norm_grads, kernel=kernel))
     out = _MixNormNode.apply(fns, leaves[0], leaves[1], 1e-5, leaves[2], 1e-6, *leaves[3:])
     assert_close("node output", ref.detach(), out.detach(), 1e-6)
     for i, (w, g) in enumerate(zip(want, torch.autograd.grad(out, leaves, dh))):
         assert_close(f"gradient {i}", w, g, 2e-5)
+
+
+def test_every_triton_op_choice_names_a_backward_kernel():
+    """``model.fast`` op "attn_res" choices on the Triton node map to kernels the module has."""
+    from model import fast
+    from model.attnres import TRITON_BACKWARDS
+
+    mod = _interpreted()
+    assert set(TRITON_BACKWARDS) <= set(fast.CHOICES["attn_res"])
+    assert set(TRITON_BACKWARDS.values()) == set(mod.BACKWARD_KERNELS)
