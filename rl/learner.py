@@ -403,7 +403,7 @@ class Learner:
             from rl.parallel import clip_grad_norm_
 
             norm = clip_grad_norm_(params, self.cfg.grad_clip)
-        elif all(g["fused"] for g in self.optimizer.param_groups):
+        elif all(g.get("fused") for g in self.optimizer.param_groups):
             norm = self._clip_in_step(params)
         else:
             norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
@@ -653,8 +653,9 @@ class Learner:
         if self.value_head is not None and state["value_head"] is not None:
             self.value_head.load_state_dict(state["value_head"])
         self.optimizer.load_state_dict(state["optimizer"])
+        kernels = {k: v for k, v in self.optimizer.defaults.items() if k in ("fused", "foreach")}
         for g in self.optimizer.param_groups:  # the kernels are this learner's choice, not the saving machine's
-            g["fused"], g["foreach"] = self.optimizer.defaults["fused"], self.optimizer.defaults["foreach"]
+            g.update(kernels)
         self.load_host_state(state)
 
     def load_host_state(self, state: dict) -> None:
