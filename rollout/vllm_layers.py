@@ -23,9 +23,10 @@
     head on the latent output. The cache holds 2 * latent_head_size values per token and layer
     (kv_lora_rank + qk_rope rounded up to a head size: a CPU paged-attention size, on CUDA a multiple of
     32 for vLLM's Triton backend, ``rollout.vllm_plugin.latent_head_size``; stored twice because vLLM's
-    paged attention keeps separate K and V pages; on the Triton backend they can be read once, its kernel taking
-    the K pages as V: ``read_values_from_keys``, opt-in until run on a GPU): about 2x the single-latent cache of vLLM's GPU MLA
-    backends (kv_lora_rank + rope, once), but H times fewer KV heads than the expanded form. On CPU the
+    paged attention keeps separate K and V pages; on the Triton backend they can be read once, its kernel
+    taking the K pages as V: ``read_values_from_keys``, opt-in until run on a GPU): about 2x the
+    single-latent cache of vLLM's GPU MLA backends (kv_lora_rank + rope, once), but H times fewer KV
+    heads than the expanded form. On CPU the
     latent size must fit a paged-attention head size (at most 512): K3's 512 + 64 = 576 does not and
     is rejected with a ValueError; at that size vLLM's own MLA backends are the route.
 
