@@ -1287,11 +1287,12 @@ def main() -> int:
         fast_paths = probe_ops(report, arch, cuda) if args.probe and not args.skip_check else "auto"
     report.env["fast_paths_spec"] = str(fast_paths)
     report.save(args.out)
+    token_sizes = [int(t) for t in args.tokens.split(",") if t]
     if args.peer and args.peer_first:  # alone on the device too: nothing of ours is built yet
         report.env["resident_before_peer_gib"] = torch.cuda.memory_allocated() / 2**30 if cuda else None
-        run_peers(report, arch, [int(t) for t in args.tokens.split(",") if t], args, clock, peak, cuda, t_start)
+        run_peers(report, arch, token_sizes, args, clock, peak, cuda, t_start)
     device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
-    sizes = [int(t) for t in f"{args.tokens},{args.memory_tokens if args.memory_breakdown else ''}".split(",") if t]
+    sizes = token_sizes + ([int(t) for t in args.memory_tokens.split(",") if t] if args.memory_breakdown else [])
     learner = make_learner(arch, device, dtype, max(sizes), args, fast_paths)
     if not args.skip_check:
         config = learner.base_model.config
@@ -1317,7 +1318,6 @@ def main() -> int:
                     return 1
     if args.memory_breakdown:  # after the check: its step times are timings too
         run_memory_breakdown(report, learner, args, cuda)
-    token_sizes = [int(t) for t in args.tokens.split(",") if t]
     for tokens in token_sizes:
         if time.time() - t_start > args.budget:
             report.notes.append(f"budget reached before ours at {tokens} tokens")

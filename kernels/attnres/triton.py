@@ -89,6 +89,29 @@ def _source(i: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7):
 
 
 @triton.jit
+def _row(i: tl.constexpr, row, d, dm, D, p0, p1, p2, p3, p4, p5, p6, p7):
+    """Source ``i``'s row ``row`` as [BD] fp32 (zero past D)."""
+    return tl.load(_source(i, p0, p1, p2, p3, p4, p5, p6, p7) + row * D + d, mask=dm, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _node_weights(q_ptr, kw_ptr, ow_ptr, d, dm):
+    """(u = query * key-norm weight, the out-norm weight) as [BD] fp32."""
+    u = tl.load(q_ptr + d, mask=dm, other=0.0).to(tl.float32) * tl.load(kw_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    return u, tl.load(ow_ptr + d, mask=dm, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _mix_grad(m, dh_ptr, row, d, dm, go, D, out_eps):
+    """(rho, dh, dmix) of one row: the out norm's rsqrt, the output gradient and the mix's gradient through the
+    norm, from the fp32 mix m."""
+    rho = 1.0 / tl.sqrt(tl.reduce(m * m, 0, _sum_combine) / D + out_eps)
+    dh = tl.load(dh_ptr + row * D + d, mask=dm, other=0.0).to(tl.float32)
+    yg = dh * go
+    return rho, dh, rho * (yg - m * (rho * rho) * (tl.reduce(m * yg, 0, _sum_combine) / D))
+
+
+@triton.jit
 def _mix_tile(row, d, dm, u, eps, D, p0, p1, p2, p3, p4, p5, p6, p7, S: tl.constexpr, SP: tl.constexpr,
               BD: tl.constexpr):  # fmt: skip
     """(v [SP, BD], r [SP], vu [SP], a [SP], m [BD]) of one row: the sources, their keys' rsqrt(mean v^2 + eps),
@@ -96,8 +119,7 @@ def _mix_tile(row, d, dm, u, eps, D, p0, p1, p2, p3, p4, p5, p6, p7, S: tl.const
     sidx = tl.arange(0, SP)
     v = tl.full([SP, BD], 0.0, tl.float32)
     for i in tl.static_range(S):
-        vi = tl.load(_source(i, p0, p1, p2, p3, p4, p5, p6, p7) + row * D + d, mask=dm, other=0.0).to(tl.float32)
-        v = tl.where(sidx[:, None] == i, vi[None, :], v)
+        v = tl.where(sidx[:, None] == i, _row(i, row, d, dm, D, p0, p1, p2, p3, p4, p5, p6, p7)[None, :], v)
     r = 1.0 / tl.sqrt(tl.reduce(v * v, 1, _sum_combine) / D + eps)
     vu = tl.reduce(v * u[None, :], 1, _sum_combine)
     logit = tl.where(sidx < S, r * vu, -float("inf"))
@@ -113,10 +135,9 @@ def _mix_norm_fwd(y_ptr, q_ptr, kw_ptr, ow_ptr, N, D, eps, out_eps, p0, p1, p2, 
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BD)
     dm = d < D
-    u = tl.load(q_ptr + d, mask=dm, other=0.0).to(tl.float32) * tl.load(kw_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    u, ow = _node_weights(q_ptr, kw_ptr, ow_ptr, d, dm)
     _v, _r, _vu, _a, m = _mix_tile(row, d, dm, u, eps, D, p0, p1, p2, p3, p4, p5, p6, p7, S, SP, BD)
     h = m.to(y_ptr.dtype.element_ty).to(tl.float32)  # the mix in the sources' dtype, as the reference rounds it
-    ow = tl.load(ow_ptr + d, mask=dm, other=0.0).to(tl.float32)
     y = h * (1.0 / tl.sqrt(tl.reduce(h * h, 0, _sum_combine) / D + out_eps)) * ow
     tl.store(y_ptr + row * D + d, y.to(y_ptr.dtype.element_ty), mask=dm)
 
@@ -132,16 +153,12 @@ def _mix_norm_bwd(dh_ptr, q_ptr, kw_ptr, ow_ptr, du_ptr, dgo_ptr, N, D, eps, out
     d = tl.arange(0, BD)
     dm = d < D
     sidx = tl.arange(0, SP)
-    u = tl.load(q_ptr + d, mask=dm, other=0.0).to(tl.float32) * tl.load(kw_ptr + d, mask=dm, other=0.0).to(tl.float32)
-    go = tl.load(ow_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    u, go = _node_weights(q_ptr, kw_ptr, ow_ptr, d, dm)
     du = tl.full([BD], 0.0, tl.float32)
     dgo = tl.full([BD], 0.0, tl.float32)
     for row in range(pid.to(tl.int64), N, P):  # int64 rows: row * D stays exact past 2^31 elements
         v, r, vu, a, m = _mix_tile(row, d, dm, u, eps, D, p0, p1, p2, p3, p4, p5, p6, p7, S, SP, BD)
-        rho = 1.0 / tl.sqrt(tl.reduce(m * m, 0, _sum_combine) / D + out_eps)
-        dh = tl.load(dh_ptr + row * D + d, mask=dm, other=0.0).to(tl.float32)
-        yg = dh * go
-        dmix = rho * (yg - m * (rho * rho) * (tl.reduce(m * yg, 0, _sum_combine) / D))
+        rho, dh, dmix = _mix_grad(m, dh_ptr, row, d, dm, go, D, out_eps)
         da = tl.reduce(dmix[None, :] * v, 1, _sum_combine)
         ds = a * (da - tl.reduce(a * da, 0, _sum_combine))
         dv = a[:, None] * dmix[None, :] + ds[:, None] * (r[:, None] * u[None, :] - (r * r * r * vu / D)[:, None] * v)
@@ -165,24 +182,23 @@ def _pick(x, sidx, i: tl.constexpr):
 def _mix_norm_bwd_passes(dh_ptr, q_ptr, kw_ptr, ow_ptr, du_ptr, dgo_ptr, N, D, eps, out_eps,
                          p0, p1, p2, p3, p4, p5, p6, p7, g0, g1, g2, g3, g4, g5, g6, g7,
                          S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr):  # fmt: skip
-    """``_mix_norm_bwd`` with no [SP, BD] tile: each row's sources are walked three times as [BD] vectors (the
-    per-source scalars r, <v, u>, the logits, then <dmix, v>, then each source's gradient), the per-source
-    scalars kept in [SP] vectors. A source row is read from memory once and from cache twice more; a program
+    """``_mix_norm_bwd`` with no [SP, BD] tile: each row's sources are walked four times as [BD] vectors (the
+    per-source scalars r and <v, u>, then the mix, then <dmix, v>, then each source's gradient), the per-source
+    scalars kept in [SP] vectors. A source row is read from memory once and from cache three times more; a program
     holds a few [BD] vectors where the tile version holds several [SP, BD] ones (fewer registers, no masked
     reductions over the tile to split it back into rows)."""
     pid, P = tl.program_id(0), tl.num_programs(0)
     d = tl.arange(0, BD)
     dm = d < D
     sidx = tl.arange(0, SP)
-    u = tl.load(q_ptr + d, mask=dm, other=0.0).to(tl.float32) * tl.load(kw_ptr + d, mask=dm, other=0.0).to(tl.float32)
-    go = tl.load(ow_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    u, go = _node_weights(q_ptr, kw_ptr, ow_ptr, d, dm)
     du = tl.full([BD], 0.0, tl.float32)
     dgo = tl.full([BD], 0.0, tl.float32)
     for row in range(pid.to(tl.int64), N, P):  # int64 rows: row * D stays exact past 2^31 elements
         r = tl.full([SP], 0.0, tl.float32)
         vu = tl.full([SP], 0.0, tl.float32)
         for i in tl.static_range(S):
-            vi = tl.load(_source(i, p0, p1, p2, p3, p4, p5, p6, p7) + row * D + d, mask=dm, other=0.0).to(tl.float32)
+            vi = _row(i, row, d, dm, D, p0, p1, p2, p3, p4, p5, p6, p7)
             r = tl.where(sidx == i, 1.0 / tl.sqrt(tl.reduce(vi * vi, 0, _sum_combine) / D + eps), r)
             vu = tl.where(sidx == i, tl.reduce(vi * u, 0, _sum_combine), vu)
         logit = tl.where(sidx < S, r * vu, -float("inf"))
@@ -190,19 +206,16 @@ def _mix_norm_bwd_passes(dh_ptr, q_ptr, kw_ptr, ow_ptr, du_ptr, dgo_ptr, N, D, e
         a = e / tl.reduce(e, 0, _sum_combine)
         m = tl.full([BD], 0.0, tl.float32)
         for i in tl.static_range(S):
-            vi = tl.load(_source(i, p0, p1, p2, p3, p4, p5, p6, p7) + row * D + d, mask=dm, other=0.0).to(tl.float32)
+            vi = _row(i, row, d, dm, D, p0, p1, p2, p3, p4, p5, p6, p7)
             m += _pick(a, sidx, i) * vi
-        rho = 1.0 / tl.sqrt(tl.reduce(m * m, 0, _sum_combine) / D + out_eps)
-        dh = tl.load(dh_ptr + row * D + d, mask=dm, other=0.0).to(tl.float32)
-        yg = dh * go
-        dmix = rho * (yg - m * (rho * rho) * (tl.reduce(m * yg, 0, _sum_combine) / D))
+        rho, dh, dmix = _mix_grad(m, dh_ptr, row, d, dm, go, D, out_eps)
         da = tl.full([SP], 0.0, tl.float32)
         for i in tl.static_range(S):
-            vi = tl.load(_source(i, p0, p1, p2, p3, p4, p5, p6, p7) + row * D + d, mask=dm, other=0.0).to(tl.float32)
+            vi = _row(i, row, d, dm, D, p0, p1, p2, p3, p4, p5, p6, p7)
             da = tl.where(sidx == i, tl.reduce(dmix * vi, 0, _sum_combine), da)
         ds = a * (da - tl.reduce(a * da, 0, _sum_combine))
         for i in tl.static_range(S):
-            vi = tl.load(_source(i, p0, p1, p2, p3, p4, p5, p6, p7) + row * D + d, mask=dm, other=0.0).to(tl.float32)
+            vi = _row(i, row, d, dm, D, p0, p1, p2, p3, p4, p5, p6, p7)
             ri, dsi = _pick(r, sidx, i), _pick(ds, sidx, i)
             dvi = _pick(a, sidx, i) * dmix + dsi * (ri * u - (ri * ri * ri * _pick(vu, sidx, i) / D) * vi)
             gi = _source(i, g0, g1, g2, g3, g4, g5, g6, g7)
