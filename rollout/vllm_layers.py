@@ -23,8 +23,9 @@
     head on the latent output. The cache holds 2 * latent_head_size values per token and layer
     (kv_lora_rank + qk_rope rounded up to a head size: a CPU paged-attention size, on CUDA a multiple of
     32 for vLLM's Triton backend, ``rollout.vllm_plugin.latent_head_size``; stored twice because vLLM's
-    paged attention keeps separate K and V pages; on the Triton backend they can be read once, its kernel
-    taking the K pages as V: ``read_values_from_keys``, opt-in until run on a GPU): about 2x the
+    paged attention keeps separate K and V pages; on the Triton backend they can be read once, decode steps
+    on ``kernels.mla``'s split-KV kernel and the others on vLLM's kernel taking the K pages as V:
+    ``read_values_from_keys``, opt-in until run on a GPU): about 2x the
     single-latent cache of vLLM's GPU MLA backends (kv_lora_rank + rope, once), but H times fewer KV
     heads than the expanded form. On CPU the
     latent size must fit a paged-attention head size (at most 512): K3's 512 + 64 = 576 does not and
@@ -61,6 +62,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from kernels.conv import conv_state_step_
 from kernels.kda import kda_decode_step_
+from kernels.mla import latent_decode_triton
 from model.cache import KDAState
 from model.kda import kda_gates
 from model.layers import SeqLayout, l2_normalize_qk, seq_layout
@@ -378,7 +380,7 @@ class MLALatentPagedAttention(_PagedMLA):
             raise ValueError(f"latent head size {head_size} < kv_lora_rank + qk_rope = {latent_dim}")
         # one KV head; the expanded form's scale, since q_lat . c_kv == q_nope . k_nope exactly
         super().__init__(mla, head_size, 1, cache_config, prefix)
-        self.values_from_keys = read_values_from_keys(self.attn)
+        self.values_from_keys = read_values_from_keys(self.attn, mla.kv_lora_rank, mla.rope)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         mla = self._mla[0]
@@ -396,13 +398,18 @@ class MLALatentPagedAttention(_PagedMLA):
         return mla._output(x_1TD, attn_THV[None])[0]
 
 
-def read_values_from_keys(attn: nn.Module) -> bool:
-    """The latent form on vLLM's Triton backend (the CUDA default): its kernel reads V from the K pages. V = c_kv
-    is K's first kv_lora_rank columns and only those columns of the output are used (``lat_THR``), so they come
-    out value for value the same while the kernel streams one page a token instead of two (the V pages are still
-    written, never read). Opt-in until it has run on a GPU: ``LONGHORIZON_MLA_VALUES_FROM_KEYS=1`` at construction
-    (unset or 0: vLLM's own reads). True when applied: the layer's impl is vLLM's ``TritonAttentionImpl`` itself, not
-    a subclass or another backend."""
+def read_values_from_keys(attn: nn.Module, rank: int, rope: int) -> bool:
+    """The latent form on vLLM's Triton backend (the CUDA default), opt-in until it has run on a GPU
+    (``LONGHORIZON_MLA_VALUES_FROM_KEYS=1`` at construction; unset or 0: vLLM's own kernel as it is):
+
+    * decode-only steps (one query token a sequence) go to ``kernels.mla.latent_decode_triton``: the K pages read
+      once, split at ``rank`` (no power-of-two padding of the 320-wide head), V taken from the same tile;
+    * every other step stays on vLLM's kernel, handed the K pages as V.
+
+    Both rest on V = c_kv being K's first ``rank`` columns and on only those output columns being used
+    (``lat_THR``): the same values, one page a token streamed instead of two (the V pages are still written, never
+    read). True when applied: the layer's impl is vLLM's ``TritonAttentionImpl`` itself, not a subclass or another
+    backend."""
     impl = getattr(attn, "impl", None)
     if os.environ.get("LONGHORIZON_MLA_VALUES_FROM_KEYS", "0") != "1" or impl is None:
         return False
@@ -413,20 +420,21 @@ def read_values_from_keys(attn: nn.Module) -> bool:
     if type(impl) is not TritonAttentionImpl:
         return False
     impl.__class__ = values_from_keys_impl(TritonAttentionImpl)
+    impl.latent_dims = (rank, rope)
     return True
 
 
 @functools.cache
 def values_from_keys_impl(impl_cls: type) -> type:
-    """``impl_cls`` whose forward hands its module's ``unified_attention`` the K pages as V: the module's name bound
-    to a wrapper for the call (the impl reads it as a global), restored after it, also on an error. The wrapper
-    takes keyword arguments only: a version of the impl that passes the caches by position fails loudly."""
+    """``impl_cls`` whose forward hands its module's ``unified_attention`` to ``_latent_attention`` (the module's
+    name bound to a wrapper for the call: the impl reads it as a global), restored after it, also on an error. The
+    wrapper takes keyword arguments only: a version of the impl that passes the caches by position fails loudly."""
     module = sys.modules[impl_cls.__module__]
 
     class ValuesFromKeys(impl_cls):
         def forward(self, *args, **kwargs):
             kernel = module.unified_attention
-            module.unified_attention = functools.partial(_values_from_keys, kernel)
+            module.unified_attention = functools.partial(_latent_attention, kernel, *self.latent_dims)
             try:
                 return super().forward(*args, **kwargs)
             finally:
@@ -436,5 +444,30 @@ def values_from_keys_impl(impl_cls: type) -> type:
     return ValuesFromKeys
 
 
-def _values_from_keys(kernel, *, k: torch.Tensor, v: torch.Tensor, **kwargs):
-    return kernel(k=k, v=k, **kwargs)
+# unified_attention's options the latent decode kernel does not implement, with the values that mean "unused"
+_PLAIN_OPTIONS = {
+    "alibi_slopes": (None,), "sinks": (None,), "softcap": (None, 0, 0.0), "output_scale": (None,),
+    "q_descale": (None,), "qq_bias": (None,), "mm_prefix_range": (None,), "rswa_prefix_lens": (None,),
+    "rswa_window": (None,), "chunk_lookback": (None, -1), "k_scale_cache": (None,), "v_scale_cache": (None,),
+}  # fmt: skip
+
+
+def latent_decode_applies(q: torch.Tensor, k: torch.Tensor, max_seqlen_q: int, options: dict) -> bool:
+    """Whether a call of vLLM's kernel is one ``kernels.mla.latent_decode_triton`` computes: decode only (for one
+    query token, the last of its sequence, causal or not is the same), no window, the cache in the queries' dtype (no fp8), no per-token scales, alibi, sinks, soft cap or prefix
+    ranges."""
+    window = options.get("window_size")
+    quant = options.get("kv_quant_mode")
+    return (
+        max_seqlen_q == 1 and q.dtype == k.dtype
+        and (window is None or tuple(window) == (-1, -1)) and (quant is None or quant.name == "NONE")
+        and all(options.get(name) in unused for name, unused in _PLAIN_OPTIONS.items())
+    )  # fmt: skip
+
+
+def _latent_attention(kernel, rank: int, rope: int, *, q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k,
+                      block_table, softmax_scale, **options):  # fmt: skip
+    if latent_decode_applies(q, k, max_seqlen_q, options):
+        return latent_decode_triton(q, k, out, cu_seqlens_q, seqused_k, block_table, softmax_scale, rank, rope)
+    return kernel(q=q, k=k, v=k, out=out, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, seqused_k=seqused_k,
+                  block_table=block_table, softmax_scale=softmax_scale, **options)  # fmt: skip

@@ -31,8 +31,26 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def triton_interpreter():
     """TRITON_INTERPRET=1 for a module: the interpreter also reads it when a kernel launches, not only
-    at import (``kernels.testing.import_interpreted``)."""
+    at import (``kernels.testing.import_interpreted``). Triton's interpreter multiplies the raw bit patterns
+    of bfloat16 tl.dot operands (triton-lang/triton#11584, closed without a fix; the installed 3.9 and every
+    released version have it): they are converted to fp32 first, which is what the tensor cores compute."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    original = ti.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def to_fp32(x):
+            if x.dtype.scalar != tl.bfloat16:
+                return x
+            data = ti._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+            return ti.TensorHandle(data, tl.float32)
+
+        return original(self, to_fp32(a), to_fp32(b), d, input_precision, max_num_imprecise_acc)
+
     mp = pytest.MonkeyPatch()
     mp.setenv("TRITON_INTERPRET", "1")
+    mp.setattr(ti.InterpreterBuilder, "create_dot", create_dot)
     yield
     mp.undo()

@@ -2,9 +2,8 @@
 
 The interpreter is chosen when a @triton.jit function is decorated, so this module imports the kernel
 modules with TRITON_INTERPRET=1 set (re-importing them if another test loaded them for a GPU) and puts
-the variable back afterwards. Triton's interpreter multiplies the raw bit patterns of bfloat16 tl.dot
-operands (triton-lang/triton#11584, closed without a fix; the installed 3.9 and every released version
-have it): a module fixture converts them to fp32 first, which is what the tensor cores compute.
+the variable back afterwards; the conftest's ``triton_interpreter`` converts bfloat16 tl.dot operands to fp32
+(the interpreter's bug it works around is described there).
 Every fresh allocation inside the kernels' host code is poisoned with NaN while they run.
 """
 
@@ -25,29 +24,7 @@ chunk_kda_triton = MODS["chunk"].chunk_kda_triton
 fused_recurrent_kda_triton = MODS["decode"].fused_recurrent_kda_triton
 
 
-@pytest.fixture(scope="module", autouse=True)
-def interpreter():
-    """Interpreter on for this module, with bf16 tl.dot operands converted before np.matmul."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter as ti
-
-    original = ti.InterpreterBuilder.create_dot
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        def to_fp32(x):
-            if x.dtype.scalar != tl.bfloat16:
-                return x
-            data = ti._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
-            return ti.TensorHandle(data, tl.float32)
-
-        return original(self, to_fp32(a), to_fp32(b), d, input_precision, max_num_imprecise_acc)
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TRITON_INTERPRET", "1")
-    mp.setattr(ti.InterpreterBuilder, "create_dot", create_dot)
-    yield
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("triton_interpreter")  # bf16 tl.dot operands fixed there
 
 
 @pytest.fixture(autouse=True)
