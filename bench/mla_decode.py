@@ -19,6 +19,7 @@ inside a replayed CUDA graph (vLLM's engine replays decode steps as graphs), wit
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -29,6 +30,7 @@ import triton
 from grouped_mm_decode import graph_us
 
 from kernels.mla import latent_decode_naive, latent_decode_triton
+from kernels.mla.triton import TILE, WARPS
 
 H, RANK, ROPE, D = 8, 256, 64, 320  # gpu_1b (configs/model/gpu_1b.yaml), rollout.vllm_plugin.latent_head_size
 
@@ -75,19 +77,21 @@ def vllm_call(b: dict, out: torch.Tensor, v_from_k: bool):
     )  # fmt: skip
 
 
-def one_batch(seqs: int, context: int, block: int) -> dict:
+def one_batch(seqs: int, context: int, block: int, launches: list[tuple[int, int]]) -> dict:
     dev = torch.device("cuda")
     b = paged_batch(seqs, context, block, dev)
     ref = torch.zeros(seqs, H, D, device=dev)
     latent_decode_naive(b["q"].float(), b["k"].float(), ref, b["starts"], b["used"], b["table"], D**-0.5, RANK, ROPE)
-    outs = {name: torch.zeros(seqs, H, D, device=dev, dtype=torch.bfloat16) for name in ("vllm", "vllm_v_from_k", "ours")}
-    calls = {
-        "vllm": vllm_call(b, outs["vllm"], v_from_k=False),
-        "vllm_v_from_k": vllm_call(b, outs["vllm_v_from_k"], v_from_k=True),
-        "ours": lambda: latent_decode_triton(
-            b["q"], b["k"], outs["ours"], b["starts"], b["used"], b["table"], D**-0.5, RANK, ROPE
-        ),
-    }
+    names = ["vllm", "vllm_v_from_k", *(f"ours_t{t}w{w}" for t, w in launches)]
+    outs = {name: torch.zeros(seqs, H, D, device=dev, dtype=torch.bfloat16) for name in names}
+    calls = {"vllm": vllm_call(b, outs["vllm"], v_from_k=False),
+             "vllm_v_from_k": vllm_call(b, outs["vllm_v_from_k"], v_from_k=True)}  # fmt: skip
+    for t, w in launches:
+        out = outs[f"ours_t{t}w{w}"]
+        calls[f"ours_t{t}w{w}"] = functools.partial(
+            latent_decode_triton, b["q"], b["k"], out, b["starts"], b["used"], b["table"], D**-0.5, RANK, ROPE,
+            tile=t, warps=w,
+        )  # fmt: skip
     row = dict(seqs=seqs, context=context, block=block, tokens=int(b["used"].sum()))
     gb = row["tokens"] * (RANK + ROPE) * 2 / 1e9
     for name, fn in calls.items():
@@ -96,7 +100,9 @@ def one_batch(seqs: int, context: int, block: int) -> dict:
         row[f"{name}_max_err"] = (outs[name][..., :RANK].float() - ref[..., :RANK]).abs().max().item()
         us = graph_us(fn)
         row[f"{name}_us"], row[f"{name}_tb_s"] = us, gb / us * 1e3
-    row["ours_vs_vllm"] = row["vllm_us"] / row["ours_us"]
+    row["ours"] = f"ours_t{launches[0][0]}w{launches[0][1]}"  # the default launch shape comes first
+    row["ours_vs_vllm"] = row["vllm_us"] / row[f"{row['ours']}_us"]
+    row["best"] = min(calls, key=lambda name: row[f"{name}_us"])
     return row
 
 
@@ -106,18 +112,23 @@ def main() -> None:
     p.add_argument("--batches", default="8x2048,64x1024,64x3584,128x3584,64x8192",
                    help="sequences x mean context, comma-separated")  # fmt: skip
     p.add_argument("--block", type=int, default=16, help="tokens a page (the engine's attention block size)")
+    p.add_argument("--launches", default=f"{TILE}x{WARPS},16x4,64x4,64x8,32x8",
+                   help="our kernel's tile x warps to time, comma-separated (the first is the one compared)")  # fmt: skip
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("mla_decode: needs a CUDA GPU and vLLM (its Triton attention kernel is the baseline)")
     torch.manual_seed(0)
+    launches = [tuple(int(x) for x in spec.split("x")) for spec in args.launches.split(",")]
     rows = []
     for spec in args.batches.split(","):
         seqs, context = (int(x) for x in spec.split("x"))
-        rows.append(one_batch(seqs, context, args.block))
+        rows.append(one_batch(seqs, context, args.block, launches))
         r = rows[-1]
-        print(f"{seqs} x {context} (block {args.block}): vllm {r['vllm_us']:.1f} us, v from k {r['vllm_v_from_k_us']:.1f} us, "
-              f"ours {r['ours_us']:.1f} us ({r['ours_tb_s']:.2f} TB/s) -> {r['ours_vs_vllm']:.2f}x; max err "
-              f"vllm {r['vllm_max_err']:.2e}, ours {r['ours_max_err']:.2e}", flush=True)  # fmt: skip
+        ours = r["ours"]
+        times = ", ".join(f"{key[:-3]} {value:.1f}" for key, value in r.items() if key.endswith("_us"))
+        print(f"{seqs} x {context} (block {args.block}): {ours} {r[ours + '_us']:.1f} us ({r[ours + '_tb_s']:.2f} TB/s)"
+              f" -> {r['ours_vs_vllm']:.2f}x vllm; best {r['best']}; us: {times}; max err vllm "
+              f"{r['vllm_max_err']:.2e}, {ours} {r[ours + '_max_err']:.2e}", flush=True)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     (args.out / "mla_decode.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

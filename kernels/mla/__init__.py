@@ -16,7 +16,8 @@ from kernels.mla.naive import latent_decode_naive
 __all__ = ["latent_decode_naive", "latent_decode_triton"]
 
 
-def latent_decode_triton(q_THD, k_cache_BNKD, out_THD, cu_seqlens_q, seqused_k, block_table, scale, rank, rope):
+def latent_decode_triton(q_THD, k_cache_BNKD, out_THD, cu_seqlens_q, seqused_k, block_table, scale, rank, rope,
+                         **launch):  # fmt: skip
     from kernels.mla.triton import latent_decode_triton as impl
 
-    return impl(q_THD, k_cache_BNKD, out_THD, cu_seqlens_q, seqused_k, block_table, scale, rank, rope)
+    return impl(q_THD, k_cache_BNKD, out_THD, cu_seqlens_q, seqused_k, block_table, scale, rank, rope, **launch)

@@ -27,6 +27,7 @@ import triton.language as tl
 
 SPLITS = 16
 TILE = 32
+WARPS = 4
 LOG2E = 1.4426950408889634
 # tl.max / tl.sum are @jit functions of triton.language.standard, run by the interpreter only if
 # TRITON_INTERPRET was set before triton was imported: tl.reduce with the combine functions instead.
@@ -107,11 +108,13 @@ def _pow2(n: int, least: int = 16) -> int:
 
 def latent_decode_triton(
     q_THD: torch.Tensor, k_cache_BNKD: torch.Tensor, out_THD: torch.Tensor, cu_seqlens_q: torch.Tensor,
-    seqused_k: torch.Tensor, block_table: torch.Tensor, scale: float, rank: int, rope: int,
+    seqused_k: torch.Tensor, block_table: torch.Tensor, scale: float, rank: int, rope: int, tile: int = TILE,
+    warps: int = WARPS,
 ) -> torch.Tensor:  # fmt: skip
     """``latent_decode_naive`` in two launches, nothing read back to the host (safe in a captured CUDA graph).
     q, out: [T, H, D] with a contiguous last dim; the cache [blocks, block size, 1, D'] with any row strides
-    (vLLM's K half of an interleaved K|V page); at most one query token a sequence."""
+    (vLLM's K half of an interleaved K|V page); at most one query token a sequence. ``tile`` (tokens a step of the
+    split's loop) and ``warps`` are the split kernel's launch shape (``bench/mla_decode.py`` sweeps them)."""
     H, D = q_THD.shape[1:]
     S = seqused_k.shape[0]
     if k_cache_BNKD.ndim != 4 or k_cache_BNKD.shape[2] != 1 or rank + rope > min(D, k_cache_BNKD.shape[3]):
@@ -132,8 +135,8 @@ def latent_decode_triton(
     _latent_split[(S, SPLITS)](
         q_THD, k_cache_BNKD, cu_seqlens_q, seqused_k, block_table, acc, m, l_, H, q_THD.stride(0),
         q_THD.stride(1), k_cache_BNKD.stride(0), k_cache_BNKD.stride(1), block_table.stride(0), scale * LOG2E,
-        RANK=rank, ROPE=rope, RP=RP, EP=_pow2(rope), HP=_pow2(H), BLOCK=k_cache_BNKD.shape[1], TILE=TILE,
-        SPLITS=SPLITS, PREC=prec,
+        RANK=rank, ROPE=rope, RP=RP, EP=_pow2(rope), HP=_pow2(H), BLOCK=k_cache_BNKD.shape[1], TILE=tile,
+        SPLITS=SPLITS, PREC=prec, num_warps=warps,
     )  # fmt: skip
     _latent_combine[(S, H)](
         acc, m, l_, cu_seqlens_q, seqused_k, out_THD, H, D, out_THD.stride(0), out_THD.stride(1), RANK=rank,
