@@ -33,6 +33,7 @@ from model import fast
 from model.cache import KDAState
 from model.config import HybridConfig
 from model.layers import (
+    CONV_BACKWARDS,
     RMSNorm,
     SeqLayout,
     ShortConvolution,
@@ -178,7 +179,7 @@ class KimiDeltaAttention(nn.Module):
     def _planned_path(self, x_BTD: torch.Tensor) -> bool:
         """The bounded gate's chunked kernel and the Triton conv (``model.fast`` op "conv"), on CUDA or under
         the Triton interpreter, and no debug check of the gate (a host sync)."""
-        if self.gate_kind != "bounded" or fast.pick("conv", x_BTD.device) != "triton":
+        if self.gate_kind != "bounded" or fast.pick("conv", x_BTD.device) not in CONV_BACKWARDS:
             return False
         if not (x_BTD.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
             return False

@@ -293,6 +293,10 @@ def seq_layout(
     return SeqLayout(seq_T[None], pos_T[None], bounds, cu_N1, max_len, static)
 
 
+# model.fast op "conv" choices on the Triton kernel -> its backward (``kernels.conv.triton.BACKWARD_KERNELS``)
+CONV_BACKWARDS = {"triton": "two_pass", "triton_fused": "fused"}
+
+
 class ShortConvolution(nn.Module):
     """Depthwise causal conv (kernel K) + optional SiLU, with a conv state of the last K-1 inputs.
 
@@ -321,7 +325,7 @@ class ShortConvolution(nn.Module):
         states. The taps below are the reference.
         """
         triton_ok = (conv_state_NCW is None and not need_state) or not torch.is_grad_enabled()
-        if triton_ok and fast.pick("conv", x_BTC.device) == "triton":
+        if triton_ok and fast.pick("conv", x_BTC.device) in CONV_BACKWARDS:
             y_BTC = self._conv_triton(x_BTC, layout, conv_state_NCW)
         else:
             y_BTC = self._conv_taps(x_BTC, layout, conv_state_NCW)
@@ -341,7 +345,8 @@ class ShortConvolution(nn.Module):
         what the learner's compiled KDA layer calls (``model.kda.kda_planned_forward``)."""
         from kernels.conv import causal_conv1d_triton
 
-        return causal_conv1d_triton(x_BTC, self.weight[:, 0, :], pos_BT, self.activation)
+        backward = CONV_BACKWARDS.get(fast.pick("conv", x_BTC.device), "two_pass")
+        return causal_conv1d_triton(x_BTC, self.weight[:, 0, :], pos_BT, self.activation, backward)
 
     def _conv_taps(self, x_BTC: torch.Tensor, layout: SeqLayout, conv_state_NCW) -> torch.Tensor:
         K, W = self.kernel_size, self.kernel_size - 1

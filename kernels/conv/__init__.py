@@ -1,8 +1,9 @@
 """Varlen causal depthwise conv1d (the KDA short convolution), reference and Triton kernel.
 
     causal_conv1d_naive(x [B, T, C], w [C, K], pos [B, T], activation)   PyTorch, any device/dtype
-    causal_conv1d_triton(...)                                             same function, CUDA (or
-                                                                          TRITON_INTERPRET=1)
+    causal_conv1d_triton(..., backward)                                   same function, CUDA (or
+                                                                          TRITON_INTERPRET=1); backward
+                                                                          "two_pass" or "fused"
     causal_conv1d_state_triton(x, w, pos, seq [B, T], state [N, C, K-1])  continuing from conv states
                                                                           (forward only: the engine's prefill)
 
@@ -29,10 +30,10 @@ __all__ = [
 ]  # fmt: skip
 
 
-def causal_conv1d_triton(x_BTC, w_CK, pos_BT, activation="silu"):
+def causal_conv1d_triton(x_BTC, w_CK, pos_BT, activation="silu", backward="two_pass"):
     from kernels.conv.triton import causal_conv1d_triton as impl
 
-    return impl(x_BTC, w_CK, pos_BT, activation)
+    return impl(x_BTC, w_CK, pos_BT, activation, backward)
 
 
 def causal_conv1d_state_triton(x_BTC, w_CK, pos_BT, seq_BT, state_NCW, activation="silu"):

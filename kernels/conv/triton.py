@@ -69,12 +69,8 @@ def _conv_dpre(x_ptr, w_ptr, pos_ptr, dy_ptr, dpre_ptr, R, C, K: tl.constexpr, B
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     rm, cm = r < R, c < C
-    offs = r.to(tl.int64)[:, None] * C + c[None, :]
-    m = rm[:, None] & cm[None, :]
-    dy = tl.load(dy_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    pre = _pre(x_ptr, w_ptr, pos_ptr, r, rm, c, cm, R, C, K, BR, BC)
-    sig = _sigmoid(pre)
-    tl.store(dpre_ptr + offs, dy * sig * (1.0 + pre * (1.0 - sig)), mask=m)
+    dpre = _dpre(x_ptr, w_ptr, pos_ptr, dy_ptr, r, rm, c, cm, R, C, K, True, BR, BC)
+    tl.store(dpre_ptr + r.to(tl.int64)[:, None] * C + c[None, :], dpre, mask=rm[:, None] & cm[None, :])
 
 
 @triton.jit
@@ -85,20 +81,74 @@ def _conv_bwd(x_ptr, w_ptr, pos_ptr, dpre_ptr, dx_ptr, dw_ptr, R, C, K: tl.const
     r = pid_r * BR + tl.arange(0, BR)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     rm, cm = r < R, c < C
-    pos_r = tl.load(pos_ptr + r, mask=rm, other=0)
-    dx = tl.full([BR, BC], 0.0, dtype=tl.float32)
-    for j in tl.static_range(K):  # row r feeds tap j of row r + j (same sequence: pos[r + j] >= j)
-        s = r + j
-        pos_s = tl.load(pos_ptr + s, mask=s < R, other=0)
-        sm = (s < R) & (pos_s >= j)
-        m = sm[:, None] & cm[None, :]
-        dpre_s = tl.load(dpre_ptr + s.to(tl.int64)[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + c * K + (K - 1 - j), mask=cm, other=0.0).to(tl.float32)
-        dx += dpre_s * w[None, :]
+    dx = _dx(dpre_ptr + (pid_r * BR).to(tl.int64) * C, C, c, w_ptr, pos_ptr, r, c, cm, R, K, BR, BC)
     tl.store(dx_ptr + r.to(tl.int64)[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
              mask=rm[:, None] & cm[None, :])  # fmt: skip
     mr = rm[:, None] & cm[None, :]
     dpre_r = tl.load(dpre_ptr + r.to(tl.int64)[:, None] * C + c[None, :], mask=mr, other=0.0).to(tl.float32)
+    _dw_parts(x_ptr, pos_ptr, dw_ptr, dpre_r, pid_r, r, rm, c, cm, C, K)
+
+
+@triton.jit
+def _conv_bwd_fused(x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_ptr, scratch_ptr, R, C, K: tl.constexpr,
+                    SILU: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, HALO: tl.constexpr):  # fmt: skip
+    """Both passes in one program: dpre for the block's rows and the K - 1 rows after them (the halo, recomputed
+    by the next block too) kept in this program's own fp32 scratch tile, then dx read from it shifted by each
+    tap after a barrier (the tile stays in cache: no [R, C] round trip, one launch), dw from the block's rows."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    r = pid_r * BR + tl.arange(0, BR)
+    h = pid_r * BR + BR + tl.arange(0, HALO)
+    c = pid_c * BC + tl.arange(0, BC)
+    rm, cm = r < R, c < C
+    hm = (h < R) & (h < pid_r * BR + BR + K - 1)
+    dpre_r = _dpre(x_ptr, w_ptr, pos_ptr, dy_ptr, r, rm, c, cm, R, C, K, SILU, BR, BC)
+    dpre_h = _dpre(x_ptr, w_ptr, pos_ptr, dy_ptr, h, hm, c, cm, R, C, K, SILU, HALO, BC)
+    tile = scratch_ptr + (pid_r * tl.num_programs(1) + pid_c).to(tl.int64) * ((BR + HALO) * BC)
+    lr, lh, lc = tl.arange(0, BR), BR + tl.arange(0, HALO), tl.arange(0, BC)  # the tile's rows and columns
+    tl.store(tile + lr[:, None] * BC + lc[None, :], dpre_r)
+    tl.store(tile + lh[:, None] * BC + lc[None, :], dpre_h)
+    tl.debug_barrier()  # the tile written by every thread of the program before any reads it shifted
+    dx = _dx(tile, BC, lc, w_ptr, pos_ptr, r, c, cm, R, K, BR, BC)
+    tl.store(dx_ptr + r.to(tl.int64)[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
+             mask=rm[:, None] & cm[None, :])  # fmt: skip
+    _dw_parts(x_ptr, pos_ptr, dw_ptr, dpre_r, pid_r, r, rm, c, cm, C, K)
+
+
+@triton.jit
+def _dx(rows_ptr, stride, cols, w_ptr, pos_ptr, r, c, cm, R, K: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """dx [BR, BC] at rows r = r0 + [0, BR): sum_j w[K-1-j] dpre[r + j] [pos[r + j] >= j] (row r feeds tap j of
+    row r + j in the same sequence), dpre's row r0 + i at ``rows_ptr + i * stride + cols`` (fp32 or any float)."""
+    dx = tl.full([BR, BC], 0.0, dtype=tl.float32)
+    for j in tl.static_range(K):
+        s = r + j
+        pos_s = tl.load(pos_ptr + s, mask=s < R, other=0)
+        m = ((s < R) & (pos_s >= j))[:, None] & cm[None, :]
+        local = tl.arange(0, BR) + j
+        d = tl.load(rows_ptr + local.to(tl.int64)[:, None] * stride + cols[None, :], mask=m, other=0.0)
+        w = tl.load(w_ptr + c * K + (K - 1 - j), mask=cm, other=0.0).to(tl.float32)
+        dx += d.to(tl.float32) * w[None, :]
+    return dx
+
+
+@triton.jit
+def _dpre(x_ptr, w_ptr, pos_ptr, dy_ptr, r, rm, c, cm, R, C, K: tl.constexpr, SILU: tl.constexpr, BR: tl.constexpr,
+          BC: tl.constexpr):  # fmt: skip
+    """dpre [BR, BC] fp32 at rows r (zero where masked): dy * silu'(pre), pre recomputed; dy itself without SILU."""
+    m = rm[:, None] & cm[None, :]
+    dy = tl.load(dy_ptr + r.to(tl.int64)[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
+    if SILU:
+        pre = _pre(x_ptr, w_ptr, pos_ptr, r, rm, c, cm, R, C, K, BR, BC)
+        sig = _sigmoid(pre)
+        dy = dy * sig * (1.0 + pre * (1.0 - sig))
+    return dy
+
+
+@triton.jit
+def _dw_parts(x_ptr, pos_ptr, dw_ptr, dpre_r, pid_r, r, rm, c, cm, C, K: tl.constexpr):
+    """The block's partial sums dw[K-1-j] = sum_r dpre[r] x[r-j] [pos[r] >= j], one row of the [blocks, C, K]
+    buffer."""
+    pos_r = tl.load(pos_ptr + r, mask=rm, other=0)
     for j in tl.static_range(K):
         m = (rm & (pos_r >= j))[:, None] & cm[None, :]
         xv = tl.load(x_ptr + (r - j).to(tl.int64)[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
@@ -126,28 +176,39 @@ def _(x_RC, w_CK, pos_R, silu):
     return torch.empty_like(x_RC)
 
 
+BACKWARD_KERNELS = ("two_pass", "fused")  # the module docstring's two passes; ``_conv_bwd_fused`` (the A/B)
+
+
 @torch.library.custom_op(op_name("conv_varlen_bwd"), mutates_args=())
 def conv_varlen_bwd(
-    x_RC: torch.Tensor, w_CK: torch.Tensor, pos_R: torch.Tensor, dy_RC: torch.Tensor, silu: bool
+    x_RC: torch.Tensor, w_CK: torch.Tensor, pos_R: torch.Tensor, dy_RC: torch.Tensor, silu: bool, fused: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx [R, C], dw [C, K] in w's dtype) for the output gradient dy (the two passes of the module docstring)."""
+    """(dx [R, C], dw [C, K] in w's dtype) for the output gradient dy: the two passes of the module docstring, or
+    with ``fused`` both in one launch (``_conv_bwd_fused``)."""
     R, C = x_RC.shape
     K = w_CK.shape[1]
     dx_RC = torch.empty_like(x_RC)
     if not dx_RC.numel():
         return dx_RC, torch.zeros_like(w_CK)
     grid = _grid(R, C)
-    dpre_RC = dy_RC.contiguous()
-    if silu:
-        dy_RC, dpre_RC = dpre_RC, torch.empty(R, C, device=x_RC.device, dtype=torch.float32)
-        _conv_dpre[grid](x_RC, w_CK, pos_R, dy_RC, dpre_RC, R, C, K=K, BR=BLOCK_R, BC=BLOCK_C)
+    dy_RC = dy_RC.contiguous()
     dw_part = torch.empty(grid[0], C, K, device=x_RC.device, dtype=torch.float32)
+    if fused:
+        halo = triton.next_power_of_2(max(K - 1, 1))
+        scratch = torch.empty(grid[0] * grid[1] * (BLOCK_R + halo) * BLOCK_C, device=x_RC.device, dtype=torch.float32)
+        _conv_bwd_fused[grid](x_RC, w_CK, pos_R, dy_RC, dx_RC, dw_part, scratch, R, C, K=K, SILU=silu, BR=BLOCK_R,
+                              BC=BLOCK_C, HALO=halo)  # fmt: skip
+        return dx_RC, dw_part.sum(0).to(w_CK.dtype)
+    dpre_RC = dy_RC
+    if silu:
+        dpre_RC = torch.empty(R, C, device=x_RC.device, dtype=torch.float32)
+        _conv_dpre[grid](x_RC, w_CK, pos_R, dy_RC, dpre_RC, R, C, K=K, BR=BLOCK_R, BC=BLOCK_C)
     _conv_bwd[grid](x_RC, w_CK, pos_R, dpre_RC, dx_RC, dw_part, R, C, K=K, BR=BLOCK_R, BC=BLOCK_C)
     return dx_RC, dw_part.sum(0).to(w_CK.dtype)
 
 
 @conv_varlen_bwd.register_fake
-def _(x_RC, w_CK, pos_R, dy_RC, silu):
+def _(x_RC, w_CK, pos_R, dy_RC, silu, fused):
     return torch.empty_like(x_RC), torch.empty_like(w_CK)
 
 
@@ -155,24 +216,28 @@ class CausalConv1dVarlen(torch.autograd.Function):
     """The differentiable conv over the two ops: nothing but them inside, so dynamo traces it into a graph."""
 
     @staticmethod
-    def forward(ctx, x_RC, w_CK, pos_R, silu: bool):
+    def forward(ctx, x_RC, w_CK, pos_R, silu: bool, fused_backward: bool):
         ctx.save_for_backward(x_RC, w_CK, pos_R)
-        ctx.silu = silu
+        ctx.silu, ctx.fused_backward = silu, fused_backward
         return conv_varlen_fwd(x_RC, w_CK, pos_R, silu)
 
     @staticmethod
     def backward(ctx, dy_RC):
         x_RC, w_CK, pos_R = ctx.saved_tensors
-        dx_RC, dw_CK = conv_varlen_bwd(x_RC, w_CK, pos_R, dy_RC, ctx.silu)
-        return dx_RC, dw_CK, None, None
+        dx_RC, dw_CK = conv_varlen_bwd(x_RC, w_CK, pos_R, dy_RC, ctx.silu, ctx.fused_backward)
+        return dx_RC, dw_CK, None, None, None
 
 
 def causal_conv1d_triton(
-    x_BTC: torch.Tensor, w_CK: torch.Tensor, pos_BT: torch.Tensor, activation: str | None = "silu"
-) -> torch.Tensor:
-    """Same function as ``kernels.conv.naive.causal_conv1d_naive`` (fp32 accumulation)."""
+    x_BTC: torch.Tensor, w_CK: torch.Tensor, pos_BT: torch.Tensor, activation: str | None = "silu",
+    backward: str = "two_pass",
+) -> torch.Tensor:  # fmt: skip
+    """Same function as ``kernels.conv.naive.causal_conv1d_naive`` (fp32 accumulation); ``backward`` one of
+    ``BACKWARD_KERNELS``."""
     if activation not in (None, "silu"):
         raise ValueError(f"activation must be None or 'silu', got {activation!r}")
+    if backward not in BACKWARD_KERNELS:
+        raise ValueError(f"backward must be one of {BACKWARD_KERNELS}, got {backward!r}")
     B, T, C = x_BTC.shape
     if tuple(w_CK.shape[:1]) != (C,) or w_CK.ndim != 2:
         raise ValueError(f"weight must be [C, K] = [{C}, K], got {tuple(w_CK.shape)}")
@@ -180,7 +245,7 @@ def causal_conv1d_triton(
         raise ValueError(f"positions must be [B, T] = [{B}, {T}], got {tuple(pos_BT.shape)}")
     pos_R = pos_BT.reshape(-1).to(torch.int32)
     y = CausalConv1dVarlen.apply(
-        x_BTC.reshape(B * T, C).contiguous(), w_CK.contiguous(), pos_R, activation == "silu"
+        x_BTC.reshape(B * T, C).contiguous(), w_CK.contiguous(), pos_R, activation == "silu", backward == "fused"
     )
     return y.view(B, T, C)
 

@@ -28,15 +28,17 @@ def packed_positions(lengths):
     return torch.cat([torch.arange(n) for n in lengths])[None]
 
 
-@pytest.mark.parametrize("activation, K, C", [("silu", 4, 72), (None, 2, 8)])
-def test_varlen_conv_matches_reference_fwd_bwd(activation, K, C):
-    """C = 72: two channel blocks, the second partial (the interpreter is slow: one such case)."""
+@pytest.mark.parametrize("backward", CONV.BACKWARD_KERNELS)
+@pytest.mark.parametrize("activation, K, C", [("silu", 4, 72), (None, 2, 8), ("silu", 3, 8)])
+def test_varlen_conv_matches_reference_fwd_bwd(activation, K, C, backward):
+    """C = 72: two channel blocks, the second partial (the interpreter is slow: one such case). The fused
+    backward's halo: K = 4 three rows in a tile of four (one masked), K = 3 two in two, K = 2 one in one."""
     torch.manual_seed(0)
     pos = packed_positions(LENGTHS)
     T = pos.shape[1]
     x = torch.randn(1, T, C, requires_grad=True)
     w = torch.randn(C, K, requires_grad=True)
-    y = CONV.causal_conv1d_triton(x, w, pos, activation)
+    y = CONV.causal_conv1d_triton(x, w, pos, activation, backward)
     ref = causal_conv1d_naive(x, w, pos, activation)
     assert_close("y", ref, y, 1e-6)
     dy = torch.randn_like(ref)
@@ -65,6 +67,13 @@ def test_padded_batch_and_bf16():
     assert y.dtype == torch.bfloat16
     ref = causal_conv1d_naive(x.float(), w, pos)  # the kernel accumulates in fp32
     assert_close("y bf16", ref, y.float(), 1e-2)
+    dy = torch.randn(B, T, C).bfloat16()
+    for backward in CONV.BACKWARD_KERNELS:  # dx in bf16 from fp32 sums, both kernels
+        xg, xf = x.clone().requires_grad_(), x.float().requires_grad_()
+        got = torch.autograd.grad(CONV.causal_conv1d_triton(xg, w, pos, backward=backward), xg, dy)[0]
+        want = torch.autograd.grad(causal_conv1d_naive(xf, w, pos), xf, dy.float())[0]
+        assert got.dtype == torch.bfloat16
+        assert_close(f"dx bf16 {backward}", want, got.float(), 1e-2)
 
 
 def test_bad_inputs_are_named():
@@ -74,9 +83,12 @@ def test_bad_inputs_are_named():
         CONV.causal_conv1d_triton(torch.randn(1, 4, 8), torch.randn(8, 4), packed_positions([3]))
     with pytest.raises(ValueError, match="activation"):
         CONV.causal_conv1d_triton(torch.randn(1, 4, 8), torch.randn(8, 4), packed_positions([4]), "gelu")
+    with pytest.raises(ValueError, match="backward must be one of"):
+        CONV.causal_conv1d_triton(torch.randn(1, 4, 8), torch.randn(8, 4), packed_positions([4]), backward="one")
 
 
-def test_short_convolution_module_on_the_kernel_equals_its_taps():
+@pytest.mark.parametrize("op", ["triton", "triton_fused"])
+def test_short_convolution_module_on_the_kernel_equals_its_taps(op):
     from model.fast import use_fast_paths
     from model.layers import ShortConvolution, seq_layout
 
@@ -86,7 +98,7 @@ def test_short_convolution_module_on_the_kernel_equals_its_taps():
     layout = seq_layout(1, x.shape[1], cu, x.device)
     with use_fast_paths("auto", conv="torch"):
         ref, ref_state = conv(x, layout, need_state=False)
-    with use_fast_paths("auto", conv="triton"):
+    with use_fast_paths("auto", conv=op):
         y, state = conv(x, layout, need_state=False)
         _, kept = conv(x, layout)  # a state asked for: the tap loop, which returns it
     assert ref_state is None and state is None and kept.shape == (len(LENGTHS), 8, 3)
@@ -199,5 +211,6 @@ def test_the_differentiable_conv_traces_whole_into_a_graph():
         assert torch.equal(a, b)
     x_RC, pos_R = x.detach()[0].contiguous(), pos[0].to(torch.int32)
     torch.library.opcheck(CONV.conv_varlen_fwd, (x_RC, w.detach(), pos_R, True))
-    torch.library.opcheck(CONV.conv_varlen_bwd, (x_RC, w.detach(), pos_R, dy[0], True),
-                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+    for fused in (False, True):
+        torch.library.opcheck(CONV.conv_varlen_bwd, (x_RC, w.detach(), pos_R, dy[0], True, fused),
+                              test_utils=("test_schema", "test_faketensor"))  # fmt: skip
