@@ -454,8 +454,8 @@ _PLAIN_OPTIONS = {
 
 def latent_decode_applies(q: torch.Tensor, k: torch.Tensor, max_seqlen_q: int, options: dict) -> bool:
     """Whether a call of vLLM's kernel is one ``kernels.mla.latent_decode_triton`` computes: decode only (for one
-    query token, the last of its sequence, causal or not is the same), no window, the cache in the queries' dtype (no fp8), no per-token scales, alibi, sinks, soft cap or prefix
-    ranges."""
+    query token, the last of its sequence, causal or not is the same), no window, the cache in the queries' dtype
+    (no fp8), no per-token scales, alibi, sinks, soft cap or prefix ranges."""
     window = options.get("window_size")
     quant = options.get("kv_quant_mode")
     return (

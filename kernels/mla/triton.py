@@ -125,12 +125,12 @@ def latent_decode_triton(
     if tuple(cu_seqlens_q.shape) != (S + 1,) or block_table.shape[0] < S:
         raise ValueError(f"latent decode: {S} sequences, cu_seqlens_q {tuple(cu_seqlens_q.shape)}, "
                          f"block table {tuple(block_table.shape)}")  # fmt: skip
+    if S == 0:
+        return out_THD
     RP = _pow2(rank)
     acc = torch.empty(S, SPLITS, H, RP, device=q_THD.device, dtype=torch.float32)
     m = torch.empty(S, SPLITS, H, device=q_THD.device, dtype=torch.float32)
     l_ = torch.empty_like(m)
-    if S == 0:
-        return out_THD
     prec = "ieee" if q_THD.dtype == torch.float32 else "tf32"  # tf32 is ignored for half inputs
     _latent_split[(S, SPLITS)](
         q_THD, k_cache_BNKD, cu_seqlens_q, seqused_k, block_table, acc, m, l_, H, q_THD.stride(0),
