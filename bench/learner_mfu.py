@@ -73,6 +73,7 @@ import logging
 import math
 import os
 import platform
+import re
 import sys
 import time
 import warnings
@@ -277,7 +278,8 @@ def run_cuda_graphs_mode(
     torch._dynamo.reset()
     scope = resolve_compile_scope(args.compile_scope, learner.device, on_cuda="blocks")
     saved = (learner.cfg, learner.bucket_tokens)
-    plain = argparse.Namespace(**{**vars(args), "components": False, "profile": False, "warmup": max(args.warmup, 3)})
+    plain = argparse.Namespace(**{**vars(args), "components": False, "profile": args.profile_graphs,
+                                  "profile_syncs": False, "warmup": max(args.warmup, 3)})  # fmt: skip
     try:
         if mode == "learner":
             learner.cfg = dataclasses.replace(learner.cfg, cuda_graphs=True)
@@ -599,9 +601,10 @@ def optimizer_times(learner, clock: Clock) -> dict:
     return out
 
 
-def profile_step(learner, batch, cuda: bool, table: Path | None = None) -> dict:
-    """Kernel launches and GPU time of one step; host syncs counted by CUDA's sync debug mode. ``table``:
-    the profiler's op tables (by host time and by device time) written there."""
+def profile_step(learner, batch, cuda: bool, table: Path | None = None, syncs: bool = True) -> dict:
+    """Kernel launches and GPU time of one step; host syncs counted by CUDA's sync debug mode (``syncs``; not
+    for a step replayed from CUDA graphs, whose syncs are the replays'). ``table``: the profiler's op tables
+    (by host time and by device time) written there."""
     act = torch.profiler.ProfilerActivity
     acts = [act.CPU] + ([act.CUDA] if cuda else [])
     with torch.profiler.profile(activities=acts) as prof:
@@ -623,17 +626,17 @@ def profile_step(learner, batch, cuda: bool, table: Path | None = None) -> dict:
         avg = prof.key_averages()
         by = ["self_cpu_time_total"] + (["self_device_time_total"] if cuda else [])
         table.write_text("\n\n".join(avg.table(sort_by=k, row_limit=60, max_name_column_width=70) for k in by))
-    syncs = syncs_fwd_bwd = None
-    if cuda:
+    n_syncs = syncs_fwd_bwd = None
+    if cuda and syncs:
         torch.cuda.set_sync_debug_mode("warn")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             train_step(learner, batch)
             torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("default")
-        syncs = sum("synchroniz" in str(w.message) for w in caught)
+        n_syncs = sum("synchroniz" in str(w.message) for w in caught)
         syncs_fwd_bwd = count_fwd_bwd_syncs(learner, batch)
-    return {"kernels_per_step": launches, "host_syncs_per_step": syncs, "host_syncs_fwd_bwd": syncs_fwd_bwd,
+    return {"kernels_per_step": launches, "host_syncs_per_step": n_syncs, "host_syncs_fwd_bwd": syncs_fwd_bwd,
             "compiled_graph_calls": graph_calls, "top_kernels_ms": rows[:15], **busy}  # fmt: skip
 
 
@@ -983,7 +986,11 @@ def run_ours(
     counts = {"kda": sum(layer.is_kda for layer in layers), "mla": sum(not layer.is_kda for layer in layers),
               "moe": sum(layer.is_moe for layer in layers)}  # fmt: skip
     comps = component_times(learner, batch, clock, counts) if args.components else {}
-    prof = profile_step(learner, batch, cuda, args.out / f"profile_{tokens}.txt") if args.profile else {}
+    prof = {}
+    if args.profile:  # one table file per row: profile_16384.txt, profile_16384_cuda_graphs_learner.txt, ...
+        slug = re.sub(r"[^a-z0-9]+", "_", impl.removeprefix("ours").lower()).strip("_")
+        table = args.out / f"profile_{tokens}{'_' + slug if slug else ''}.txt"
+        prof = profile_step(learner, batch, cuda, table, syncs=getattr(args, "profile_syncs", True))
     row = {
         "impl": impl, "tokens": tokens, "episodes": len(lengths), "lengths_min_max": [min(lengths), max(lengths)],
         "step_s": step_s, "tokens_per_s": tokens / step_s, "mfu": 6 * n_mm * tokens / step_s / peak,
@@ -1162,9 +1169,10 @@ def markdown(report: Report) -> str:
         if r.get("device_busy_frac") is not None:
             calls = r.get("compiled_graph_calls") or {}
             graphs = f", compiled-graph calls {calls['forward']} forward / {calls['backward']} backward" if calls else ""
-            lines.append(f"\n{r['tokens']} tokens, profiled step: GPU busy {r['device_busy_ms']:.0f} of "
+            top = "; ".join(f"{k} {ms:.1f} ms x{n}" for k, ms, n in r.get("top_kernels_ms", [])[:8])
+            lines.append(f"\n{r['tokens']} tokens, {r['impl']}, profiled step: GPU busy {r['device_busy_ms']:.0f} of "
                          f"{r['device_span_ms']:.0f} ms ({r['device_busy_frac'] * 100:.0f}%), {r['device_kernels']} kernels"
-                         f"{graphs}")  # fmt: skip
+                         f"{graphs}; top kernels: {top}")  # fmt: skip
     for r in report.runs:
         if r.get("compiled_regions"):
             regions = ", ".join(f"{k} {v['graphs']} graphs{' (FAILED, eager)' if v['failed'] else ''}"
@@ -1230,6 +1238,8 @@ def main() -> int:
     ap.add_argument("--peer-row", type=int, default=1024, help="the peer's row length (tokens per sequence)")
     ap.add_argument("--no-components", dest="components", action="store_false")
     ap.add_argument("--profile", action="store_true", help="kernel launches and host syncs of one step")
+    ap.add_argument("--profile-graphs", action="store_true",
+                    help="profile the --cuda-graphs rows too: kernel time by kernel and GPU busy share of one step")
     ap.add_argument("--no-probe", dest="probe", action="store_false", help="skip the per-op probes (auto paths)")
     ap.add_argument("--also-fast-paths", default=[], type=_fast_paths_list,
                     help="an A/B in the same process: check and time ours again on these fast paths after each "

@@ -190,3 +190,18 @@ def test_cuda_graphs_are_timed_after_the_plain_rows_and_mark_every_step(bench, m
         run(bench, monkeypatch, tmp_path, "--cuda-graphs")
     with pytest.raises(SystemExit):  # a mode that does not exist is named when parsed
         run(bench, monkeypatch, tmp_path, "--compile", "--cuda-graphs", "blocks,whole")
+
+
+def test_profile_graphs_writes_one_table_per_row(bench, monkeypatch, tmp_path):
+    """``--profile --profile-graphs``: the plain row and the CUDA-graph row each profiled, each its own table
+    file (the graph row's named after it), the kernel summary in the report's text naming the row."""
+    monkeypatch.setattr(bench, "probe_ops", lambda *a: "moe=grouped")
+    args = ("--compile", "--compile-scope", "moe", "--cuda-graphs", "blocks", "--no-components", "--profile",
+            "--profile-graphs")  # fmt: skip
+    assert run(bench, monkeypatch, tmp_path, *args) == 0
+    report = json.loads((tmp_path / "learner_mfu.json").read_text())
+    assert [r["impl"] for r in report["runs"]] == ["ours", "ours, cuda graphs (blocks)"]
+    assert all("kernels_per_step" in r for r in report["runs"])
+    tables = sorted(p.name for p in tmp_path.glob("profile_*.txt"))
+    assert tables == ["profile_384.txt", "profile_384_cuda_graphs_blocks.txt"]
+    assert all("Self CPU" in (tmp_path / t).read_text() for t in tables)
