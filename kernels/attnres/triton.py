@@ -227,6 +227,7 @@ def _mix_norm_bwd_passes(dh_ptr, q_ptr, kw_ptr, ow_ptr, du_ptr, dgo_ptr, N, D, e
 
 
 BACKWARD_KERNELS = {"tile": (_mix_norm_bwd, 8), "passes": (_mix_norm_bwd_passes, 4)}
+PROGRAMS_PER_SM = 4  # the backward's programs (each walks rows pid, pid + P, ...) per streaming multiprocessor
 """``mix_norm_grads``' kernels and their warps: "tile" (the default, measured in the learner's step on GPUs) holds
 a row's sources as one [SP, BD] tile; "passes" walks them as [BD] vectors (``model.fast`` op attn_res =
 triton_passes: the A/B)."""
@@ -251,26 +252,28 @@ def _padded(ptrs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def mix_norm_forward(
     query: torch.Tensor, key_weight: torch.Tensor, eps: float, out_weight: torch.Tensor, out_eps: float,
-    *sources: torch.Tensor,
+    *sources: torch.Tensor, warps: int = 4,
 ) -> torch.Tensor:  # fmt: skip
-    """``model.attnres.attn_res_mix_norm`` over unstacked sources: y [..., D] in the sources' dtype."""
+    """``model.attnres.attn_res_mix_norm`` over unstacked sources: y [..., D] in the sources' dtype, one program
+    of ``warps`` warps a row."""
     rows, N, D = _rows_of(sources, (query, key_weight, out_weight))
     y = torch.empty(N, D, device=rows[0].device, dtype=functools.reduce(torch.promote_types, [t.dtype for t in rows]))
     if N:
         S = len(rows)
         _mix_norm_fwd[(N,)](y, query, key_weight, out_weight, N, D, float(eps), float(out_eps), *_padded(rows),
-                            S=S, SP=triton.next_power_of_2(S), BD=triton.next_power_of_2(D), num_warps=4)  # fmt: skip
+                            S=S, SP=triton.next_power_of_2(S), BD=triton.next_power_of_2(D), num_warps=warps)  # fmt: skip
     return y.view(sources[0].shape)
 
 
 def mix_norm_grads(
     query: torch.Tensor, key_weight: torch.Tensor, eps: float, out_weight: torch.Tensor, out_eps: float,
     dh: torch.Tensor, *sources: torch.Tensor, programs: int | None = None, kernel: str = "tile",
+    warps: int | None = None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """``model.attnres.attn_res_mix_norm_grads``: (d query, d key_weight, d out_weight, *d sources), each in its
-    input's dtype. ``programs``: how many programs share the rows (default: 4 per streaming multiprocessor on
-    CUDA, 4 elsewhere); each adds one [D] fp32 partial of the weights' sums. ``kernel``: a key of
-    ``BACKWARD_KERNELS``."""
+    input's dtype. ``programs``: how many programs share the rows (default: ``PROGRAMS_PER_SM`` per streaming
+    multiprocessor on CUDA, 4 elsewhere); each adds one [D] fp32 partial of the weights' sums. ``kernel``: a key of
+    ``BACKWARD_KERNELS``; ``warps``: its warps (default: the kernel's)."""
     if kernel not in BACKWARD_KERNELS:
         raise ValueError(f"attn_res_mix_norm: backward kernel {kernel!r}; choose from {sorted(BACKWARD_KERNELS)}")
     rows, N, D = _rows_of(sources, (query, key_weight, out_weight))
@@ -280,16 +283,16 @@ def mix_norm_grads(
     dev = rows[0].device
     grads = [torch.empty_like(t) for t in rows]
     if programs is None:
-        programs = 4 * torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
     P = max(1, min(programs, N))
     du = torch.zeros(P, D, device=dev, dtype=torch.float32)
     dgo = torch.zeros(P, D, device=dev, dtype=torch.float32)
     if N:
         S = len(rows)
-        fn, warps = BACKWARD_KERNELS[kernel]
+        fn, default_warps = BACKWARD_KERNELS[kernel]
         fn[(P,)](dh.reshape(N, D).contiguous(), query, key_weight, out_weight, du, dgo, N, D, float(eps),
                  float(out_eps), *_padded(rows), *_padded(grads), S=S, SP=triton.next_power_of_2(S),
-                 BD=triton.next_power_of_2(D), num_warps=warps)  # fmt: skip
+                 BD=triton.next_power_of_2(D), num_warps=warps or default_warps)  # fmt: skip
     du, dgo = du.sum(0), dgo.sum(0)
     shape = sources[0].shape
     return ((du * key_weight.float()).to(query.dtype), (du * query.float()).to(key_weight.dtype),

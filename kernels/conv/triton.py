@@ -17,6 +17,8 @@ passes take 59 + 102 us (bench/RESULTS.md, 2026-12-03).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +27,23 @@ from kernels.op_names import op_name
 
 BLOCK_R = 64
 BLOCK_C = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """A kernel's tile (rows x channels) and warps: the ops' defaults below; ``bench/learner_kernels.py`` sweeps
+    others through ``conv_rows_fwd`` / ``conv_rows_bwd``."""
+
+    block_r: int = BLOCK_R
+    block_c: int = BLOCK_C
+    warps: int = 4
+
+    def grid(self, R: int, C: int) -> tuple[int, int]:
+        return (triton.cdiv(R, self.block_r), triton.cdiv(C, self.block_c))
+
+
+FWD_LAUNCH = Launch()
+BWD_LAUNCH = Launch()
 # tl.zeros / tl.sigmoid / tl.sum are @jit functions of triton.language.standard, which the interpreter
 # runs only if TRITON_INTERPRET was set before triton was imported: builtins and tl.reduce instead
 # (as kernels/kda/triton/common.py does), so the tests can interpret this module whenever it is imported.
@@ -156,18 +175,20 @@ def _dw_parts(x_ptr, pos_ptr, dw_ptr, dpre_r, pid_r, r, rm, c, cm, C, K: tl.cons
         tl.store(dw_ptr + (pid_r.to(tl.int64) * C + c) * K + (K - 1 - j), part, mask=cm)
 
 
-def _grid(R: int, C: int):
-    return (triton.cdiv(R, BLOCK_R), triton.cdiv(C, BLOCK_C))
-
-
 @torch.library.custom_op(op_name("conv_varlen_fwd"), mutates_args=())
 def conv_varlen_fwd(x_RC: torch.Tensor, w_CK: torch.Tensor, pos_R: torch.Tensor, silu: bool) -> torch.Tensor:
     """y [R, C] of contiguous rows x, weight w [C, K] and int32 positions: one launch. A custom op, so that a
     compiled graph (the learner's KDA block) calls it as it is rather than launching the kernel itself."""
+    return conv_rows_fwd(x_RC, w_CK, pos_R, silu)
+
+
+def conv_rows_fwd(x_RC, w_CK, pos_R, silu: bool, launch: Launch = FWD_LAUNCH) -> torch.Tensor:
+    """``conv_varlen_fwd``'s launch, its tile and warps given."""
     R, C = x_RC.shape
     y_RC = torch.empty_like(x_RC)
     if y_RC.numel():
-        _conv_fwd[_grid(R, C)](x_RC, w_CK, pos_R, y_RC, R, C, K=w_CK.shape[1], SILU=silu, BR=BLOCK_R, BC=BLOCK_C)
+        _conv_fwd[launch.grid(R, C)](x_RC, w_CK, pos_R, y_RC, R, C, K=w_CK.shape[1], SILU=silu, BR=launch.block_r,
+                                     BC=launch.block_c, num_warps=launch.warps)  # fmt: skip
     return y_RC
 
 
@@ -185,25 +206,30 @@ def conv_varlen_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [R, C], dw [C, K] in w's dtype) for the output gradient dy: the two passes of the module docstring, or
     with ``fused`` both in one launch (``_conv_bwd_fused``)."""
+    return conv_rows_bwd(x_RC, w_CK, pos_R, dy_RC, silu, fused)
+
+
+def conv_rows_bwd(x_RC, w_CK, pos_R, dy_RC, silu: bool, fused: bool, launch: Launch = BWD_LAUNCH):
+    """``conv_varlen_bwd``'s launches, their tile and warps given (one ``Launch`` for both passes)."""
     R, C = x_RC.shape
     K = w_CK.shape[1]
     dx_RC = torch.empty_like(x_RC)
     if not dx_RC.numel():
         return dx_RC, torch.zeros_like(w_CK)
-    grid = _grid(R, C)
+    grid, BR, BC, warps = launch.grid(R, C), launch.block_r, launch.block_c, launch.warps
     dy_RC = dy_RC.contiguous()
     dw_part = torch.empty(grid[0], C, K, device=x_RC.device, dtype=torch.float32)
     if fused:
         halo = triton.next_power_of_2(max(K - 1, 1))
-        scratch = torch.empty(grid[0] * grid[1] * (BLOCK_R + halo) * BLOCK_C, device=x_RC.device, dtype=torch.float32)
-        _conv_bwd_fused[grid](x_RC, w_CK, pos_R, dy_RC, dx_RC, dw_part, scratch, R, C, K=K, SILU=silu, BR=BLOCK_R,
-                              BC=BLOCK_C, HALO=halo)  # fmt: skip
+        scratch = torch.empty(grid[0] * grid[1] * (BR + halo) * BC, device=x_RC.device, dtype=torch.float32)
+        _conv_bwd_fused[grid](x_RC, w_CK, pos_R, dy_RC, dx_RC, dw_part, scratch, R, C, K=K, SILU=silu, BR=BR, BC=BC,
+                              HALO=halo, num_warps=warps)  # fmt: skip
         return dx_RC, dw_part.sum(0).to(w_CK.dtype)
     dpre_RC = dy_RC
     if silu:
         dpre_RC = torch.empty(R, C, device=x_RC.device, dtype=torch.float32)
-        _conv_dpre[grid](x_RC, w_CK, pos_R, dy_RC, dpre_RC, R, C, K=K, BR=BLOCK_R, BC=BLOCK_C)
-    _conv_bwd[grid](x_RC, w_CK, pos_R, dpre_RC, dx_RC, dw_part, R, C, K=K, BR=BLOCK_R, BC=BLOCK_C)
+        _conv_dpre[grid](x_RC, w_CK, pos_R, dy_RC, dpre_RC, R, C, K=K, BR=BR, BC=BC, num_warps=warps)
+    _conv_bwd[grid](x_RC, w_CK, pos_R, dpre_RC, dx_RC, dw_part, R, C, K=K, BR=BR, BC=BC, num_warps=warps)
     return dx_RC, dw_part.sum(0).to(w_CK.dtype)
 
 
@@ -299,7 +325,7 @@ def causal_conv1d_state_triton(
     x_RC = x_BTC.reshape(R, C).contiguous()
     y_RC = torch.empty_like(x_RC)
     if R:
-        _conv_fwd_state[_grid(R, C)](
+        _conv_fwd_state[Launch().grid(R, C)](
             x_RC, w_CK.contiguous(), pos_BT.reshape(-1).to(torch.int32), seq_BT.reshape(-1).to(torch.int32),
             state_NCW, y_RC, R, C, *state_NCW.stride(), K=K, SILU=activation == "silu", BR=BLOCK_R, BC=BLOCK_C,
         )  # fmt: skip

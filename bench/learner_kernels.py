@@ -1,0 +1,309 @@
+"""The learner's memory-bound kernels alone, at the shapes one gpu_1b step gives them: which launch is fastest.
+
+Two kernels of ``bench/learner_mfu.py``'s step are bound by memory, not by the tensor cores, and their backward
+takes several times their forward (the H200's profiled step, bench/RESULTS.md): the AttnRes mix + norm node
+(``kernels.attnres.triton``, one call a sub-layer: 32 a step) and the KDA short convolution (``kernels.conv``, q,
+k and v of every KDA layer: 36 a step). Per kernel and launch variant (tile, warps, programs; the backward
+kernels of the A/B too) this script
+
+1. checks the outputs and every gradient against the PyTorch reference (``model.attnres.attn_res_mix_norm`` /
+   ``attn_res_mix_norm_grads``, ``kernels.conv.causal_conv1d_naive`` and its autograd) on the step's shapes;
+2. times it in replayed CUDA graphs (``grouped_mm_decode.graph_us``), and gives the bytes it must move (each
+   input read once, each output written once) over that time, against a device-to-device copy measured in the
+   same run (the bandwidth a memory-bound kernel can reach).
+
+The shapes are captured from one forward of the preset's model on the packed micro-batch of ``learner_mfu``
+(bf16 autocast on CUDA): the AttnRes nodes' source counts and dtypes, the convolutions' [rows, channels] and
+dtype, each with its calls per step. Per kernel the table gives the step's time on the default launch and on
+the fastest variant that passed the check. Other variants are a one-line change of the defaults
+(``kernels.conv.triton.FWD_LAUNCH`` / ``BWD_LAUNCH``, ``kernels.attnres.triton.PROGRAMS_PER_SM`` and the
+kernels' warps); a variant is a default only after ``learner_mfu.py`` times the whole step with it.
+
+    python3 bench/learner_kernels.py --out DIR [--tokens 16384] [--quick]   # DIR/learner_kernels.{json,md}
+
+On a CPU (``--small``: the tiny preset, ``TRITON_INTERPRET=1``) the checks run and the times are the
+interpreter's: plumbing, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}  # relative Frobenius error, per dtype
+
+
+# ------------------------------------------------------------------------------------------ shapes
+def lengths_of(tokens: int) -> list[int]:
+    """``learner_mfu``'s episode lengths of a micro-batch (shorter ones for the CPU's small batch)."""
+    from learner_mfu import episode_lengths
+
+    return episode_lengths(tokens, np.random.default_rng(tokens), lo=max(1, min(128, tokens // 4)))
+
+
+def capture_shapes(arch: dict, tokens: int, device: torch.device) -> dict:
+    """{"attn_res": {(S, dtypes): calls}, "conv": {(R, C, K, dtype, silu): calls}} of one forward of the model
+    on ``learner_mfu``'s packed micro-batch of ``tokens`` tokens (bf16 autocast on CUDA, as the learner)."""
+    from model import HybridConfig, HybridForCausalLM
+    from model.attnres import AttnResMix
+    from model.layers import ShortConvolution
+
+    config = HybridConfig(**arch)
+    model = HybridForCausalLM(config).to(device)
+    seen = {"attn_res": collections.Counter(), "conv": collections.Counter()}
+
+    def on_mix(module, args, kwargs):
+        sources, norm = [*args, kwargs.get("norm")][:2]
+        if norm is not None and len(sources) > 1:  # the mix + norm node (a single source is only normed)
+            seen["attn_res"][(len(sources), tuple(str(t.dtype) for t in sources))] += 1
+
+    def on_conv(module, args, kwargs):
+        x = args[0]
+        silu = module.activation == "silu"
+        seen["conv"][(x.shape[0] * x.shape[1], x.shape[2], module.kernel_size, str(x.dtype), silu)] += 1
+
+    hooks = [m.register_forward_pre_hook(on_mix, with_kwargs=True) for m in model.modules() if isinstance(m, AttnResMix)]
+    hooks += [m.register_forward_pre_hook(on_conv, with_kwargs=True) for m in model.modules() if isinstance(m, ShortConvolution)]
+    lengths = lengths_of(tokens)
+    ids = torch.randint(0, config.vocab_size, (1, tokens), device=device)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], device=device, dtype=torch.int32)
+    with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+        model.model(input_ids=ids, cu_seqlens=cu)  # the decoder only: no logits
+    for h in hooks:
+        h.remove()
+    del model
+    return seen
+
+
+# ------------------------------------------------------------------------------------------ timing
+def timer(device: torch.device):
+    """Microseconds a call: replayed CUDA graphs of 5 calls on CUDA; the median of 3 wall times elsewhere."""
+    if device.type == "cuda":
+        from grouped_mm_decode import graph_us
+
+        return lambda fn: graph_us(fn, calls=5, reps=20)
+
+    def wall_us(fn):
+        fn()
+        out = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return float(np.median(out)) * 1e6
+
+    return wall_us
+
+
+def copy_gbs(device: torch.device, time_us) -> float:
+    """Bytes read + written per second of a 256 MiB device-to-device copy."""
+    n = (256 << 20) // 2 if device.type == "cuda" else 1 << 20
+    x = torch.randn(n, device=device, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 2 / time_us(lambda: y.copy_(x)) / 1e3
+
+
+def nbytes(*ts: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+# ------------------------------------------------------------------------------------------ AttnRes
+def attn_res_case(S: int, dtypes: tuple[str, ...], N: int, D: int, device: torch.device, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    sources = [torch.randn(N, D, generator=g).to(device, getattr(torch, dt.removeprefix("torch."))) for dt in dtypes]
+    weights = [(1 + 0.1 * torch.randn(D, generator=g)).to(device) for _ in range(3)]  # query, key norm, out norm
+    dh = torch.randn(N, D, generator=g).to(device, sources[0].dtype)
+    return sources, weights, dh
+
+
+def attn_res_variants(quick: bool) -> list[dict]:
+    fwd = [{"pass": "forward", "warps": w} for w in ((4,) if quick else (2, 4, 8))]
+    bwd = [{"pass": "backward", "kernel": k, "programs_per_sm": p, "warps": w}
+           for k, p, w in itertools.product(("tile", "passes"), (2, 4, 8, 16) if not quick else (4,), (4, 8))]  # fmt: skip
+    return fwd + bwd
+
+
+def run_attn_res(case, variant: dict, device: torch.device, time_us, eps: float = 1e-5) -> dict:
+    from kernels.attnres.triton import mix_norm_forward, mix_norm_grads
+    from kernels.testing import error_ratio
+    from model.attnres import attn_res_mix_norm, attn_res_mix_norm_grads
+
+    sources, (q, kw, ow), dh = case
+    if variant["pass"] == "forward":
+        fn = lambda: mix_norm_forward(q, kw, eps, ow, eps, *sources, warps=variant["warps"])
+        ref = [attn_res_mix_norm(q, kw, eps, ow, eps, *(s.float() for s in sources))]
+        moved = nbytes(*sources) + nbytes(sources[0])  # the output in the sources' (promoted) dtype
+    else:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        fn = lambda: mix_norm_grads(q, kw, eps, ow, eps, dh, *sources, kernel=variant["kernel"],
+                                    programs=variant["programs_per_sm"] * sms, warps=variant["warps"])
+        ref = attn_res_mix_norm_grads(q, kw, eps, ow, eps, dh.float(), *(s.float() for s in sources))
+        moved = 2 * nbytes(*sources) + nbytes(dh)
+    out = fn()
+    out = [out] if isinstance(out, torch.Tensor) else list(out)
+    err = max(error_ratio(r, o) for r, o in zip(ref, out, strict=True))
+    tol = max(TOL[s.dtype] for s in sources)
+    row = {**variant, "error": err, "tolerance": tol, "ok": err <= tol, "bytes": moved}
+    if row["ok"]:
+        row["us"] = time_us(fn)
+    return row
+
+
+# ------------------------------------------------------------------------------------------ conv
+def conv_case(R: int, C: int, K: int, dtype: str, device: torch.device, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dt = getattr(torch, dtype.removeprefix("torch."))
+    x = torch.randn(R, C, generator=g).to(device, dt)
+    w = (torch.randn(C, K, generator=g) / K).to(device, dt)
+    pos = torch.cat([torch.arange(n) for n in lengths_of(R)]).to(device, torch.int32)
+    dy = torch.randn(R, C, generator=g).to(device, dt)
+    return x, w, pos, dy
+
+
+def conv_variants(quick: bool) -> list[dict]:
+    tiles = ((64, 64, 4),) if quick else ((64, 64, 4), (32, 128, 4), (64, 128, 4), (128, 64, 8), (16, 256, 4), (128, 128, 8))
+    fwd = [{"pass": "forward", "block_r": r, "block_c": c, "warps": w} for r, c, w in tiles]
+    bwd = [{"pass": "backward", "kernel": k, "block_r": r, "block_c": c, "warps": w}
+           for k, (r, c, w) in itertools.product(("two_pass", "fused"), tiles)]  # fmt: skip
+    return fwd + bwd
+
+
+def run_conv(case, variant: dict, silu: bool, time_us) -> dict:
+    from kernels.conv import causal_conv1d_naive
+    from kernels.conv.triton import Launch, conv_rows_bwd, conv_rows_fwd
+    from kernels.testing import error_ratio
+
+    x, w, pos, dy = case
+    launch = Launch(variant["block_r"], variant["block_c"], variant["warps"])
+    xr, wr = x.float().requires_grad_(), w.float().requires_grad_()
+    y_ref = causal_conv1d_naive(xr[None], wr, pos[None].long(), "silu" if silu else None)[0]
+    if variant["pass"] == "forward":
+        fn = lambda: conv_rows_fwd(x, w, pos, silu, launch)
+        ref, moved = [y_ref], 2 * nbytes(x)
+    else:
+        fused = variant["kernel"] == "fused"
+        fn = lambda: conv_rows_bwd(x, w, pos, dy, silu, fused, launch)
+        ref, moved = list(torch.autograd.grad(y_ref, (xr, wr), dy.float())), 3 * nbytes(x)
+    out = fn()
+    out = [out] if isinstance(out, torch.Tensor) else list(out)
+    err = max(error_ratio(r, o) for r, o in zip(ref, out, strict=True))
+    row = {**variant, "error": err, "tolerance": TOL[x.dtype], "ok": err <= TOL[x.dtype], "bytes": moved}
+    if row["ok"]:
+        row["us"] = time_us(fn)
+    return row
+
+
+# ------------------------------------------------------------------------------------------ report
+DEFAULTS = {
+    "attn_res forward": {"warps": 4},
+    "attn_res backward": {"kernel": "tile", "programs_per_sm": 4, "warps": 8},
+    "conv forward": {"block_r": 64, "block_c": 64, "warps": 4},
+    "conv backward": {"kernel": "two_pass", "block_r": 64, "block_c": 64, "warps": 4},
+}
+
+
+def launch_key(row: dict) -> tuple:
+    return tuple(sorted((k, v) for k, v in row.items() if k in ("kernel", "programs_per_sm", "warps", "block_r", "block_c")))
+
+
+def step_table(rows: list[dict], gbs: float) -> tuple[list[str], dict]:
+    """Per kernel and pass: the step's microseconds (calls x time, summed over the shapes) for each launch
+    that passed on every shape; the default's and the fastest's."""
+    lines, summary = [], {}
+    for name in DEFAULTS:
+        op, pas = name.split()
+        mine = [r for r in rows if r["op"] == op and r["pass"] == pas]
+        by = collections.defaultdict(list)
+        for r in mine:
+            by[launch_key(r)].append(r)
+        n_shapes = len({r["shape"] for r in mine})
+        totals = {}
+        for key, rs in by.items():
+            if len(rs) == n_shapes and all(r["ok"] for r in rs):
+                totals[key] = (sum(r["calls"] * r["us"] for r in rs), sum(r["calls"] * r["bytes"] for r in rs))
+        if not totals:
+            lines.append(f"| {name} | no launch passed on every shape | | | | |")
+            continue
+        default = launch_key(DEFAULTS[name])
+        best = min(totals, key=lambda k: totals[k][0])
+        d_us = totals.get(default, (float("nan"), 0))[0]
+        b_us, b_bytes = totals[best]
+        summary[name] = {"default": dict(default), "default_us": d_us, "best": dict(best), "best_us": b_us,
+                         "best_of_copy": b_bytes / b_us / 1e3 / gbs}  # fmt: skip
+        lines.append(f"| {name} | {d_us:.0f} us | {dict(best)} | {b_us:.0f} us | {d_us / b_us:.2f}x | "
+                     f"{b_bytes / b_us / 1e3:.0f} GB/s ({b_bytes / b_us / 1e3 / gbs:.0%} of the copy) |")  # fmt: skip
+    head = ["| kernel, pass | default launch, per step | fastest launch | its time per step | default / fastest | "
+            "fastest's bytes/s |", "|---|---|---|---|---|---|"]  # fmt: skip
+    return head + lines, summary
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--tokens", type=int, default=16384, help="the micro-batch the shapes are captured from")
+    ap.add_argument("--preset", type=Path, default=ROOT / "configs/model/gpu_1b.yaml")
+    ap.add_argument("--quick", action="store_true", help="the defaults and a few variants only")
+    ap.add_argument("--small", action="store_true", help="CPU plumbing: the tiny preset, 64 tokens")
+    ap.add_argument("--ops", default="attn_res,conv", help="which kernels: attn_res, conv or both")
+    args = ap.parse_args()
+    from learner_mfu import load_arch
+
+    cuda = torch.cuda.is_available() and not args.small
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        print("learner_kernels: no CUDA device; run with TRITON_INTERPRET=1 --small for the CPU plumbing")
+        return 2
+    device = torch.device("cuda" if cuda else "cpu")
+    arch = load_arch(ROOT / "configs/model/cpu_tiny.yaml" if args.small else args.preset)
+    tokens = 64 if args.small else args.tokens
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    shapes = capture_shapes(arch, tokens, device)
+    time_us = timer(device)
+    gbs = copy_gbs(device, time_us)
+    D = arch["hidden_size"]
+    print(f"[shapes] {dict(shapes['attn_res'])} {dict(shapes['conv'])}; copy {gbs:.0f} GB/s", flush=True)
+    rows = []
+    ops = set(args.ops.split(","))
+    for (S, dtypes), calls in sorted(shapes["attn_res"].items()) if "attn_res" in ops else ():
+        case = attn_res_case(S, dtypes, tokens, D, device)
+        for v in attn_res_variants(args.quick):
+            rows.append({"op": "attn_res", "shape": f"S={S} {'/'.join(d.removeprefix('torch.') for d in dtypes)}",
+                         "calls": calls, **run_attn_res(case, v, device, time_us)})  # fmt: skip
+            print(f"[attn_res] {rows[-1]}", flush=True)
+    for (R, C, K, dtype, silu), calls in sorted(shapes["conv"].items()) if "conv" in ops else ():
+        case = conv_case(R, C, K, dtype, device)
+        for v in conv_variants(args.quick):
+            rows.append({"op": "conv", "shape": f"R={R} C={C} K={K} {dtype.removeprefix('torch.')} silu={silu}",
+                         "calls": calls, **run_conv(case, v, silu, time_us)})  # fmt: skip
+            print(f"[conv] {rows[-1]}", flush=True)
+    table, summary = step_table(rows, gbs)
+    env = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": torch.cuda.get_device_name() if cuda else platform.processor(),
+           "torch": torch.__version__, "command": " ".join(sys.argv), "tokens": tokens, "copy_gbs": gbs,
+           "seconds": time.time() - t0}  # fmt: skip
+    (args.out / "learner_kernels.json").write_text(json.dumps({"env": env, "summary": summary, "rows": rows}, indent=1))
+    md = [f"{env['date']}, {env['device']}, torch {env['torch']}: `{env['command']}`; copy {gbs:.0f} GB/s", "", *table]
+    (args.out / "learner_kernels.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md), flush=True)
+    bad = [r for r in rows if not r["ok"]]
+    for r in bad:
+        print(f"[FAILED check] {r}", flush=True)
+    return 0 if rows and not any(r["ok"] is False and launch_key(r) == launch_key(DEFAULTS[f"{r['op']} {r['pass']}"])
+                                 for r in rows) else 1  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

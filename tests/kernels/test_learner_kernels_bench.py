@@ -1,0 +1,55 @@
+"""bench/learner_kernels.py on the CPU (the tiny preset, kernels interpreted): the shapes come from the model's
+own forward, every launch variant is checked against the PyTorch reference before it is timed, a wrong variant
+is refused and never named the fastest, and the report gives the default's and the fastest's step time."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench" / "learner_kernels.py"
+pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+
+
+def test_shapes_checks_and_the_fastest_passing_launch(bench, monkeypatch, tmp_path):
+    import kernels.conv.triton as conv
+
+    real = conv.conv_rows_bwd
+
+    def wrong_when_fused(x, w, pos, dy, silu, fused, launch=conv.BWD_LAUNCH):
+        dx, dw = real(x, w, pos, dy, silu, fused, launch)
+        return (1.5 * dx if fused else dx), dw
+
+    monkeypatch.setattr(conv, "conv_rows_bwd", wrong_when_fused)
+    monkeypatch.setattr(sys, "argv", ["learner_kernels.py", "--small", "--quick", "--out", str(tmp_path)])
+    assert bench.main() == 0  # a wrong A/B variant is reported, not a failed run; a wrong default would be
+    report = json.loads((tmp_path / "learner_kernels.json").read_text())
+    rows = report["rows"]
+    mixes = {r["shape"] for r in rows if r["op"] == "attn_res"}
+    assert mixes and all(s.startswith("S=") for s in mixes)  # the tiny preset's mix + norm nodes, S >= 2
+    (conv_shape,) = {r["shape"] for r in rows if r["op"] == "conv"}
+    assert conv_shape.startswith("R=64 ") and "K=4" in conv_shape and "silu=True" in conv_shape
+    assert all(r["calls"] > 0 for r in rows)
+    fused = [r for r in rows if r.get("kernel") == "fused"]
+    assert fused and not any(r["ok"] for r in fused) and not any("us" in r for r in fused)
+    others = [r for r in rows if r.get("kernel") != "fused"]
+    assert all(r["ok"] and r["us"] > 0 and r["error"] <= r["tolerance"] for r in others)
+    summary = report["summary"]
+    assert set(summary) == {"attn_res forward", "attn_res backward", "conv forward", "conv backward"}
+    assert summary["conv backward"]["best"]["kernel"] == "two_pass"
+    assert "| conv backward |" in (tmp_path / "learner_kernels.md").read_text()
+
+
+def test_a_wrong_default_fails_the_run(bench, monkeypatch, tmp_path):
+    import kernels.conv.triton as conv
+
+    real = conv.conv_rows_fwd
+    monkeypatch.setattr(conv, "conv_rows_fwd", lambda *a, **k: 2 * real(*a, **k))
+    argv = ["learner_kernels.py", "--small", "--quick", "--ops", "conv", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert bench.main() == 1
