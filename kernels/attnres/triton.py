@@ -226,11 +226,14 @@ def _mix_norm_bwd_passes(dh_ptr, q_ptr, kw_ptr, ow_ptr, du_ptr, dgo_ptr, N, D, e
     tl.store(dgo_ptr + pid * D + d, dgo, mask=dm)
 
 
-BACKWARD_KERNELS = {"tile": (_mix_norm_bwd, 8), "passes": (_mix_norm_bwd_passes, 4)}
-PROGRAMS_PER_SM = 4  # the backward's programs (each walks rows pid, pid + P, ...) per streaming multiprocessor
+BACKWARD_KERNELS = {"tile": (_mix_norm_bwd, 4), "passes": (_mix_norm_bwd_passes, 4)}
 """``mix_norm_grads``' kernels and their warps: "tile" (the default, measured in the learner's step on GPUs) holds
 a row's sources as one [SP, BD] tile; "passes" walks them as [BD] vectors (``model.fast`` op attn_res =
 triton_passes: the A/B)."""
+PROGRAMS_PER_SM = 8
+"""The backward's programs (each walks rows pid, pid + P, ...) per streaming multiprocessor. 8 programs of 4 warps
+took the gpu_1b step's mixes from 11.7 to 8.7 ms on an H100 against 4 of 8 (``bench/learner_kernels.py``,
+bench/RESULTS.md 2026-12-06): the tile's fp32 registers cap how many programs a multiprocessor holds."""
 
 
 def _rows_of(sources, weights) -> tuple[list[torch.Tensor], int, int]:

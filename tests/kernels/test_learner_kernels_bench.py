@@ -53,3 +53,23 @@ def test_a_wrong_default_fails_the_run(bench, monkeypatch, tmp_path):
     argv = ["learner_kernels.py", "--small", "--quick", "--ops", "conv", "--out", str(tmp_path)]
     monkeypatch.setattr(sys, "argv", argv)
     assert bench.main() == 1
+
+
+def test_shapes_are_captured_on_the_learners_planned_path_too(bench):
+    """On CUDA the learner's KDA layers take the planned path (``kda_planned_forward``: the convs through
+    ``ShortConvolution.conv_positions``, not the module call); under the interpreter with the Triton conv the CPU
+    takes it too: every conv is counted once either way, and the method is put back."""
+    import torch
+    from learner_mfu import load_arch  # the bench put bench/ on the path
+
+    from model.fast import use_fast_paths
+    from model.layers import ShortConvolution
+
+    arch = load_arch(bench.ROOT / "configs/model/cpu_tiny.yaml")
+    real = ShortConvolution.conv_positions
+    reference = bench.capture_shapes(arch, 64, torch.device("cpu"))
+    with use_fast_paths("auto", conv="triton"):
+        planned = bench.capture_shapes(arch, 64, torch.device("cpu"))
+    assert ShortConvolution.conv_positions is real
+    assert planned["conv"] == reference["conv"] and sum(planned["conv"].values()) == 9  # q, k, v of 3 KDA layers
+    assert planned["attn_res"] == reference["attn_res"]
