@@ -145,7 +145,7 @@ def attn_res_case(S: int, dtypes: tuple[str, ...], N: int, D: int, device: torch
 def attn_res_variants(quick: bool) -> list[dict]:
     fwd = [{"pass": "forward", "warps": w} for w in ((4,) if quick else (2, 4, 8))]
     bwd = [{"pass": "backward", "kernel": k, "programs_per_sm": p, "warps": w}
-           for k, p, w in itertools.product(("tile", "passes"), (2, 4, 8, 16) if not quick else (4, 8), (4, 8))]  # fmt: skip
+           for k, p, w in itertools.product(("tile", "passes", "rows"), (2, 4, 8, 16) if not quick else (4, 8), (4, 8))]  # fmt: skip
     return fwd + bwd
 
 

@@ -106,7 +106,7 @@ def attn_res_mix_norm_grads(
             *(dv[i].to(src.dtype) for i, src in enumerate(sources)))  # fmt: skip
 
 
-TRITON_BACKWARDS = {"triton": "tile", "triton_passes": "passes"}
+TRITON_BACKWARDS = {"triton": "tile", "triton_passes": "passes", "triton_rows": "rows"}
 """``model.fast`` op "attn_res" choices that run the node on ``kernels.attnres.triton``, and the backward kernel each
 takes (``BACKWARD_KERNELS``)."""
 

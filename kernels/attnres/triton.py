@@ -226,10 +226,82 @@ def _mix_norm_bwd_passes(dh_ptr, q_ptr, kw_ptr, ow_ptr, du_ptr, dgo_ptr, N, D, e
     tl.store(dgo_ptr + pid * D + d, dgo, mask=dm)
 
 
-BACKWARD_KERNELS = {"tile": (_mix_norm_bwd, 4), "passes": (_mix_norm_bwd_passes, 4)}
-"""``mix_norm_grads``' kernels and their warps: "tile" (the default, measured in the learner's step on GPUs) holds
-a row's sources as one [SP, BD] tile; "passes" walks them as [BD] vectors (``model.fast`` op attn_res =
-triton_passes: the A/B)."""
+@triton.jit
+def _rows(i: tl.constexpr, rows, m2, d, D, p0, p1, p2, p3, p4, p5, p6, p7):
+    """Source ``i``'s rows ``rows`` [BR] as [BR, BD] fp32 (zero where ``m2`` is False)."""
+    ptr = _source(i, p0, p1, p2, p3, p4, p5, p6, p7) + rows[:, None] * D + d[None, :]
+    return tl.load(ptr, mask=m2, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _col(x, sidx, i: tl.constexpr):
+    """Column ``i`` of the [BR, SP] tensor ``x`` as [BR]."""
+    return tl.reduce(tl.where(sidx[None, :] == i, x, 0.0), 1, _sum_combine)
+
+
+@triton.jit
+def _mix_norm_bwd_rows(dh_ptr, q_ptr, kw_ptr, ow_ptr, du_ptr, dgo_ptr, N, D, eps, out_eps,
+                       p0, p1, p2, p3, p4, p5, p6, p7, g0, g1, g2, g3, g4, g5, g6, g7,
+                       S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):  # fmt: skip
+    """``_mix_norm_bwd_passes`` on BR rows at a time: each source walked four times as a [BR, BD] tile, the per-row
+    per-source scalars in [BR, SP] tiles, so that a row's sums over D stay inside the warps that hold it (the row
+    kernels' sums over D cross every warp of the program) and a program has BR rows' loads in flight at once;
+    the weights' per-row terms summed over the program's rows in [BR, BD] accumulators, reduced once at the end."""
+    pid, P = tl.program_id(0), tl.num_programs(0)
+    d = tl.arange(0, BD)
+    dm = d < D
+    sidx = tl.arange(0, SP)
+    u, go = _node_weights(q_ptr, kw_ptr, ow_ptr, d, dm)
+    du = tl.full([BR, BD], 0.0, tl.float32)
+    dgo = tl.full([BR, BD], 0.0, tl.float32)
+    for blk in range(pid.to(tl.int64), (N + BR - 1) // BR, P):  # int64 rows: row * D stays exact past 2^31 elements
+        rows = blk * BR + tl.arange(0, BR)
+        m2 = (rows < N)[:, None] & dm[None, :]
+        r = tl.full([BR, SP], 0.0, tl.float32)
+        vu = tl.full([BR, SP], 0.0, tl.float32)
+        for i in tl.static_range(S):
+            vi = _rows(i, rows, m2, d, D, p0, p1, p2, p3, p4, p5, p6, p7)
+            ri = 1.0 / tl.sqrt(tl.reduce(vi * vi, 1, _sum_combine) / D + eps)
+            r = tl.where(sidx[None, :] == i, ri[:, None], r)
+            vu = tl.where(sidx[None, :] == i, tl.reduce(vi * u[None, :], 1, _sum_combine)[:, None], vu)
+        logit = tl.where(sidx[None, :] < S, r * vu, -float("inf"))
+        e = tl.exp(logit - tl.reduce(logit, 1, tl.standard._elementwise_max)[:, None])
+        a = e / tl.reduce(e, 1, _sum_combine)[:, None]
+        m = tl.full([BR, BD], 0.0, tl.float32)
+        for i in tl.static_range(S):
+            m += _col(a, sidx, i)[:, None] * _rows(i, rows, m2, d, D, p0, p1, p2, p3, p4, p5, p6, p7)
+        rho = 1.0 / tl.sqrt(tl.reduce(m * m, 1, _sum_combine) / D + out_eps)  # the out norm's, per row
+        dh = tl.load(dh_ptr + rows[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        yg = dh * go[None, :]
+        dmix = rho[:, None] * (yg - m * (rho * rho)[:, None] * (tl.reduce(m * yg, 1, _sum_combine) / D)[:, None])
+        da = tl.full([BR, SP], 0.0, tl.float32)
+        for i in tl.static_range(S):
+            vi = _rows(i, rows, m2, d, D, p0, p1, p2, p3, p4, p5, p6, p7)
+            da = tl.where(sidx[None, :] == i, tl.reduce(dmix * vi, 1, _sum_combine)[:, None], da)
+        ds = a * (da - tl.reduce(a * da, 1, _sum_combine)[:, None])
+        for i in tl.static_range(S):
+            vi = _rows(i, rows, m2, d, D, p0, p1, p2, p3, p4, p5, p6, p7)
+            ri, dsi = _col(r, sidx, i), _col(ds, sidx, i)
+            dvi = _col(a, sidx, i)[:, None] * dmix + dsi[:, None] * (
+                ri[:, None] * u[None, :] - (ri * ri * ri * _col(vu, sidx, i) / D)[:, None] * vi
+            )
+            gi = _source(i, g0, g1, g2, g3, g4, g5, g6, g7)
+            tl.store(gi + rows[:, None] * D + d[None, :], dvi.to(gi.dtype.element_ty), mask=m2)
+            du += (dsi * ri)[:, None] * vi
+        dgo += dh * m * rho[:, None]
+    tl.store(du_ptr + pid * D + d, tl.reduce(du, 0, _sum_combine), mask=dm)
+    tl.store(dgo_ptr + pid * D + d, tl.reduce(dgo, 0, _sum_combine), mask=dm)
+
+
+BACKWARD_KERNELS = {
+    "tile": (_mix_norm_bwd, 4, {}),
+    "passes": (_mix_norm_bwd_passes, 4, {}),
+    "rows": (_mix_norm_bwd_rows, 8, {"BR": 4}),
+}
+"""``mix_norm_grads``' kernels, their warps and their other compile-time arguments: "tile" (the default, measured
+in the learner's step on GPUs) holds a row's sources as one [SP, BD] tile; "passes" walks them as [BD] vectors
+(``model.fast`` op attn_res = triton_passes: the A/B); "rows" walks them as [BR, BD] tiles of BR rows (the launch
+sweep's candidate, ``bench/learner_kernels.py``)."""
 PROGRAMS_PER_SM = 8
 """The backward's programs (each walks rows pid, pid + P, ...) per streaming multiprocessor. 8 programs of 4 warps
 took the gpu_1b step's mixes from 11.7 to 8.7 ms on an H100 against 4 of 8 (``bench/learner_kernels.py``,
@@ -292,10 +364,10 @@ def mix_norm_grads(
     dgo = torch.zeros(P, D, device=dev, dtype=torch.float32)
     if N:
         S = len(rows)
-        fn, default_warps = BACKWARD_KERNELS[kernel]
+        fn, default_warps, constants = BACKWARD_KERNELS[kernel]
         fn[(P,)](dh.reshape(N, D).contiguous(), query, key_weight, out_weight, du, dgo, N, D, float(eps),
                  float(out_eps), *_padded(rows), *_padded(grads), S=S, SP=triton.next_power_of_2(S),
-                 BD=triton.next_power_of_2(D), num_warps=warps or default_warps)  # fmt: skip
+                 BD=triton.next_power_of_2(D), num_warps=warps or default_warps, **constants)  # fmt: skip
     du, dgo = du.sum(0), dgo.sum(0)
     shape = sources[0].shape
     return ((du * key_weight.float()).to(query.dtype), (du * query.float()).to(key_weight.dtype),

@@ -58,7 +58,7 @@ def _sources(S: int, D: int, dtype, seed: int, shape=(2, 7)):
     return sources, q, kw, ow, torch.randn(*shape, D, generator=gen).to(dtype)
 
 
-@pytest.mark.parametrize("kernel", ["tile", "passes"])
+@pytest.mark.parametrize("kernel", ["tile", "passes", "rows"])
 @pytest.mark.parametrize("S", [2, 3, 6, 8])
 @pytest.mark.parametrize("D", [64, 48])
 def test_learner_mix_norm_kernels_equal_the_node_reference(monkeypatch, S, D, kernel):
@@ -66,7 +66,7 @@ def test_learner_mix_norm_kernels_equal_the_node_reference(monkeypatch, S, D, ke
     ``attn_res_mix_norm`` and its closed-form gradient ``attn_res_mix_norm_grads`` (itself held to autograd in
     tests/model/test_attnres.py), fp32, sources of different scales, a non-zero query: the output within 1e-6,
     every gradient within 2e-5 relative to its largest element, with 1, 3 and more programs than rows sharing
-    the rows (the weights' partial sums); both backward kernels (``BACKWARD_KERNELS``)."""
+    the rows (the weights' partial sums); every backward kernel (``BACKWARD_KERNELS``)."""
     from model.attnres import attn_res_mix_norm, attn_res_mix_norm_grads
 
     mod = _interpreted()
@@ -85,7 +85,7 @@ def test_learner_mix_norm_kernels_equal_the_node_reference(monkeypatch, S, D, ke
             assert_close(f"{name} ({programs} programs)", w, g, 2e-5 * float(w.abs().max()))
 
 
-@pytest.mark.parametrize("kernel", ["tile", "passes"])
+@pytest.mark.parametrize("kernel", ["tile", "passes", "rows"])
 def test_learner_mix_norm_kernels_in_bf16_and_bad_input(monkeypatch, kernel):
     """bf16 sources: each output in its input's dtype, within bf16 rounding of the fp32 reference; a bf16 source
     among fp32 ones: the fp32 mix, each gradient in its source's dtype; more sources than the kernel takes and
@@ -108,8 +108,8 @@ def test_learner_mix_norm_kernels_in_bf16_and_bad_input(monkeypatch, kernel):
         mod.mix_norm_forward(q, kw, 1e-5, ow, 1e-6, *([sources[0]] * 9))
     with pytest.raises(ValueError, match="1 to 8 sources of one shape"):
         mod.mix_norm_forward(q, kw, 1e-5, ow, 1e-6, sources[0], sources[1][:1])
-    with pytest.raises(ValueError, match="backward kernel 'rows'"):
-        mod.mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh, *sources, kernel="rows")
+    with pytest.raises(ValueError, match="backward kernel 'columns'"):
+        mod.mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh, *sources, kernel="columns")
     mixed = [sources[0], *(s.float() for s in sources[1:])]  # a bf16 source beside fp32 ones, as under autocast
     got = mod.mix_norm_forward(q, kw, 1e-5, ow, 1e-6, *mixed)
     assert got.dtype == torch.float32
@@ -121,7 +121,7 @@ def test_learner_mix_norm_kernels_in_bf16_and_bad_input(monkeypatch, kernel):
         assert_close("mixed gradient", w.float(), g.float(), 2e-5 if g.dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("kernel", ["tile", "passes"])
+@pytest.mark.parametrize("kernel", ["tile", "passes", "rows"])
 def test_the_learner_node_on_the_kernels_backpropagates_like_autograd(monkeypatch, kernel):
     """``model.attnres._MixNormNode`` with the Triton pair (what op "attn_res" = triton runs on CUDA) gives the
     gradients autograd takes through the reference mix and norm, fp32, to every source and weight."""
