@@ -205,3 +205,18 @@ def test_profile_graphs_writes_one_table_per_row(bench, monkeypatch, tmp_path):
     tables = sorted(p.name for p in tmp_path.glob("profile_*.txt"))
     assert tables == ["profile_384.txt", "profile_384_cuda_graphs_blocks.txt"]
     assert all("Self CPU" in (tmp_path / t).read_text() for t in tables)
+
+
+def test_gemm_peak_is_the_fastest_round(bench):
+    """MFU's denominator: the best of the timed rounds (each several products back to back), so a round slowed
+    by the clocks lowers nothing and MFU errs low rather than high."""
+    times, calls = iter([3.0, 1.0, 2.0]), []
+
+    class Rounds:
+        def time(self, fn, reps, warmup):
+            fn()
+            calls.append((reps, warmup))
+            return next(times)
+
+    assert bench.gemm_peak(Rounds(), False, rounds=3, per_round=2) == 2 * 512**3 * 2 / 1.0
+    assert calls == [(1, 0)] * 3
