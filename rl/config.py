@@ -321,11 +321,12 @@ class LearnerConfig:
     each way; and every MLA layer on the varlen attention), or
     auto: blocks on a GPU (gpu_1b on the H200: 334 ms per step against 402 with regions), regions on CPU."""
     cuda_graphs: bool = False
-    """With compile on a CUDA device (a single-process learner): the compiled MoE blocks replay as CUDA graphs
-    (inductor's cudagraph trees), one launch for a block's kernels instead of one each. A graph is recorded per
-    micro-batch size, so each micro-batch is padded to a multiple of micro_batch_tokens / token_buckets with one
-    filler sequence (zero loss weight, left out of the routing statistics). The KDA and MLA layers stay plain
-    compiled graphs: their inputs' shapes follow the episodes' lengths, not only the token count."""
+    """With compile on a CUDA device (a single-process learner): every compiled block (MoE, KDA and MLA layers)
+    replays as CUDA graphs (inductor's cudagraph trees), one launch for a block's kernels instead of one each. A
+    graph is recorded per micro-batch shape, so each micro-batch is padded to a multiple of micro_batch_tokens /
+    token_buckets with one filler sequence (zero loss weight, left out of the routing statistics) and its
+    sequences to a power of two, on a static layout (``model.layers.seq_layout(static=True)``). gpu_1b at 16K
+    tokens on an H100: 172 ms a step against 188 ms compiled without graphs (bench/RESULTS.md, 2026-12-06)."""
     token_buckets: int | None = None
     """Micro-batch sizes the learner pads to: multiples of ceil(micro_batch_tokens / token_buckets) tokens.
     None: 8 with cuda_graphs, else no padding."""
