@@ -283,6 +283,9 @@ def main() -> int:
     ap.add_argument("--small", action="store_true", help="CPU plumbing: the tiny preset, 64 tokens")
     ap.add_argument("--ops", default="attn_res,conv", help="which kernels: attn_res, conv or both")
     args = ap.parse_args()
+    ops = set(args.ops.split(","))
+    if not ops or not ops <= {"attn_res", "conv"}:
+        ap.error(f"--ops: attn_res, conv or both (comma-separated), got {args.ops!r}")
     from learner_mfu import load_arch
 
     cuda = torch.cuda.is_available() and not args.small
@@ -300,7 +303,6 @@ def main() -> int:
     D = arch["hidden_size"]
     print(f"[shapes] {dict(shapes['attn_res'])} {dict(shapes['conv'])}; copy {gbs:.0f} GB/s", flush=True)
     rows = []
-    ops = set(args.ops.split(","))
     for (S, dtypes), calls in sorted(shapes["attn_res"].items()) if "attn_res" in ops else ():
         case = attn_res_case(S, dtypes, tokens, D, device)
         for v in attn_res_variants(args.quick):

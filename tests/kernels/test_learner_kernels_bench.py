@@ -55,6 +55,13 @@ def test_a_wrong_default_fails_the_run(bench, monkeypatch, tmp_path):
     assert bench.main() == 1
 
 
+def test_an_unknown_kernel_is_named(bench, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(sys, "argv", ["learner_kernels.py", "--small", "--ops", "conv,mla", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "--ops: attn_res, conv or both" in capsys.readouterr().err
+
+
 def test_shapes_are_captured_on_the_learners_planned_path_too(bench):
     """On CUDA the learner's KDA layers take the planned path (``kda_planned_forward``: the convs through
     ``ShortConvolution.conv_positions``, not the module call); under the interpreter with the Triton conv the CPU
