@@ -1,10 +1,11 @@
 """The learner's memory-bound kernels alone, at the shapes one gpu_1b step gives them: which launch is fastest.
 
-Two kernels of ``bench/learner_mfu.py``'s step are bound by memory, not by the tensor cores, and their backward
-takes several times their forward (the H200's profiled step, bench/RESULTS.md): the AttnRes mix + norm node
-(``kernels.attnres.triton``, one call a sub-layer: 32 a step) and the KDA short convolution (``kernels.conv``, q,
-k and v of every KDA layer: 36 a step). Per kernel and launch variant (tile, warps, programs; the backward
-kernels of the A/B too) this script
+Three parts of ``bench/learner_mfu.py``'s step are bound by memory, not by the tensor cores (the H200's profiled
+step, bench/RESULTS.md): the AttnRes mix + norm node (``kernels.attnres.triton``, one call a sub-layer: 32 a step;
+its backward several times its forward), the KDA short convolution (``kernels.conv``, q, k and v of every KDA
+layer: 36 a step; likewise) and the optimizer step (fused AdamW over every fp32 parameter: 28 bytes a parameter,
+~16 ms of an H100 step). Per kernel and launch variant (tile, warps, programs; the backward kernels of the A/B;
+AdamW over the parameter tensors as the learner holds them, or over one flat buffer) this script
 
 1. checks the outputs and every gradient against the PyTorch reference (``model.attnres.attn_res_mix_norm`` /
    ``attn_res_mix_norm_grads``, ``kernels.conv.causal_conv1d_naive`` and its autograd) on the step's shapes;
@@ -31,6 +32,7 @@ import argparse
 import collections
 import itertools
 import json
+import math
 import os
 import platform
 import sys
@@ -56,8 +58,9 @@ def lengths_of(tokens: int) -> list[int]:
 
 
 def capture_shapes(arch: dict, tokens: int, device: torch.device) -> dict:
-    """{"attn_res": {(S, dtypes): calls}, "conv": {(R, C, K, dtype, silu): calls}} of one forward of the model
-    on ``learner_mfu``'s packed micro-batch of ``tokens`` tokens (bf16 autocast on CUDA, as the learner)."""
+    """{"attn_res": {(S, dtypes): calls}, "conv": {(R, C, K, dtype, silu): calls}, "adamw": {parameter shapes: 1}}
+    of one forward of the model on ``learner_mfu``'s packed micro-batch of ``tokens`` tokens (bf16 autocast on
+    CUDA, as the learner), and the model's parameters (one optimizer step a micro-batch in the bench's step)."""
     from model import HybridConfig, HybridForCausalLM
     from model.attnres import AttnResMix
     from model.layers import ShortConvolution
@@ -89,6 +92,7 @@ def capture_shapes(arch: dict, tokens: int, device: torch.device) -> dict:
     lengths = lengths_of(tokens)
     ids = torch.randint(0, config.vocab_size, (1, tokens), device=device)
     cu = torch.tensor([0, *itertools.accumulate(lengths)], device=device, dtype=torch.int32)
+    seen["adamw"] = collections.Counter({tuple(tuple(p.shape) for p in model.parameters()): 1})
     ShortConvolution.conv_positions = conv_positions
     try:
         with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
@@ -219,6 +223,55 @@ def run_conv(case, variant: dict, silu: bool, time_us) -> dict:
     return row
 
 
+# ------------------------------------------------------------------------------------------ AdamW
+def adamw_variants(quick: bool) -> list[dict]:
+    """The learner's step (``rl.learner``: fused AdamW over every fp32 parameter, the clip's scale read inside it
+    as ``grad_scale``) as it runs, one tensor a parameter, and over one flat buffer of them all (what flat
+    parameters, as FSDP and Megatron keep them, would give it: one launch instead of a tensor list's chunks)."""
+    return [{"pass": "step", "kernel": k} for k in ("per_tensor", "flat")]
+
+
+def run_adamw(shapes: tuple[tuple[int, ...], ...], variant: dict, device: torch.device, time_us) -> dict:
+    """One fused AdamW step (capturable, so a CUDA graph replays it) on fp32 parameters of ``shapes``; checked
+    against the per-tensor step (the same element-wise math, so the same bits), timed; bytes: the parameter,
+    gradient and two moments read, the three written (28 a parameter)."""
+    from kernels.testing import error_ratio
+
+    sizes = [math.prod(sh) for sh in shapes]
+    n = sum(sizes)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    flat = {k: torch.randn(n, generator=g).to(device) for k in ("p", "g")}
+
+    def build(kernel: str):
+        if kernel == "flat":
+            params = [torch.nn.Parameter(flat["p"].clone())]
+            grads = [flat["g"]]
+        else:
+            params = [torch.nn.Parameter(t.view(sh).clone()) for t, sh in zip(flat["p"].split(sizes), shapes)]
+            grads = [t.view(sh) for t, sh in zip(flat["g"].split(sizes), shapes)]
+        for p, gr in zip(params, grads, strict=True):
+            p.grad = gr
+        cuda = device.type == "cuda"
+        opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), fused=cuda, capturable=cuda)
+        if cuda:  # the clip's scale, as ``Learner._clip_in_step`` sets it (fused steps only)
+            opt.grad_scale = torch.tensor(1.5, device=device)
+        return params, opt
+
+    params, opt = build(variant["kernel"])
+    opt.step()
+    ref_params, ref_opt = build("per_tensor")
+    ref_opt.step()
+    got = torch.cat([p.detach().reshape(-1) for p in params])
+    want = torch.cat([p.detach().reshape(-1) for p in ref_params])
+    err = error_ratio(want, got)
+    del ref_params, ref_opt, want, got
+    row = {**variant, "error": err, "tolerance": 0.0, "ok": err == 0.0, "bytes": 28 * n, "params": n,
+           "tensors": len(params)}  # fmt: skip
+    if row["ok"]:
+        row["us"] = time_us(opt.step)
+    return row
+
+
 # ------------------------------------------------------------------------------------------ report
 def defaults() -> dict[str, dict]:
     """The launch each kernel and pass takes in the learner today, per "op pass"."""
@@ -236,6 +289,7 @@ def defaults() -> dict[str, dict]:
                               "warps": attnres.BACKWARD_KERNELS["tile"][1]},
         "conv forward": tile(conv.FWD_LAUNCH),
         "conv backward": {"kernel": conv.BACKWARD_KERNELS[0], **tile(conv.BWD_LAUNCH)},
+        "adamw step": {"kernel": "per_tensor"},
     }  # fmt: skip
 
 
@@ -250,6 +304,8 @@ def step_table(rows: list[dict], gbs: float) -> tuple[list[str], dict]:
     for name in default_of:
         op, pas = name.split()
         mine = [r for r in rows if r["op"] == op and r["pass"] == pas]
+        if not mine:  # not among --ops
+            continue
         by = collections.defaultdict(list)
         for r in mine:
             by[launch_key(r)].append(r)
@@ -281,11 +337,11 @@ def main() -> int:
     ap.add_argument("--preset", type=Path, default=ROOT / "configs/model/gpu_1b.yaml")
     ap.add_argument("--quick", action="store_true", help="the defaults and a few variants only")
     ap.add_argument("--small", action="store_true", help="CPU plumbing: the tiny preset, 64 tokens")
-    ap.add_argument("--ops", default="attn_res,conv", help="which kernels: attn_res, conv or both")
+    ap.add_argument("--ops", default="attn_res,conv,adamw", help="which kernels: any of attn_res, conv, adamw")
     args = ap.parse_args()
     ops = set(args.ops.split(","))
-    if not ops or not ops <= {"attn_res", "conv"}:
-        ap.error(f"--ops: attn_res, conv or both (comma-separated), got {args.ops!r}")
+    if not ops or not ops <= {"attn_res", "conv", "adamw"}:
+        ap.error(f"--ops: any of attn_res, conv, adamw (comma-separated), got {args.ops!r}")
     from learner_mfu import load_arch
 
     cuda = torch.cuda.is_available() and not args.small
@@ -301,7 +357,9 @@ def main() -> int:
     time_us = timer(device)
     gbs = copy_gbs(device, time_us)
     D = arch["hidden_size"]
-    print(f"[shapes] {dict(shapes['attn_res'])} {dict(shapes['conv'])}; copy {gbs:.0f} GB/s", flush=True)
+    tensors = [len(k) for k in shapes["adamw"]]
+    print(f"[shapes] {dict(shapes['attn_res'])} {dict(shapes['conv'])}, {tensors} parameter tensors; copy {gbs:.0f} "
+          f"GB/s", flush=True)  # fmt: skip
     rows = []
     for (S, dtypes), calls in sorted(shapes["attn_res"].items()) if "attn_res" in ops else ():
         case = attn_res_case(S, dtypes, tokens, D, device)
@@ -315,6 +373,13 @@ def main() -> int:
             rows.append({"op": "conv", "shape": f"R={R} C={C} K={K} {dtype.removeprefix('torch.')} silu={silu}",
                          "calls": calls, **run_conv(case, v, silu, time_us)})  # fmt: skip
             print(f"[conv] {rows[-1]}", flush=True)
+    for shapes_, calls in shapes["adamw"].items() if "adamw" in ops else ():
+        for v in adamw_variants(args.quick):
+            rows.append({"op": "adamw", "shape": f"{len(shapes_)} tensors", "calls": calls,
+                         **run_adamw(shapes_, v, device, time_us)})  # fmt: skip
+            print(f"[adamw] {rows[-1]}", flush=True)
+            if cuda:
+                torch.cuda.empty_cache()
     table, summary = step_table(rows, gbs)
     env = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": torch.cuda.get_device_name() if cuda else platform.processor(),
            "torch": torch.__version__, "command": " ".join(sys.argv), "tokens": tokens, "copy_gbs": gbs,

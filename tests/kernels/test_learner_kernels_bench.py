@@ -40,7 +40,10 @@ def test_shapes_checks_and_the_fastest_passing_launch(bench, monkeypatch, tmp_pa
     others = [r for r in rows if r.get("kernel") != "fused"]
     assert all(r["ok"] and r["us"] > 0 and r["error"] <= r["tolerance"] for r in others)
     summary = report["summary"]
-    assert set(summary) == {"attn_res forward", "attn_res backward", "conv forward", "conv backward"}
+    assert set(summary) == {"attn_res forward", "attn_res backward", "conv forward", "conv backward", "adamw step"}
+    steps = [r for r in rows if r["op"] == "adamw"]  # the flat buffer's step is the per-tensor step, bit for bit
+    assert {r["kernel"] for r in steps} == {"per_tensor", "flat"} and all(r["error"] == 0.0 for r in steps)
+    assert steps[0]["params"] > 1e6 and steps[0]["tensors"] > 50 and steps[1]["tensors"] == 1
     assert summary["conv backward"]["best"]["kernel"] == "two_pass"
     assert "| conv backward |" in (tmp_path / "learner_kernels.md").read_text()
 
@@ -59,7 +62,7 @@ def test_an_unknown_kernel_is_named(bench, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(sys, "argv", ["learner_kernels.py", "--small", "--ops", "conv,mla", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         bench.main()
-    assert "--ops: attn_res, conv or both" in capsys.readouterr().err
+    assert "--ops: any of attn_res, conv, adamw" in capsys.readouterr().err
 
 
 def test_shapes_are_captured_on_the_learners_planned_path_too(bench):
