@@ -194,7 +194,7 @@ def conv_variants(quick: bool) -> list[dict]:
     tiles = ((64, 64, 4),) if quick else ((64, 64, 4), (32, 128, 4), (64, 128, 4), (128, 64, 8), (16, 256, 4), (128, 128, 8))
     fwd = [{"pass": "forward", "block_r": r, "block_c": c, "warps": w} for r, c, w in tiles]
     bwd = [{"pass": "backward", "kernel": k, "block_r": r, "block_c": c, "warps": w}
-           for k, (r, c, w) in itertools.product(("two_pass", "fused"), tiles)]  # fmt: skip
+           for k, (r, c, w) in itertools.product(("two_pass", "fused", "two_pass_bf16"), tiles)]  # fmt: skip
     return fwd + bwd
 
 
@@ -211,8 +211,7 @@ def run_conv(case, variant: dict, silu: bool, time_us) -> dict:
         fn = lambda: conv_rows_fwd(x, w, pos, silu, launch)
         ref, moved = [y_ref], 2 * nbytes(x)
     else:
-        fused = variant["kernel"] == "fused"
-        fn = lambda: conv_rows_bwd(x, w, pos, dy, silu, fused, launch)
+        fn = lambda: conv_rows_bwd(x, w, pos, dy, silu, variant["kernel"], launch)
         ref, moved = list(torch.autograd.grad(y_ref, (xr, wr), dy.float())), 3 * nbytes(x)
     out = fn()
     out = [out] if isinstance(out, torch.Tensor) else list(out)

@@ -294,7 +294,7 @@ def seq_layout(
 
 
 # model.fast op "conv" choices on the Triton kernel -> its backward (``kernels.conv.triton.BACKWARD_KERNELS``)
-CONV_BACKWARDS = {"triton": "two_pass", "triton_fused": "fused"}
+CONV_BACKWARDS = {"triton": "two_pass", "triton_fused": "fused", "triton_bf16": "two_pass_bf16"}
 
 
 class ShortConvolution(nn.Module):

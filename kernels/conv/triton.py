@@ -12,7 +12,9 @@ r + j of the same sequence), and per-block partial sums of dw[K-1-j] = sum_r dpr
 [pos[r] >= j], added on the host side of the launch (a [blocks, C, K] fp32 buffer, then a sum). One
 fused kernel that recomputed dpre for each of the K shifted row sets (K + 1 recomputations of K taps)
 took 284 us a call on the H200 against 37 us for the forward (gpu_1b, 16K tokens, C = 1024); the two
-passes take 59 + 102 us (bench/RESULTS.md, 2026-12-03).
+passes take 59 + 102 us (bench/RESULTS.md, 2026-12-03). ``BACKWARD_KERNELS`` names the A/B variants: "fused"
+(both passes in one kernel, dpre in a per-program scratch tile) and "two_pass_bf16" (dpre stored in x's dtype, bf16
+under the learner's autocast: 12 bytes of traffic an element instead of 16, one more rounding of dpre).
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ def _conv_dpre(x_ptr, w_ptr, pos_ptr, dy_ptr, dpre_ptr, R, C, K: tl.constexpr, B
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     rm, cm = r < R, c < C
     dpre = _dpre(x_ptr, w_ptr, pos_ptr, dy_ptr, r, rm, c, cm, R, C, K, True, BR, BC)
-    tl.store(dpre_ptr + r.to(tl.int64)[:, None] * C + c[None, :], dpre, mask=rm[:, None] & cm[None, :])
+    tl.store(dpre_ptr + r.to(tl.int64)[:, None] * C + c[None, :], dpre.to(dpre_ptr.dtype.element_ty),
+             mask=rm[:, None] & cm[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -197,20 +200,23 @@ def _(x_RC, w_CK, pos_R, silu):
     return torch.empty_like(x_RC)
 
 
-BACKWARD_KERNELS = ("two_pass", "fused")  # the module docstring's two passes; ``_conv_bwd_fused`` (the A/B)
+BACKWARD_KERNELS = ("two_pass", "fused", "two_pass_bf16")  # the default first; the module docstring has the others
 
 
 @torch.library.custom_op(op_name("conv_varlen_bwd"), mutates_args=())
 def conv_varlen_bwd(
-    x_RC: torch.Tensor, w_CK: torch.Tensor, pos_R: torch.Tensor, dy_RC: torch.Tensor, silu: bool, fused: bool
+    x_RC: torch.Tensor, w_CK: torch.Tensor, pos_R: torch.Tensor, dy_RC: torch.Tensor, silu: bool, kernel: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx [R, C], dw [C, K] in w's dtype) for the output gradient dy: the two passes of the module docstring, or
-    with ``fused`` both in one launch (``_conv_bwd_fused``)."""
-    return conv_rows_bwd(x_RC, w_CK, pos_R, dy_RC, silu, fused)
+    """(dx [R, C], dw [C, K] in w's dtype) for the output gradient dy, by ``kernel`` (``BACKWARD_KERNELS``): the
+    two passes of the module docstring, both in one launch (``_conv_bwd_fused``), or the two passes with dpre
+    in x's dtype."""
+    return conv_rows_bwd(x_RC, w_CK, pos_R, dy_RC, silu, kernel)
 
 
-def conv_rows_bwd(x_RC, w_CK, pos_R, dy_RC, silu: bool, fused: bool, launch: Launch = BWD_LAUNCH):
+def conv_rows_bwd(x_RC, w_CK, pos_R, dy_RC, silu: bool, kernel: str, launch: Launch = BWD_LAUNCH):
     """``conv_varlen_bwd``'s launches, their tile and warps given (one ``Launch`` for both passes)."""
+    if kernel not in BACKWARD_KERNELS:
+        raise ValueError(f"backward must be one of {BACKWARD_KERNELS}, got {kernel!r}")
     R, C = x_RC.shape
     K = w_CK.shape[1]
     dx_RC = torch.empty_like(x_RC)
@@ -219,7 +225,7 @@ def conv_rows_bwd(x_RC, w_CK, pos_R, dy_RC, silu: bool, fused: bool, launch: Lau
     grid, BR, BC, warps = launch.grid(R, C), launch.block_r, launch.block_c, launch.warps
     dy_RC = dy_RC.contiguous()
     dw_part = torch.empty(grid[0], C, K, device=x_RC.device, dtype=torch.float32)
-    if fused:
+    if kernel == "fused":
         halo = triton.next_power_of_2(max(K - 1, 1))
         scratch = torch.empty(grid[0] * grid[1] * (BR + halo) * BC, device=x_RC.device, dtype=torch.float32)
         _conv_bwd_fused[grid](x_RC, w_CK, pos_R, dy_RC, dx_RC, dw_part, scratch, R, C, K=K, SILU=silu, BR=BR, BC=BC,
@@ -227,14 +233,15 @@ def conv_rows_bwd(x_RC, w_CK, pos_R, dy_RC, silu: bool, fused: bool, launch: Lau
         return dx_RC, dw_part.sum(0).to(w_CK.dtype)
     dpre_RC = dy_RC
     if silu:
-        dpre_RC = torch.empty(R, C, device=x_RC.device, dtype=torch.float32)
+        dpre_dtype = x_RC.dtype if kernel == "two_pass_bf16" else torch.float32
+        dpre_RC = torch.empty(R, C, device=x_RC.device, dtype=dpre_dtype)
         _conv_dpre[grid](x_RC, w_CK, pos_R, dy_RC, dpre_RC, R, C, K=K, BR=BR, BC=BC, num_warps=warps)
     _conv_bwd[grid](x_RC, w_CK, pos_R, dpre_RC, dx_RC, dw_part, R, C, K=K, BR=BR, BC=BC, num_warps=warps)
     return dx_RC, dw_part.sum(0).to(w_CK.dtype)
 
 
 @conv_varlen_bwd.register_fake
-def _(x_RC, w_CK, pos_R, dy_RC, silu, fused):
+def _(x_RC, w_CK, pos_R, dy_RC, silu, kernel):
     return torch.empty_like(x_RC), torch.empty_like(w_CK)
 
 
@@ -242,15 +249,15 @@ class CausalConv1dVarlen(torch.autograd.Function):
     """The differentiable conv over the two ops: nothing but them inside, so dynamo traces it into a graph."""
 
     @staticmethod
-    def forward(ctx, x_RC, w_CK, pos_R, silu: bool, fused_backward: bool):
+    def forward(ctx, x_RC, w_CK, pos_R, silu: bool, backward: str):
         ctx.save_for_backward(x_RC, w_CK, pos_R)
-        ctx.silu, ctx.fused_backward = silu, fused_backward
+        ctx.silu, ctx.backward = silu, backward
         return conv_varlen_fwd(x_RC, w_CK, pos_R, silu)
 
     @staticmethod
     def backward(ctx, dy_RC):
         x_RC, w_CK, pos_R = ctx.saved_tensors
-        dx_RC, dw_CK = conv_varlen_bwd(x_RC, w_CK, pos_R, dy_RC, ctx.silu, ctx.fused_backward)
+        dx_RC, dw_CK = conv_varlen_bwd(x_RC, w_CK, pos_R, dy_RC, ctx.silu, ctx.backward)
         return dx_RC, dw_CK, None, None, None
 
 
@@ -271,7 +278,7 @@ def causal_conv1d_triton(
         raise ValueError(f"positions must be [B, T] = [{B}, {T}], got {tuple(pos_BT.shape)}")
     pos_R = pos_BT.reshape(-1).to(torch.int32)
     y = CausalConv1dVarlen.apply(
-        x_BTC.reshape(B * T, C).contiguous(), w_CK.contiguous(), pos_R, activation == "silu", backward == "fused"
+        x_BTC.reshape(B * T, C).contiguous(), w_CK.contiguous(), pos_R, activation == "silu", backward
     )
     return y.view(B, T, C)
 

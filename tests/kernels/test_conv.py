@@ -68,12 +68,15 @@ def test_padded_batch_and_bf16():
     ref = causal_conv1d_naive(x.float(), w, pos)  # the kernel accumulates in fp32
     assert_close("y bf16", ref, y.float(), 1e-2)
     dy = torch.randn(B, T, C).bfloat16()
-    for backward in CONV.BACKWARD_KERNELS:  # dx in bf16 from fp32 sums, both kernels
+    for backward in CONV.BACKWARD_KERNELS:  # dx in bf16 from fp32 sums, dw in w's dtype: every kernel (two_pass_bf16
+        # rounds dpre to bf16 once more: within the same bound)
         xg, xf = x.clone().requires_grad_(), x.float().requires_grad_()
-        got = torch.autograd.grad(CONV.causal_conv1d_triton(xg, w, pos, backward=backward), xg, dy)[0]
-        want = torch.autograd.grad(causal_conv1d_naive(xf, w, pos), xf, dy.float())[0]
-        assert got.dtype == torch.bfloat16
-        assert_close(f"dx bf16 {backward}", want, got.float(), 1e-2)
+        wg, wf = w.clone().requires_grad_(), w.clone().requires_grad_()
+        got = torch.autograd.grad(CONV.causal_conv1d_triton(xg, wg, pos, backward=backward), (xg, wg), dy)
+        want = torch.autograd.grad(causal_conv1d_naive(xf, wf, pos), (xf, wf), dy.float())
+        assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32
+        assert_close(f"dx bf16 {backward}", want[0], got[0].float(), 1e-2)
+        assert_close(f"dw bf16 {backward}", want[1], got[1], 1e-2)
 
 
 def test_bad_inputs_are_named():
@@ -87,7 +90,7 @@ def test_bad_inputs_are_named():
         CONV.causal_conv1d_triton(torch.randn(1, 4, 8), torch.randn(8, 4), packed_positions([4]), backward="one")
 
 
-@pytest.mark.parametrize("op", ["triton", "triton_fused"])
+@pytest.mark.parametrize("op", ["triton", "triton_fused", "triton_bf16"])
 def test_short_convolution_module_on_the_kernel_equals_its_taps(op):
     from model.fast import use_fast_paths
     from model.layers import ShortConvolution, seq_layout
@@ -211,6 +214,6 @@ def test_the_differentiable_conv_traces_whole_into_a_graph():
         assert torch.equal(a, b)
     x_RC, pos_R = x.detach()[0].contiguous(), pos[0].to(torch.int32)
     torch.library.opcheck(CONV.conv_varlen_fwd, (x_RC, w.detach(), pos_R, True))
-    for fused in (False, True):
-        torch.library.opcheck(CONV.conv_varlen_bwd, (x_RC, w.detach(), pos_R, dy[0], True, fused),
+    for kernel in CONV.BACKWARD_KERNELS:
+        torch.library.opcheck(CONV.conv_varlen_bwd, (x_RC, w.detach(), pos_R, dy[0], True, kernel),
                               test_utils=("test_schema", "test_faketensor"))  # fmt: skip

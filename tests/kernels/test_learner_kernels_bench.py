@@ -21,9 +21,9 @@ def test_shapes_checks_and_the_fastest_passing_launch(bench, monkeypatch, tmp_pa
 
     real = conv.conv_rows_bwd
 
-    def wrong_when_fused(x, w, pos, dy, silu, fused, launch=conv.BWD_LAUNCH):
-        dx, dw = real(x, w, pos, dy, silu, fused, launch)
-        return (1.5 * dx if fused else dx), dw
+    def wrong_when_fused(x, w, pos, dy, silu, kernel, launch=conv.BWD_LAUNCH):
+        dx, dw = real(x, w, pos, dy, silu, kernel, launch)
+        return (1.5 * dx if kernel == "fused" else dx), dw
 
     monkeypatch.setattr(conv, "conv_rows_bwd", wrong_when_fused)
     monkeypatch.setattr(sys, "argv", ["learner_kernels.py", "--small", "--quick", "--out", str(tmp_path)])
