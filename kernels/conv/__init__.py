@@ -3,7 +3,7 @@
     causal_conv1d_naive(x [B, T, C], w [C, K], pos [B, T], activation)   PyTorch, any device/dtype
     causal_conv1d_triton(..., backward)                                   same function, CUDA (or
                                                                           TRITON_INTERPRET=1); backward
-                                                                          "two_pass" or "fused"
+                                                                          one of triton.BACKWARD_KERNELS
     causal_conv1d_state_triton(x, w, pos, seq [B, T], state [N, C, K-1])  continuing from conv states
                                                                           (forward only: the engine's prefill)
 
