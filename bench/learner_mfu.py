@@ -9,11 +9,11 @@ step on the reference paths (``model.fast``): loss, gradient norm and token logp
 tolerance (bf16: errors pooled over ``--check-batches`` batches); a failed check stops the run (exit 1).
 
 Reported per micro-batch size: step time, tokens/s, MFU = 6 x active matmul parameters x tokens / step
-time / bf16 GEMM peak (the peak is measured in the same run: the best of 5 rounds of 10 8192^3 bf16 matmuls, ``gemm_peak``), peak memory, and
-the time of each component measured alone at the same shapes on inputs captured from the step (KDA,
-MLA, MoE: forward + backward of one layer times the layer count; LM head + loss; optimizer: clip +
-AdamW), and the kernel launches / host syncs of one profiled step (``--profile``). Active matmul
-parameters = every nn.Linear weight and the router weights, with the routed experts counted top_k /
+time / bf16 GEMM peak (the peak is measured in the same run: the best of 5 rounds of 10 8192^3 bf16
+matmuls, ``gemm_peak``), peak memory, and the time of each component measured alone at the same shapes on
+inputs captured from the step (KDA, MLA, MoE: forward + backward of one layer times the layer count; LM
+head + loss; optimizer: clip + AdamW), and the kernel launches / host syncs of one profiled step
+(``--profile``). Active matmul parameters = every nn.Linear weight and the router weights, with the routed experts counted top_k /
 num_experts times; the embedding lookup is not a matmul and is not counted.
 
 The peer: transformers' ``KimiLinearForCausalLM`` (KDA + MLA + MoE; flash-linear-attention's kernels

@@ -203,6 +203,11 @@ def _(x_RC, w_CK, pos_R, silu):
 BACKWARD_KERNELS = ("two_pass", "fused", "two_pass_bf16")  # the default first; the module docstring has the others
 
 
+def _check_backward(kernel: str) -> None:
+    if kernel not in BACKWARD_KERNELS:
+        raise ValueError(f"backward must be one of {BACKWARD_KERNELS}, got {kernel!r}")
+
+
 @torch.library.custom_op(op_name("conv_varlen_bwd"), mutates_args=())
 def conv_varlen_bwd(
     x_RC: torch.Tensor, w_CK: torch.Tensor, pos_R: torch.Tensor, dy_RC: torch.Tensor, silu: bool, kernel: str
@@ -215,8 +220,7 @@ def conv_varlen_bwd(
 
 def conv_rows_bwd(x_RC, w_CK, pos_R, dy_RC, silu: bool, kernel: str, launch: Launch = BWD_LAUNCH):
     """``conv_varlen_bwd``'s launches, their tile and warps given (one ``Launch`` for both passes)."""
-    if kernel not in BACKWARD_KERNELS:
-        raise ValueError(f"backward must be one of {BACKWARD_KERNELS}, got {kernel!r}")
+    _check_backward(kernel)
     R, C = x_RC.shape
     K = w_CK.shape[1]
     dx_RC = torch.empty_like(x_RC)
@@ -269,8 +273,7 @@ def causal_conv1d_triton(
     ``BACKWARD_KERNELS``."""
     if activation not in (None, "silu"):
         raise ValueError(f"activation must be None or 'silu', got {activation!r}")
-    if backward not in BACKWARD_KERNELS:
-        raise ValueError(f"backward must be one of {BACKWARD_KERNELS}, got {backward!r}")
+    _check_backward(backward)  # here, not first in backward: a bad name fails the forward call
     B, T, C = x_BTC.shape
     if tuple(w_CK.shape[:1]) != (C,) or w_CK.ndim != 2:
         raise ValueError(f"weight must be [C, K] = [{C}, K], got {tuple(w_CK.shape)}")
