@@ -7,7 +7,7 @@ to); the choice is process-wide, read at each call, with "auto" resolved by the 
 |---|---|---|---|---|
 | ``moe`` | ``loop``: one GLU per expert (``GroupedExperts._loop``) | ``grouped``: permute, grouped GEMM, unpermute (``kernels.moe``) | grouped | grouped (measured faster) |
 | ``attention`` | ``loop``: one SDPA per sequence | ``varlen``: PyTorch's varlen flash attention; ``flex``: FlexAttention with a document-causal block mask | bf16/fp16: varlen if importable, else flex; fp32: loop | loop |
-| ``conv`` | ``torch``: the shifted-tap PyTorch conv | ``triton``: one varlen causal conv kernel (``kernels.conv``); ``triton_fused``: the same with its backward's two passes in one kernel (``kernels.conv.triton.BACKWARD_KERNELS``; the A/B: passes the bf16 step check; on an H100 no faster in the graphed step, slower without graphs); ``triton_bf16``: the two passes with dpre stored in the input's dtype (bf16 in training: 12 bytes an element instead of 16; the next A/B, not yet on a GPU) | triton | torch |
+| ``conv`` | ``torch``: the shifted-tap PyTorch conv | ``triton``: one varlen causal conv kernel (``kernels.conv``); ``triton_fused``: the same with its backward's two passes in one kernel (``kernels.conv.triton.BACKWARD_KERNELS``; the A/B: passes the bf16 step check; on an H100 no faster in the graphed step, slower without graphs); ``triton_bf16`` (the default): the two passes with dpre stored in the input's dtype (bf16 in training: 12 bytes an element instead of 16; on an H100 6.3 -> 5.3 ms of a gpu_1b step's convs, the step 168 -> 167 ms graphed; ``triton``: dpre in fp32, the A/B) | triton_bf16 | torch |
 | ``lm_head`` | ``plain``: [T, V] logits, then log-softmax | ``chunked``: logits per token chunk, recomputed in backward (``model.lm_head``) | chunked | chunked (measured faster) |
 | ``glu`` | ``torch``: SiTU / SiLU-GLU by autograd (keeps its fp32 intermediates for backward) | ``recompute``: the same ops, only gate/up kept, recomputed in backward (bit-exact); ``triton``: SiTU-GLU as one fused kernel each way (``kernels.glu``; SiLU takes ``recompute``) | triton | recompute |
 | ``attn_res`` | ``torch``: the AttnRes mix by autograd (keeps the stacked sources and norm intermediates) | ``recompute``: the same ops, only the sources kept, recomputed in backward (bit-exact); ``fused``: the mix and the sub-layer's RMSNorm after it as one node keeping only the sources (``model.attnres.attn_res_mix_norm`` forward, bit-exact eager; its closed-form gradient ``attn_res_mix_norm_grads`` backward, to fp32 rounding: one compiled call each way); ``triton``: that node on two Triton kernels over the unstacked sources, each reading every source row once (``kernels.attnres.triton``; CUDA, up to 8 sources, else ``fused``); ``triton_passes``: the same with the backward kernel that walks a row's sources as vectors instead of holding them as one tile (``kernels.attnres.triton.BACKWARD_KERNELS``; the A/B: passes the bf16 step check; on an H100 no faster in the graphed step, slower without graphs); ``triton_rows``: the backward walking BR rows' sources as [BR, BD] tiles (the next A/B, not yet on a GPU) | triton | fused |
@@ -143,8 +143,8 @@ def pick(op: str, device: torch.device, dtype: torch.dtype | None = None) -> str
         if not cuda or dtype == torch.float32:
             return "loop"
         return "varlen" if _varlen_attn_available() else "flex"
-    if op == "conv":
-        return "triton" if cuda else "torch"
+    if op == "conv":  # dpre in bf16: the convs 6.3 -> 5.3 ms a 16K step on an H100 (bench/learner_kernels.py)
+        return "triton_bf16" if cuda else "torch"
     if op == "lm_head":
         return "chunked"
     if op == "glu":

@@ -6,15 +6,17 @@ one launch covers every sequence of a micro-batch with no per-sequence loop. fp3
 taps in the reference's order (tests/kernels/test_conv.py holds it to ``naive.py``).
 
 Backward, two kernels over (row block, channel block): ``_conv_dpre`` writes dpre[r] = dy[r] act'(pre[r])
-(pre recomputed from x, K taps) to an fp32 [R, C] buffer (with no activation dpre is dy and this pass
+(pre recomputed from x, K taps) to an [R, C] buffer in x's dtype (with no activation dpre is dy and this pass
 is skipped), then ``_conv_bwd`` reads it: dx[r] = sum_j w[K-1-j] dpre[r+j] [pos[r+j] >= j] (the rows
 r + j of the same sequence), and per-block partial sums of dw[K-1-j] = sum_r dpre[r] x[r-j]
 [pos[r] >= j], added on the host side of the launch (a [blocks, C, K] fp32 buffer, then a sum). One
 fused kernel that recomputed dpre for each of the K shifted row sets (K + 1 recomputations of K taps)
 took 284 us a call on the H200 against 37 us for the forward (gpu_1b, 16K tokens, C = 1024); the two
-passes take 59 + 102 us (bench/RESULTS.md, 2026-12-03). ``BACKWARD_KERNELS`` names the A/B variants: "fused"
-(both passes in one kernel, dpre in a per-program scratch tile) and "two_pass_bf16" (dpre stored in x's dtype, bf16
-under the learner's autocast: 12 bytes of traffic an element instead of 16, one more rounding of dpre).
+passes take 59 + 102 us (bench/RESULTS.md, 2026-12-03). ``BACKWARD_KERNELS`` names the default, "two_pass_bf16"
+(dpre in x's dtype: bf16 under the learner's autocast, 12 bytes of traffic an element instead of 16, one more
+rounding of dpre; a gpu_1b step's 36 backwards 6.3 -> 5.3 ms on an H100, bench/RESULTS.md 2026-12-06), and the A/B
+variants: "two_pass" (dpre in fp32, the default until then) and "fused" (both passes in one kernel, dpre in a
+per-program scratch tile).
 """
 
 from __future__ import annotations
@@ -200,7 +202,7 @@ def _(x_RC, w_CK, pos_R, silu):
     return torch.empty_like(x_RC)
 
 
-BACKWARD_KERNELS = ("two_pass", "fused", "two_pass_bf16")  # the default first; the module docstring has the others
+BACKWARD_KERNELS = ("two_pass_bf16", "two_pass", "fused")  # the default first; the module docstring has the others
 
 
 def _check_backward(kernel: str) -> None:
@@ -267,7 +269,7 @@ class CausalConv1dVarlen(torch.autograd.Function):
 
 def causal_conv1d_triton(
     x_BTC: torch.Tensor, w_CK: torch.Tensor, pos_BT: torch.Tensor, activation: str | None = "silu",
-    backward: str = "two_pass",
+    backward: str = "two_pass_bf16",
 ) -> torch.Tensor:  # fmt: skip
     """Same function as ``kernels.conv.naive.causal_conv1d_naive`` (fp32 accumulation); ``backward`` one of
     ``BACKWARD_KERNELS``."""

@@ -212,7 +212,7 @@ def test_fast_path_choice_parses_resolves_and_names_bad_values():
     with use_fast_paths("auto"):
         assert [fast.pick(op, cpu) for op in ("moe", "attention", "conv", "lm_head")] == [
             "grouped", "loop", "torch", "chunked"]  # fmt: skip
-        assert fast.pick("conv", cuda) == "triton" and fast.pick("lm_head", cuda) == "chunked"
+        assert fast.pick("conv", cuda) == "triton_bf16" and fast.pick("lm_head", cuda) == "chunked"
         assert fast.pick("attn_res", cpu) == "fused" and fast.pick("attn_res", cuda) == "triton"  # mix with its norm
         assert fast.pick("attention", cuda) in ("varlen", "flex")
         assert fast.pick("attention", cuda, torch.bfloat16) in ("varlen", "flex")
