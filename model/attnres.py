@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -111,22 +112,91 @@ TRITON_BACKWARDS = {"triton": "tile", "triton_passes": "passes", "triton_rows": 
 takes (``BACKWARD_KERNELS``)."""
 
 
+class MixNormFns(NamedTuple):
+    """The mix-and-norm node's functions: ``forward`` (``attn_res_mix_norm``'s arguments) and ``grads``
+    (``attn_res_mix_norm_grads``'); ``adds_into``: ``grads`` takes ``into=`` (per source a buffer to add that
+    source's gradient to in place, or None), as ``kernels.attnres.triton.mix_norm_grads`` does."""
+
+    forward: Callable
+    grads: Callable
+    adds_into: bool = False
+
+
+class _Slot:
+    """One shared source's gradient so far (``SharedSourceGrads``): None until a mix's backward adds to it."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self) -> None:
+        self.grad: torch.Tensor | None = None
+
+
+class SharedSourceGrads:
+    """Gradient accumulators of the sources the mixes of one forward share. A completed block is a source of
+    every later mix (up to 30 in gpu_1b): autograd gives each mix's backward a fresh gradient per source and sums
+    them with one more pass each (113 in-place adds, 5.6 ms of a 16K gpu_1b step on an H100). Here a shared
+    source's later mixes add their gradients into one buffer (in the Triton kernel itself where the node runs on
+    it) and hand autograd nothing for it; its earliest mix adds its own and returns the sum.
+
+    Sound because the mixes' backwards run in the reverse of their forward order: each mix's newest source is the
+    running block sum after the sub-layer the previous mix feeds, so a mix's backward waits for the next one's
+    (the earliest mix of a source runs last of its mixes). A source's buffer is cleared once returned, so a
+    second backward of the same graph (``retain_graph``) starts afresh. One registry per forward: sources are told
+    apart by ``id``, which stays unique while the forward holds them."""
+
+    def __init__(self) -> None:
+        self._slots: dict[int, _Slot] = {}
+
+    def register(self, sources: tuple[torch.Tensor, ...]) -> tuple[tuple[_Slot, bool] | None, ...]:
+        """Per source of a mix (called in forward order): (its slot, whether this mix is its earliest), or None for
+        a source without gradient."""
+        roles = []
+        for t in sources:
+            if not t.requires_grad:
+                roles.append(None)
+                continue
+            slot = self._slots.get(id(t))
+            earliest = slot is None
+            if earliest:
+                slot = self._slots[id(t)] = _Slot()
+            roles.append((slot, earliest))
+        return tuple(roles)
+
+
 class _MixNormNode(torch.autograd.Function):
-    """``fns[0](query, norm_weight, eps, out_weight, out_eps, *sources)`` (``attn_res_mix_norm``) keeping only the
-    sources and weights; backward ``fns[1]`` (``attn_res_mix_norm_grads``)."""
+    """``fns.forward(query, norm_weight, eps, out_weight, out_eps, *sources)`` (``attn_res_mix_norm``) keeping only
+    the sources and weights; backward ``fns.grads`` (``attn_res_mix_norm_grads``), its sources' gradients gathered
+    through ``shared`` (a ``SharedSourceGrads``; None: every gradient handed to autograd)."""
 
     @staticmethod
-    def forward(ctx, fns, query, norm_weight, eps, out_weight, out_eps, *sources):
-        ctx.grads_fn, ctx.eps = fns[1], (eps, out_eps)
+    def forward(ctx, fns: MixNormFns, shared, query, norm_weight, eps, out_weight, out_eps, *sources):
+        ctx.fns, ctx.eps = fns, (eps, out_eps)
+        ctx.roles = shared.register(sources) if shared is not None else (None,) * len(sources)
         ctx.save_for_backward(query, norm_weight, out_weight, *sources)
-        return fns[0](query, norm_weight, eps, out_weight, out_eps, *sources)
+        return fns.forward(query, norm_weight, eps, out_weight, out_eps, *sources)
 
     @staticmethod
     def backward(ctx, dh):
         query, norm_weight, out_weight, *sources = ctx.saved_tensors
-        (eps, out_eps), args = ctx.eps, (query, norm_weight)
-        dq, dnw, dow, *dsources = ctx.grads_fn(*args, eps, out_weight, out_eps, dh.contiguous(), *sources)
-        return None, dq, dnw, None, dow, None, *dsources
+        (eps, out_eps), fns, roles = ctx.eps, ctx.fns, ctx.roles
+        into = [role[0].grad if role is not None else None for role in roles]
+        args = (query, norm_weight, eps, out_weight, out_eps, dh.contiguous(), *sources)
+        if fns.adds_into:
+            dq, dnw, dow, *dsources = fns.grads(*args, into=into)
+        else:
+            dq, dnw, dow, *fresh = fns.grads(*args)
+            dsources = [g if acc is None else acc.add_(g) for acc, g in zip(into, fresh, strict=True)]
+        return None, None, dq, dnw, None, dow, None, *(_handed(role, g) for role, g in zip(roles, dsources))
+
+
+def _handed(role: tuple[_Slot, bool] | None, grad: torch.Tensor) -> torch.Tensor | None:
+    """What a mix's backward hands autograd for one source: the gradient summed so far at the source's earliest mix
+    (its slot cleared), nothing at a later one (the sum kept in the slot), the gradient where nothing is shared."""
+    if role is None:
+        return grad
+    slot, earliest = role
+    slot.grad = None if earliest else grad
+    return grad if earliest else None
 
 
 class AttnResMix(nn.Module):
@@ -145,37 +215,43 @@ class AttnResMix(nn.Module):
         self.mix_norm_fn: Callable = attn_res_mix_norm  # compiled likewise
         self.mix_norm_grads_fn: Callable = attn_res_mix_norm_grads  # compiled likewise
 
-    def forward(self, sources: list[torch.Tensor], norm: RMSNorm | None = None) -> torch.Tensor:
+    def forward(
+        self, sources: list[torch.Tensor], norm: RMSNorm | None = None, shared: SharedSourceGrads | None = None
+    ) -> torch.Tensor:
         """The mix of ``sources``; with ``norm``, ``norm`` of the mix as one region (``attn_res_mix_norm``;
-        ``normed`` says when). Through the module call either way, so hooks on this module run (FSDP gathers
-        the query and key-norm weight in them: ``rl.parallel`` shards each mix as a unit of its own)."""
+        ``normed`` says when), its sources' gradients gathered through ``shared`` (``SharedSourceGrads``). Through
+        the module call either way, so hooks on this module run (FSDP gathers the query and key-norm weight in
+        them: ``rl.parallel`` shards each mix as a unit of its own)."""
         if len(sources) == 1:
             return sources[0] if norm is None else norm(sources[0])
         if norm is not None:
             fns = self._mix_norm_fns(sources)
             if torch.is_grad_enabled() and any(t.requires_grad for t in (*sources, *self.parameters(), norm.weight)):
-                return _MixNormNode.apply(fns, self.query, self.norm.weight, self.norm.eps, norm.weight, norm.eps,
-                                          *sources)  # fmt: skip
+                return _MixNormNode.apply(fns, shared, self.query, self.norm.weight, self.norm.eps, norm.weight,
+                                          norm.eps, *sources)  # fmt: skip
             # with gradient a node of its own (``_MixNormNode``), not a compiled region's autograd: a compiled mix's
             # own backward graph keeps a stacked copy of the sources (inductor's partitioner), about S x [T, D] more
             # a mix than the sources
-            return fns[0](self.query, self.norm.weight, self.norm.eps, norm.weight, norm.eps, *sources)
+            return fns.forward(self.query, self.norm.weight, self.norm.eps, norm.weight, norm.eps, *sources)
         if fast.pick("attn_res", sources[0].device) in ("recompute", "fused", *TRITON_BACKWARDS):
             return recompute_in_backward(self.mix, *sources)
         return self.mix(*sources)
 
-    def _mix_norm_fns(self, sources: list[torch.Tensor]) -> tuple[Callable, Callable]:
-        """(forward, gradient) of the mix-and-norm node: ``model.fast`` op "attn_res" = triton on CUDA with at most
+    def _mix_norm_fns(self, sources: list[torch.Tensor]) -> MixNormFns:
+        """The mix-and-norm node's functions: ``model.fast`` op "attn_res" = triton on CUDA with at most
         ``MAX_SOURCES`` sources, the Triton kernels (``kernels.attnres.triton``); else the (compiled) functions."""
         op = fast.pick("attn_res", sources[0].device)
         if sources[0].is_cuda and op in TRITON_BACKWARDS:
             from kernels.attnres.triton import MAX_SOURCES, mix_norm_forward, mix_norm_grads
 
             if len(sources) <= MAX_SOURCES:
-                return mix_norm_forward, functools.partial(mix_norm_grads, kernel=TRITON_BACKWARDS[op])
-        return self.mix_norm_fn, self.mix_norm_grads_fn
+                grads = functools.partial(mix_norm_grads, kernel=TRITON_BACKWARDS[op])
+                return MixNormFns(mix_norm_forward, grads, adds_into=True)
+        return MixNormFns(self.mix_norm_fn, self.mix_norm_grads_fn)
 
-    def normed(self, sources: list[torch.Tensor], norm: RMSNorm) -> torch.Tensor:
+    def normed(
+        self, sources: list[torch.Tensor], norm: RMSNorm, shared: SharedSourceGrads | None = None
+    ) -> torch.Tensor:
         """``norm(self(sources))``: the input of the sub-layer that ``norm`` belongs to. With ``model.fast`` op
         "attn_res" = fused (the default) and the sources unstacked (the learner), one node (``attn_res_mix_norm``
         forward, its closed-form gradient backward; the norm goes with the mix whatever op "norm" says); an
@@ -187,7 +263,7 @@ class AttnResMix(nn.Module):
                 self.query, self.norm.weight, self.norm.eps, norm.weight, norm.eps, torch.stack(sources)
             )
         if op in ("fused", *TRITON_BACKWARDS) and self.stacked_mix_fn is None:
-            return self(sources, norm)  # one source: ``forward`` norms it
+            return self(sources, norm, shared)  # one source: ``forward`` norms it
         return norm(self(sources))
 
     def mix(self, *sources: torch.Tensor) -> torch.Tensor:

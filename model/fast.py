@@ -12,6 +12,7 @@ to); the choice is process-wide, read at each call, with "auto" resolved by the 
 | ``glu`` | ``torch``: SiTU / SiLU-GLU by autograd (keeps its fp32 intermediates for backward) | ``recompute``: the same ops, only gate/up kept, recomputed in backward (bit-exact); ``triton``: SiTU-GLU as one fused kernel each way (``kernels.glu``; SiLU takes ``recompute``) | triton | recompute |
 | ``attn_res`` | ``torch``: the AttnRes mix by autograd (keeps the stacked sources and norm intermediates) | ``recompute``: the same ops, only the sources kept, recomputed in backward (bit-exact); ``fused``: the mix and the sub-layer's RMSNorm after it as one node keeping only the sources (``model.attnres.attn_res_mix_norm`` forward, bit-exact eager; its closed-form gradient ``attn_res_mix_norm_grads`` backward, to fp32 rounding: one compiled call each way); ``triton``: that node on two Triton kernels over the unstacked sources, each reading every source row once (``kernels.attnres.triton``; CUDA, up to 8 sources, else ``fused``); ``triton_passes``: the same with the backward kernel that walks a row's sources as vectors instead of holding them as one tile (``kernels.attnres.triton.BACKWARD_KERNELS``; the A/B: passes the bf16 step check; on an H100 no faster in the graphed step, slower without graphs); ``triton_rows``: the backward walking BR rows' sources as [BR, BD] tiles (the next A/B, not yet on a GPU) | triton | fused |
 | ``norm`` | ``torch``: RMSNorm and L2 norm by autograd (keep an fp32 normalised copy) | ``recompute``: the same ops, only the input kept (bit-exact) | recompute | recompute |
+| ``attn_res_grads`` | ``autograd``: each mix-and-norm node hands autograd every source's gradient, autograd sums a shared source's with one more pass each | ``shared``: a completed block's later mixes add its gradient into one buffer, in the Triton backward itself on CUDA, its earliest mix returns it (``model.attnres.SharedSourceGrads``; the PyTorch node: the same sums in the same order, bit-exact) | shared | shared |
 
 "recompute" means what autograd keeps: under ``model.compile`` a compiled norm, GLU or KDA region is not
 checkpointed, its graph's partitioner keeps the inputs and per-row statistics and recomputes the rest inside
@@ -45,6 +46,7 @@ CHOICES = {
     "glu": ("auto", "torch", "recompute", "triton"),
     "attn_res": ("auto", "torch", "recompute", "fused", "triton", "triton_passes", "triton_rows"),
     "norm": ("auto", "torch", "recompute"),
+    "attn_res_grads": ("auto", "autograd", "shared"),
 }
 
 
@@ -57,6 +59,7 @@ class FastPaths:
     glu: str = "auto"
     attn_res: str = "auto"
     norm: str = "auto"
+    attn_res_grads: str = "auto"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -67,7 +70,7 @@ class FastPaths:
     @classmethod
     def reference(cls) -> FastPaths:
         return cls(moe="loop", attention="loop", conv="torch", lm_head="plain", glu="torch", attn_res="torch",
-                   norm="torch")
+                   norm="torch", attn_res_grads="autograd")
 
     @classmethod
     def parse(cls, spec: FastPaths | str | dict) -> FastPaths:
@@ -153,4 +156,6 @@ def pick(op: str, device: torch.device, dtype: torch.dtype | None = None) -> str
         return "triton" if cuda else "fused"
     if op == "norm":
         return "recompute"
+    if op == "attn_res_grads":
+        return "shared"
     raise ValueError(f"unknown fast-path op {op!r}; ops are {sorted(CHOICES)}")

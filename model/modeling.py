@@ -30,7 +30,8 @@ from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.utils import ModelOutput
 
-from model.attnres import AttnResMix
+from model import fast
+from model.attnres import AttnResMix, SharedSourceGrads
 from model.cache import HybridCache
 from model.config import HybridConfig
 from model.kda import KimiDeltaAttention
@@ -76,13 +77,14 @@ class HybridDecoderLayer(nn.Module):
                 self.attn_res = AttnResMix(config.hidden_size, eps=config.rms_norm_eps)
             self.mlp_res = AttnResMix(config.hidden_size, eps=config.rms_norm_eps)
 
-    def attn_input(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        """The attention's input: ``input_layernorm`` of the AttnRes mix of ``sources`` (of the one source)."""
-        return _normed_input(getattr(self, "attn_res", None), self.input_layernorm, sources)
+    def attn_input(self, sources: list[torch.Tensor], shared: SharedSourceGrads | None = None) -> torch.Tensor:
+        """The attention's input: ``input_layernorm`` of the AttnRes mix of ``sources`` (of the one source);
+        ``shared``: the forward's ``SharedSourceGrads``."""
+        return _normed_input(getattr(self, "attn_res", None), self.input_layernorm, sources, shared)
 
-    def ffn_input(self, sources: list[torch.Tensor]) -> torch.Tensor:
+    def ffn_input(self, sources: list[torch.Tensor], shared: SharedSourceGrads | None = None) -> torch.Tensor:
         """The FFN's input: ``post_attention_layernorm`` of the AttnRes mix of ``sources`` (of the one source)."""
-        return _normed_input(getattr(self, "mlp_res", None), self.post_attention_layernorm, sources)
+        return _normed_input(getattr(self, "mlp_res", None), self.post_attention_layernorm, sources, shared)
 
     def attention(self, x_BTD, layout, cu_seqlens, state, return_state):
         """``x_BTD``: normed (``attn_input``)."""
@@ -96,13 +98,15 @@ class HybridDecoderLayer(nn.Module):
         return self.mlp(x_BTD), None
 
 
-def _normed_input(mix: AttnResMix | None, norm: RMSNorm, sources: list[torch.Tensor]) -> torch.Tensor:
+def _normed_input(
+    mix: AttnResMix | None, norm: RMSNorm, sources: list[torch.Tensor], shared: SharedSourceGrads | None = None
+) -> torch.Tensor:
     """``norm(mix(sources))``, the mix and the norm as one region where they can be (``AttnResMix.normed``);
     without a mix (layer 0's attention) the one source normed."""
     if mix is None:
         (x_BTD,) = sources
         return norm(x_BTD)
-    return mix.normed(sources, norm)
+    return mix.normed(sources, norm, shared)
 
 
 @contextlib.contextmanager
@@ -268,19 +272,22 @@ class HybridModel(HybridPreTrainedModel):
 
     def _forward_attn_res(self, emb_BTD, step: _Step) -> torch.Tensor:
         """The final normed hidden states, Block AttnRes wiring (NeMo ``_forward_attn_residual``, FLA
-        ``KDABlock.forward``); each sub-layer's mix and norm come as one (``HybridDecoderLayer.attn_input``)."""
+        ``KDABlock.forward``); each sub-layer's mix and norm come as one (``HybridDecoderLayer.attn_input``), the
+        gradients of the sources several mixes read summed in one buffer each (``SharedSourceGrads``)."""
         S = self.config.attn_res_block_size
+        share = torch.is_grad_enabled() and fast.pick("attn_res_grads", emb_BTD.device) == "shared"
+        shared = SharedSourceGrads() if share else None
         blocks: list[torch.Tensor] = []
         partial = emb_BTD  # running sum of the current block (the embedding before layer 0)
         for l, layer in enumerate(self.layers):
-            x_BTD = layer.attn_input([*blocks, partial] if blocks else [partial])
+            x_BTD = layer.attn_input([*blocks, partial] if blocks else [partial], shared)
             if l % S == 0:  # close the previous block (the embedding at l = 0)
                 blocks.append(partial)
                 partial = None
             a_BTD = self._attn(layer, x_BTD, step)
             partial = a_BTD if partial is None else partial + a_BTD
-            partial = partial + self._ffn(layer, layer.ffn_input([*blocks, partial]), step)
-        return _normed_input(self.out_res, self.norm, [*blocks, partial])
+            partial = partial + self._ffn(layer, layer.ffn_input([*blocks, partial], shared), step)
+        return _normed_input(self.out_res, self.norm, [*blocks, partial], shared)
 
 
 class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -112,6 +113,15 @@ def _mix_grad(m, dh_ptr, row, d, dm, go, D, out_eps):
 
 
 @triton.jit
+def _put_grad(ptr, dv, mask, ACC: tl.constexpr, i: tl.constexpr):
+    """Source ``i``'s gradient ``dv`` (fp32) stored at ``ptr`` in the buffer's dtype; where bit i of ``ACC`` is set,
+    added to what the buffer holds (``mix_norm_grads``' ``into``)."""
+    if (ACC >> i) & 1:
+        dv += tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptr, dv.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _mix_tile(row, d, dm, u, eps, D, p0, p1, p2, p3, p4, p5, p6, p7, S: tl.constexpr, SP: tl.constexpr,
               BD: tl.constexpr):  # fmt: skip
     """(v [SP, BD], r [SP], vu [SP], a [SP], m [BD]) of one row: the sources, their keys' rsqrt(mean v^2 + eps),
@@ -145,7 +155,7 @@ def _mix_norm_fwd(y_ptr, q_ptr, kw_ptr, ow_ptr, N, D, eps, out_eps, p0, p1, p2, 
 @triton.jit
 def _mix_norm_bwd(dh_ptr, q_ptr, kw_ptr, ow_ptr, du_ptr, dgo_ptr, N, D, eps, out_eps,
                   p0, p1, p2, p3, p4, p5, p6, p7, g0, g1, g2, g3, g4, g5, g6, g7,
-                  S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+                  S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     """``model.attnres.attn_res_mix_norm_grads`` row by row (its docstring has the formulas): each program walks
     rows pid, pid + P, ... writing every source's gradient (g_i, the sources' dtype) and summing the weights'
     per-row terms du and dg_o over its rows into one [D] partial each (fp32, summed over programs by the caller)."""
@@ -165,7 +175,7 @@ def _mix_norm_bwd(dh_ptr, q_ptr, kw_ptr, ow_ptr, du_ptr, dgo_ptr, N, D, eps, out
         for i in tl.static_range(S):
             gi = _source(i, g0, g1, g2, g3, g4, g5, g6, g7)
             dvi = tl.reduce(tl.where(sidx[:, None] == i, dv, 0.0), 0, _sum_combine)
-            tl.store(gi + row * D + d, dvi.to(gi.dtype.element_ty), mask=dm)
+            _put_grad(gi + row * D + d, dvi, dm, ACC, i)
         du += tl.reduce((ds * r)[:, None] * v, 0, _sum_combine)
         dgo += dh * m * rho
     tl.store(du_ptr + pid * D + d, du, mask=dm)
@@ -181,7 +191,7 @@ def _pick(x, sidx, i: tl.constexpr):
 @triton.jit
 def _mix_norm_bwd_passes(dh_ptr, q_ptr, kw_ptr, ow_ptr, du_ptr, dgo_ptr, N, D, eps, out_eps,
                          p0, p1, p2, p3, p4, p5, p6, p7, g0, g1, g2, g3, g4, g5, g6, g7,
-                         S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+                         S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     """``_mix_norm_bwd`` with no [SP, BD] tile: each row's sources are walked four times as [BD] vectors (the
     per-source scalars r and <v, u>, then the mix, then <dmix, v>, then each source's gradient), the per-source
     scalars kept in [SP] vectors. A source row is read from memory once and from cache three times more; a program
@@ -219,7 +229,7 @@ def _mix_norm_bwd_passes(dh_ptr, q_ptr, kw_ptr, ow_ptr, du_ptr, dgo_ptr, N, D, e
             ri, dsi = _pick(r, sidx, i), _pick(ds, sidx, i)
             dvi = _pick(a, sidx, i) * dmix + dsi * (ri * u - (ri * ri * ri * _pick(vu, sidx, i) / D) * vi)
             gi = _source(i, g0, g1, g2, g3, g4, g5, g6, g7)
-            tl.store(gi + row * D + d, dvi.to(gi.dtype.element_ty), mask=dm)
+            _put_grad(gi + row * D + d, dvi, dm, ACC, i)
             du += (dsi * ri) * vi
         dgo += dh * m * rho
     tl.store(du_ptr + pid * D + d, du, mask=dm)
@@ -242,7 +252,8 @@ def _col(x, sidx, i: tl.constexpr):
 @triton.jit
 def _mix_norm_bwd_rows(dh_ptr, q_ptr, kw_ptr, ow_ptr, du_ptr, dgo_ptr, N, D, eps, out_eps,
                        p0, p1, p2, p3, p4, p5, p6, p7, g0, g1, g2, g3, g4, g5, g6, g7,
-                       S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):  # fmt: skip
+                       S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+                       ACC: tl.constexpr):  # fmt: skip
     """``_mix_norm_bwd_passes`` on BR rows at a time: each source walked four times as a [BR, BD] tile, the per-row
     per-source scalars in [BR, SP] tiles, so that a row's sums over D stay inside the warps that hold it (the row
     kernels' sums over D cross every warp of the program) and a program has BR rows' loads in flight at once;
@@ -286,7 +297,7 @@ def _mix_norm_bwd_rows(dh_ptr, q_ptr, kw_ptr, ow_ptr, du_ptr, dgo_ptr, N, D, eps
                 ri[:, None] * u[None, :] - (ri * ri * ri * _col(vu, sidx, i) / D)[:, None] * vi
             )
             gi = _source(i, g0, g1, g2, g3, g4, g5, g6, g7)
-            tl.store(gi + rows[:, None] * D + d[None, :], dvi.to(gi.dtype.element_ty), mask=m2)
+            _put_grad(gi + rows[:, None] * D + d[None, :], dvi, m2, ACC, i)
             du += (dsi * ri)[:, None] * vi
         dgo += dh * m * rho[:, None]
     tl.store(du_ptr + pid * D + d, tl.reduce(du, 0, _sum_combine), mask=dm)
@@ -321,6 +332,25 @@ def _rows_of(sources, weights) -> tuple[list[torch.Tensor], int, int]:
     return rows, rows[0].shape[0], D
 
 
+def _grad_buffers(rows, sources, into) -> tuple[list[torch.Tensor], int]:
+    """The sources' gradient buffers as [N, D] rows (``into``'s where given, else new) and the bit mask of those to
+    add to; a bad buffer named."""
+    into = [None] * len(rows) if into is None else list(into)
+    if len(into) != len(rows):
+        raise ValueError(f"attn_res_mix_norm: into needs one entry per source ({len(rows)}), got {len(into)}")
+    grads, acc = [], 0
+    for i, (r, src, buf) in enumerate(zip(rows, sources, into)):
+        if buf is None:
+            grads.append(torch.empty_like(r))
+            continue
+        if buf.shape != src.shape or buf.dtype != src.dtype or buf.device != src.device or not buf.is_contiguous():
+            raise ValueError(f"attn_res_mix_norm: into[{i}] must be contiguous {tuple(src.shape)} {src.dtype} on "
+                             f"{src.device} like its source, got {tuple(buf.shape)} {buf.dtype} on {buf.device}")  # fmt: skip
+        grads.append(buf.view(r.shape))
+        acc |= 1 << i
+    return grads, acc
+
+
 def _padded(ptrs: list[torch.Tensor]) -> list[torch.Tensor]:
     return ptrs + [ptrs[0]] * (MAX_SOURCES - len(ptrs))
 
@@ -343,12 +373,14 @@ def mix_norm_forward(
 def mix_norm_grads(
     query: torch.Tensor, key_weight: torch.Tensor, eps: float, out_weight: torch.Tensor, out_eps: float,
     dh: torch.Tensor, *sources: torch.Tensor, programs: int | None = None, kernel: str = "tile",
-    warps: int | None = None,
+    warps: int | None = None, into: Sequence[torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """``model.attnres.attn_res_mix_norm_grads``: (d query, d key_weight, d out_weight, *d sources), each in its
     input's dtype. ``programs``: how many programs share the rows (default: ``PROGRAMS_PER_SM`` per streaming
     multiprocessor on CUDA, 4 elsewhere); each adds one [D] fp32 partial of the weights' sums. ``kernel``: a key of
-    ``BACKWARD_KERNELS``; ``warps``: its warps (default: the kernel's)."""
+    ``BACKWARD_KERNELS``; ``warps``: its warps (default: the kernel's). ``into``: per source a contiguous buffer of
+    its shape and dtype that its gradient is added to in place (in fp32, rounded once) and returned as it, or None
+    for a new one (``model.attnres.SharedSourceGrads``: no separate pass to sum a source's gradients)."""
     if kernel not in BACKWARD_KERNELS:
         raise ValueError(f"attn_res_mix_norm: backward kernel {kernel!r}; choose from {sorted(BACKWARD_KERNELS)}")
     rows, N, D = _rows_of(sources, (query, key_weight, out_weight))
@@ -356,7 +388,7 @@ def mix_norm_grads(
         raise ValueError(f"attn_res_mix_norm: the output gradient must be {tuple(sources[0].shape)}, got "
                          f"{tuple(dh.shape)}")  # fmt: skip
     dev = rows[0].device
-    grads = [torch.empty_like(t) for t in rows]
+    grads, acc = _grad_buffers(rows, sources, into)
     if programs is None:
         programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
     P = max(1, min(programs, N))
@@ -367,7 +399,7 @@ def mix_norm_grads(
         fn, default_warps, constants = BACKWARD_KERNELS[kernel]
         fn[(P,)](dh.reshape(N, D).contiguous(), query, key_weight, out_weight, du, dgo, N, D, float(eps),
                  float(out_eps), *_padded(rows), *_padded(grads), S=S, SP=triton.next_power_of_2(S),
-                 BD=triton.next_power_of_2(D), num_warps=warps or default_warps, **constants)  # fmt: skip
+                 BD=triton.next_power_of_2(D), ACC=acc, num_warps=warps or default_warps, **constants)  # fmt: skip
     du, dgo = du.sum(0), dgo.sum(0)
     shape = sources[0].shape
     return ((du * key_weight.float()).to(query.dtype), (du * query.float()).to(key_weight.dtype),

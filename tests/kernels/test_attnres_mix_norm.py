@@ -125,7 +125,7 @@ def test_learner_mix_norm_kernels_in_bf16_and_bad_input(monkeypatch, kernel):
 def test_the_learner_node_on_the_kernels_backpropagates_like_autograd(monkeypatch, kernel):
     """``model.attnres._MixNormNode`` with the Triton pair (what op "attn_res" = triton runs on CUDA) gives the
     gradients autograd takes through the reference mix and norm, fp32, to every source and weight."""
-    from model.attnres import _MixNormNode, attn_res_mix
+    from model.attnres import MixNormFns, _MixNormNode, attn_res_mix
 
     mod = _interpreted()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -133,11 +133,100 @@ def test_the_learner_node_on_the_kernels_backpropagates_like_autograd(monkeypatc
     leaves = [t.clone().requires_grad_() for t in (q, kw, ow, *sources)]
     ref = rms_norm(attn_res_mix(leaves[0], leaves[1], 1e-5, *leaves[3:]), leaves[2], 1e-6)
     want = torch.autograd.grad(ref, leaves, dh)
-    fns = (mod.mix_norm_forward, functools.partial(mod.mix_norm_grads, kernel=kernel))
-    out = _MixNormNode.apply(fns, leaves[0], leaves[1], 1e-5, leaves[2], 1e-6, *leaves[3:])
+    fns = MixNormFns(mod.mix_norm_forward, functools.partial(mod.mix_norm_grads, kernel=kernel), adds_into=True)
+    out = _MixNormNode.apply(fns, None, leaves[0], leaves[1], 1e-5, leaves[2], 1e-6, *leaves[3:])
     assert_close("node output", ref.detach(), out.detach(), 1e-6)
     for i, (w, g) in enumerate(zip(want, torch.autograd.grad(out, leaves, dh))):
         assert_close(f"gradient {i}", w, g, 2e-5)
+
+
+@pytest.mark.parametrize("kernel", ["tile", "passes", "rows"])
+def test_the_backward_adds_into_given_buffers_in_place(monkeypatch, kernel):
+    """``into``: a source given a buffer gets its gradient added to it, in the buffer itself (fp32 sum, rounded once:
+    within one bf16 rounding of the two-step sum), the others new; mixed dtypes, as the learner's first source is
+    fp32 beside bf16 block sums."""
+    mod = _interpreted()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    sources, q, kw, ow, dh = _sources(4, 32, torch.bfloat16, 7, shape=(9,))
+    sources[0] = sources[0].float()
+    fresh = mod.mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh, *sources, programs=3, kernel=kernel)
+    gen = torch.Generator().manual_seed(1)
+    held = [None, torch.randn(9, 32, generator=gen).to(torch.bfloat16), None, torch.randn(9, 32, generator=gen)]
+    held[3] = held[3].to(torch.bfloat16)
+    before = [None if b is None else b.clone() for b in held]
+    got = mod.mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh, *sources, programs=3, kernel=kernel, into=held)
+    for i, (f, g, b) in enumerate(zip(fresh[3:], got[3:], before)):
+        assert g.dtype == sources[i].dtype and g.shape == sources[i].shape
+        if b is None:
+            assert torch.equal(f, g)
+            continue
+        assert g.data_ptr() == held[i].data_ptr()  # the buffer itself
+        assert_close(f"source {i} added into", b.float() + f.float(), g.float(), 1e-2)
+    for f, g in zip(fresh[:3], got[:3]):  # the weights' gradients do not depend on the buffers
+        assert torch.equal(f, g)
+
+
+def test_the_backward_names_a_bad_buffer(monkeypatch):
+    mod = _interpreted()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    sources, q, kw, ow, dh = _sources(2, 16, torch.float32, 3, shape=(5,))
+    with pytest.raises(ValueError, match="one entry per source"):
+        mod.mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh, *sources, into=[None])
+    with pytest.raises(ValueError, match=r"into\[1\] must be contiguous"):
+        mod.mix_norm_grads(q, kw, 1e-5, ow, 1e-6, dh, *sources, into=[None, torch.zeros(5, 16, dtype=torch.bfloat16)])
+
+
+def _block_chain(fns, shared, leaves, layers: int = 6, block: int = 2):
+    """A Block AttnRes wiring (``model.modeling.HybridModel._forward_attn_res``) of mix-and-norm nodes with
+    tanh sub-layers: a completed block is a source of every later mix, each mix's newest source the running sum
+    after the previous mix's sub-layer. ``leaves``: (embedding, query, key weight, out weight)."""
+    from model.attnres import _MixNormNode
+
+    emb, q, kw, ow = leaves
+    blocks, partial = [emb], torch.tanh(emb * 0.7)
+    for l in range(1, layers):
+        x = _MixNormNode.apply(fns, shared, q * (1 + 0.1 * l), kw, 1e-5, ow, 1e-6, *blocks, partial)
+        a = torch.tanh(x * (0.5 + 0.05 * l))
+        if l % block == 0:
+            blocks.append(partial)
+            partial = a
+        else:
+            partial = partial + a
+    return _MixNormNode.apply(fns, shared, q, kw, 1e-5, ow, 1e-6, *blocks, partial)
+
+
+@pytest.mark.parametrize("on_kernels", [False, True])
+def test_shared_source_gradients_equal_autograd_summing_them(monkeypatch, on_kernels):
+    """``model.attnres.SharedSourceGrads`` (later mixes add a shared source's gradient into one buffer, its earliest
+    mix returns it) against every mix handing autograd its own: the PyTorch node bit for bit (the same sums in the
+    same order), the Triton node (adding in the kernel, interpreted) to fp32 rounding; a second backward of the same
+    graph (``retain_graph``) gives the same again."""
+    from model.attnres import MixNormFns, SharedSourceGrads, attn_res_mix_norm, attn_res_mix_norm_grads
+
+    if on_kernels:
+        mod = _interpreted()
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        fns = MixNormFns(mod.mix_norm_forward, functools.partial(mod.mix_norm_grads, programs=2), adds_into=True)
+    else:
+        fns = MixNormFns(attn_res_mix_norm, attn_res_mix_norm_grads)
+    gen = torch.Generator().manual_seed(5)
+    base = [torch.randn(2, 6, 16, generator=gen)] + [torch.randn(16, generator=gen) for _ in range(3)]
+
+    def grads(shared, twice: bool = False):
+        leaves = [t.clone().requires_grad_() for t in base]
+        out = _block_chain(fns, shared, leaves)
+        dh = torch.linspace(-1, 1, out.numel()).view_as(out)
+        first = torch.autograd.grad(out, leaves, dh, retain_graph=twice)
+        return (first, torch.autograd.grad(out, leaves, dh)) if twice else first
+
+    want = grads(None)
+    got, again = grads(SharedSourceGrads(), twice=True)
+    for name, w, g, g2 in zip(("embedding", "query", "key weight", "out weight"), want, got, again):
+        if on_kernels:
+            assert_close(name, w, g, 1e-5)
+        else:
+            assert torch.equal(w, g), name
+        assert torch.equal(g, g2), name
 
 
 def test_every_triton_op_choice_names_a_backward_kernel():

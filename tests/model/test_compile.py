@@ -371,9 +371,9 @@ def test_served_mixes_compile_one_graph_for_every_number_of_sources(monkeypatch)
     counts = set()
     normed = AttnResMix.normed
 
-    def counting(self, sources, norm):
+    def counting(self, sources, norm, shared=None):
         counts.add(len(sources))
-        return normed(self, sources, norm)
+        return normed(self, sources, norm, shared)
 
     monkeypatch.setattr(AttnResMix, "normed", counting)
     with torch.no_grad():
@@ -524,9 +524,9 @@ def test_each_mix_and_norm_is_one_compiled_call_each_way_and_keeps_its_sources(m
             calls[self.name] += 1
         return real_call(self, *args)
 
-    def counting_normed(self, sources, norm):
+    def counting_normed(self, sources, norm, shared=None):
         calls["normed"] += len(sources) > 1
-        return real_normed(self, sources, norm)
+        return real_normed(self, sources, norm, shared)
 
     kept: list[torch.Tensor] = []
     real_forward = _MixNormNode.forward

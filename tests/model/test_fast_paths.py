@@ -200,6 +200,32 @@ def test_varlen_form_pads_values_and_passes_the_layout(monkeypatch, flex_backwar
     assert seen["calls"] == calls  # fp32: flex, not the flash kernel
 
 
+def test_shared_attn_res_source_gradients_equal_autograd_bit_for_bit(monkeypatch):
+    """op "attn_res_grads" = shared (the later mixes of a completed block add its gradient into one buffer, the
+    earliest mix returns it: ``model.attnres.SharedSourceGrads``) against autograd summing every mix's own: the whole
+    model's gradients bit for bit on the PyTorch node (the same sums in the same order), with four blocks of sources
+    shared by several mixes each."""
+    from model import attnres
+    from model.modeling import HybridForCausalLM
+
+    model = HybridForCausalLM(tiny_config(num_hidden_layers=6, attn_res_block_size=2)).train()
+    cu = packed_cu()
+    ids = torch.randint(0, 128, (1, int(cu[-1])))
+    shared_by = []
+    real_register = attnres.SharedSourceGrads.register
+    monkeypatch.setattr(attnres.SharedSourceGrads, "register",
+                        lambda self, sources: shared_by.append(len(sources)) or real_register(self, sources))  # fmt: skip
+    results = {}
+    for choice in ("autograd", "shared"):
+        shared_by.clear()
+        with use_fast_paths("auto", attn_res="fused", attn_res_grads=choice):
+            out = model(ids, cu_seqlens=cu, target_ids=ids.roll(-1, 1))
+            results[choice] = grads(out.token_logprobs.sum(), list(model.parameters()))
+        assert (max(shared_by, default=0) >= 4) == (choice == "shared")  # every mix registered its sources
+    for (name, _), a, b in zip(model.named_parameters(), results["autograd"], results["shared"]):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+
+
 # ------------------------------------------------------------------------------------------ choice
 def test_fast_path_choice_parses_resolves_and_names_bad_values():
     assert FastPaths.parse("reference") == FastPaths.reference()
@@ -214,6 +240,7 @@ def test_fast_path_choice_parses_resolves_and_names_bad_values():
             "grouped", "loop", "torch", "chunked"]  # fmt: skip
         assert fast.pick("conv", cuda) == "triton_bf16" and fast.pick("lm_head", cuda) == "chunked"
         assert fast.pick("attn_res", cpu) == "fused" and fast.pick("attn_res", cuda) == "triton"  # mix with its norm
+        assert fast.pick("attn_res_grads", cpu) == fast.pick("attn_res_grads", cuda) == "shared"
         assert fast.pick("attention", cuda) in ("varlen", "flex")
         assert fast.pick("attention", cuda, torch.bfloat16) in ("varlen", "flex")
         assert fast.pick("attention", cuda, torch.float32) == "loop"  # no fp32 kernel fits an H200
