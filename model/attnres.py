@@ -149,10 +149,12 @@ class SharedSourceGrads:
 
     def register(self, sources: tuple[torch.Tensor, ...]) -> tuple[tuple[_Slot, bool] | None, ...]:
         """Per source of a mix (called in forward order): (its slot, whether this mix is its earliest), or None for
-        a source without gradient."""
+        a source without gradient or one the mix reads twice (those go to autograd, which sums them with the
+        rest: whichever mix registers a source first returns its slot)."""
+        repeated = {id(t) for t in sources if sum(u is t for u in sources) > 1}
         roles = []
         for t in sources:
-            if not t.requires_grad:
+            if not t.requires_grad or id(t) in repeated:
                 roles.append(None)
                 continue
             slot = self._slots.get(id(t))

@@ -179,13 +179,15 @@ def test_the_backward_names_a_bad_buffer(monkeypatch):
 def _block_chain(fns, shared, leaves, layers: int = 6, block: int = 2):
     """A Block AttnRes wiring (``model.modeling.HybridModel._forward_attn_res``) of mix-and-norm nodes with
     tanh sub-layers: a completed block is a source of every later mix, each mix's newest source the running sum
-    after the previous mix's sub-layer. ``leaves``: (embedding, query, key weight, out weight)."""
+    after the previous mix's sub-layer; one mix reads the embedding twice. ``leaves``: (embedding, query, key
+    weight, out weight)."""
     from model.attnres import _MixNormNode
 
     emb, q, kw, ow = leaves
     blocks, partial = [emb], torch.tanh(emb * 0.7)
     for l in range(1, layers):
-        x = _MixNormNode.apply(fns, shared, q * (1 + 0.1 * l), kw, 1e-5, ow, 1e-6, *blocks, partial)
+        sources = [*blocks, partial, emb] if l == 3 else [*blocks, partial]  # one mix reads a source twice
+        x = _MixNormNode.apply(fns, shared, q * (1 + 0.1 * l), kw, 1e-5, ow, 1e-6, *sources)
         a = torch.tanh(x * (0.5 + 0.05 * l))
         if l % block == 0:
             blocks.append(partial)
@@ -198,9 +200,10 @@ def _block_chain(fns, shared, leaves, layers: int = 6, block: int = 2):
 @pytest.mark.parametrize("on_kernels", [False, True])
 def test_shared_source_gradients_equal_autograd_summing_them(monkeypatch, on_kernels):
     """``model.attnres.SharedSourceGrads`` (later mixes add a shared source's gradient into one buffer, its earliest
-    mix returns it) against every mix handing autograd its own: the PyTorch node bit for bit (the same sums in the
-    same order), the Triton node (adding in the kernel, interpreted) to fp32 rounding; a second backward of the same
-    graph (``retain_graph``) gives the same again."""
+    mix returns it) against every mix handing autograd its own, to fp32 rounding: the PyTorch node (the sums of the
+    source read twice come in another order; the whole model's wiring, where no mix reads a source twice, is bit
+    for bit: tests/model/test_fast_paths.py) and the Triton node (adding in the kernel, interpreted); a second
+    backward of the same graph (``retain_graph``) gives the same again."""
     from model.attnres import MixNormFns, SharedSourceGrads, attn_res_mix_norm, attn_res_mix_norm_grads
 
     if on_kernels:
@@ -222,10 +225,7 @@ def test_shared_source_gradients_equal_autograd_summing_them(monkeypatch, on_ker
     want = grads(None)
     got, again = grads(SharedSourceGrads(), twice=True)
     for name, w, g, g2 in zip(("embedding", "query", "key weight", "out weight"), want, got, again):
-        if on_kernels:
-            assert_close(name, w, g, 1e-5)
-        else:
-            assert torch.equal(w, g), name
+        assert_close(name, w, g, 1e-5 if on_kernels else 1e-6)
         assert torch.equal(g, g2), name
 
 
