@@ -65,6 +65,7 @@ the count depends on the call signatures, not on the layer count or the micro-ba
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import dataclasses
 import gc
@@ -670,10 +671,61 @@ def device_busy(prof, kind=torch.autograd.DeviceType.CUDA) -> dict:
         else:
             hi = max(hi, b)
     busy += hi - lo
-    host = [ev.time_range.start for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CPU]
-    span = spans[-1][1] - min([spans[0][0], *host])
+    host_events = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CPU]
+    span = spans[-1][1] - min([spans[0][0], *(ev.time_range.start for ev in host_events)])
+    host = [(ev.time_range.start, ev.time_range.end, ev.name, _root(ev).name) for ev in host_events]
     return {"device_kernels": len(spans), "device_busy_ms": busy / 1e3, "device_span_ms": span / 1e3,
-            "device_busy_frac": busy / span if span > 0 else None}  # fmt: skip
+            "device_busy_frac": busy / span if span > 0 else None, "device_idle": device_idle(spans, host)}  # fmt: skip
+
+
+def _root(ev):
+    """The outermost host op around a profiler event."""
+    while ev.cpu_parent is not None:
+        ev = ev.cpu_parent
+    return ev
+
+
+RUNTIME_CALLS = ("cuda", "cu", "Activity Buffer")
+"""Host events that are CUDA runtime or driver calls (launches, copies, syncs), not the op that made them."""
+
+
+def device_idle(
+    spans: list[tuple[float, float]], host: list[tuple[float, float, str, str]], min_gap_us: float = 20.0, top: int = 8
+) -> dict:
+    """Where the GPU waited within a profiled step: its idle time between kernels (gaps of at least ``min_gap_us``,
+    and the wait before the first kernel, from the first host event), each gap charged to the host op that was
+    running when it ended (the innermost one that is not a runtime call: what the host was doing while the GPU had
+    nothing queued). ``spans``: the kernels' (start, end) in us, sorted by start; ``host``: (start, end, name, the
+    name of its outermost op) of every host event. Returns the wait before the first kernel, the idle time in gaps
+    and their count, and the ``top`` host ops by idle time charged to them (ms, gaps, outermost op)."""
+    gaps, hi = [], spans[0][1]
+    for a, b in spans[1:]:
+        if a - hi >= min_gap_us:
+            gaps.append((hi, a))
+        hi = max(hi, b)
+    ops = sorted(h for h in host if not h[2].startswith(RUNTIME_CALLS))
+    starts = [h[0] for h in ops]
+    by_op: dict[tuple[str, str], list[float]] = {}
+    for g0, g1 in gaps:  # the latest-starting op that still runs at g1 is the innermost one
+        i = bisect.bisect_right(starts, g1) - 1
+        while i >= 0 and ops[i][1] < g1:
+            i -= 1
+        name, root = ops[i][2:] if i >= 0 else ("(no host op)", "")
+        acc = by_op.setdefault((name, root), [0.0, 0])
+        acc[0], acc[1] = acc[0] + (g1 - g0), acc[1] + 1
+    first_host = min((h[0] for h in host), default=spans[0][0])
+    ranked = sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"before_first_kernel_ms": max(0.0, spans[0][0] - first_host) / 1e3,
+            "in_gaps_ms": sum(g1 - g0 for g0, g1 in gaps) / 1e3, "gaps": len(gaps),
+            "by_host_op": [{"op": name, "outermost": root, "ms": us / 1e3, "gaps": n}
+                           for (name, root), (us, n) in ranked]}  # fmt: skip
+
+
+def idle_line(idle: dict) -> str:
+    """``device_idle`` as one report line."""
+    ops = "; ".join(f"{o['op']} ({o['outermost']}) {o['ms']:.1f} ms in {o['gaps']}" for o in idle["by_host_op"])
+    return (f"GPU idle: {idle['before_first_kernel_ms']:.1f} ms before the first kernel, {idle['in_gaps_ms']:.1f} ms "
+            f"in {idle['gaps']} gaps; by the host op running as a gap ended: {ops}")  # fmt: skip
 
 
 def count_fwd_bwd_syncs(learner, batch) -> dict:
@@ -1184,6 +1236,8 @@ def markdown(report: Report) -> str:
             lines.append(f"\n{r['tokens']} tokens, {r['impl']}, profiled step: GPU busy {r['device_busy_ms']:.0f} of "
                          f"{r['device_span_ms']:.0f} ms ({r['device_busy_frac'] * 100:.0f}%), {r['device_kernels']} kernels"
                          f"{graphs}; top kernels: {top}")  # fmt: skip
+            if r.get("device_idle"):
+                lines.append(idle_line(r["device_idle"]))
     for r in report.runs:
         if r.get("compiled_regions"):
             regions = ", ".join(f"{k} {v['graphs']} graphs{' (FAILED, eager)' if v['failed'] else ''}"

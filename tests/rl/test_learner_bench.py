@@ -220,3 +220,40 @@ def test_gemm_peak_is_the_fastest_round(bench):
 
     assert bench.gemm_peak(Rounds(), False, rounds=3, per_round=2) == 2 * 512**3 * 2 / 1.0
     assert calls == [(1, 0)] * 3
+
+
+def test_device_idle_charges_each_gap_to_the_host_op_running_as_it_ended(bench):
+    """Where the GPU waited: the wait before the first kernel, gaps between kernels (overlapping kernels merged,
+    gaps under the threshold ignored), each charged to the innermost host op running at its end, runtime calls
+    (launches) skipped, ranked by idle time."""
+    kernels = [(10, 20), (15, 30), (35, 40), (100, 150), (150, 160), (400, 410), (600, 610)]
+    host = [
+        (0, 700, "step", "step"),
+        (0, 95, "forward", "step"),
+        (95, 500, "LogprobEntropyBackward", "step"),
+        (99, 101, "cudaLaunchKernel", "step"),  # a launch: not the op to blame
+        (390, 401, "aten::mm", "step"),
+        (550, 650, "Optimizer.step", "step"),
+        (599, 601, "cudaGraphLaunch", "step"),
+    ]
+    idle = bench.device_idle(kernels, host, min_gap_us=20.0)
+    assert idle["before_first_kernel_ms"] == 10 / 1e3
+    assert idle["gaps"] == 3 and abs(idle["in_gaps_ms"] - (60 + 240 + 190) / 1e3) < 1e-12  # 30..35 is under 20 us
+    assert [(o["op"], o["gaps"]) for o in idle["by_host_op"]] == [("aten::mm", 1), ("Optimizer.step", 1),
+                                                                  ("LogprobEntropyBackward", 1)]  # fmt: skip
+    assert idle["by_host_op"][0]["outermost"] == "step"
+    assert "GPU idle: 0.0 ms before the first kernel, 0.5 ms in 3 gaps" in bench.idle_line(idle)
+
+
+def test_device_busy_reads_a_real_profile(bench):
+    """``device_busy`` on a real profiler trace (CPU events standing in for kernels: this machine has no GPU): the
+    events' attributes it reads exist, and the idle breakdown comes back with it."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        x = torch.randn(64, 64)
+        for _ in range(3):
+            x = (x @ x).tanh()
+    busy = bench.device_busy(prof, kind=torch.autograd.DeviceType.CPU)
+    assert busy["device_kernels"] > 0 and 0 < busy["device_busy_frac"] <= 1
+    assert set(busy["device_idle"]) == {"before_first_kernel_ms", "in_gaps_ms", "gaps", "by_host_op"}
