@@ -14,6 +14,7 @@ from envs_helpers import FAST_SANDBOX, make_env
 
 from envs import protocol
 from envs.sandbox import SANDBOX_UIDS, namespace_mode  # SANDBOX_UIDS: the throw-away uids
+from envs.sandbox_common import processes_of_uid
 
 TC = protocol.format_tool_call
 SECRET_VALUE = f"host-secret-{uuid.uuid4().hex}"
@@ -133,21 +134,31 @@ def host_fixtures():
     secret.unlink()
 
 
-def _sandbox_processes() -> list[int]:
-    """Processes of sandbox uids, except those of other processes' sandboxes on a shared machine
-    (the bwrap backend puts each call in a cgroup named after the host process that made it)."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                uid = int((d / "status").read_text().split("\nUid:")[1].split()[0])
-                cgroups = (d / "cgroup").read_text()
-            except (OSError, IndexError):
-                continue
-            foreign = "/call-" in cgroups and f"/call-{os.getpid()}-" not in cgroups
-            if uid in SANDBOX_UIDS and not foreign:
-                pids.append(int(d.name))
-    return pids
+def _record_uids(sandbox) -> list[int | None]:
+    """The host uids of ``sandbox``'s calls from now on (a spy: the real ``run_python`` runs)."""
+    uids: list[int | None] = []
+    real = sandbox.run_python
+
+    def run_python(*args, **kwargs):
+        result = real(*args, **kwargs)
+        uids.append(result.host_uid)
+        return result
+
+    sandbox.run_python = run_python
+    return uids
+
+
+def _left_behind(uids: list[int | None]) -> list[int]:
+    """Live (or unreaped) processes of the throw-away uids these calls ran as. Each call draws its
+    own uid, so another test's sandbox calls running beside this one (another pytest worker) are
+    never counted, whichever backend they use."""
+    return [pid for uid in sorted({u for u in uids if u is not None}) for pid in processes_of_uid(uid)]
+
+
+def _assert_uids_were_dropped(uids: list[int | None]) -> None:
+    """As root every call runs as a throw-away uid: the leak check above has something to check."""
+    if os.geteuid() == 0:
+        assert uids and all(u in SANDBOX_UIDS for u in uids), uids
 
 
 def _check_case(case: Case, env) -> dict:
@@ -203,6 +214,7 @@ def test_sandbox_reports_its_protections():
 def test_sandboxed_code_attacks(host_fixtures):
     secret_path, server = host_fixtures
     env = make_env("Python")
+    uids = _record_uids(env.sandbox)
     before = set(os.listdir("/tmp"))
     failures = []
     for case in _sandbox_cases(secret_path, server.getsockname()[1]):
@@ -211,8 +223,9 @@ def test_sandboxed_code_attacks(host_fixtures):
             assert info["sandbox"]["rlimits"].startswith("cpu=")
         except AssertionError as e:
             failures.append(str(e))
-        assert _sandbox_processes() == [], f"{case.id}: sandbox processes left on the host"
+        assert _left_behind(uids) == [], f"{case.id}: sandbox processes left on the host"
     assert not failures, "\n".join(failures)
+    _assert_uids_were_dropped(uids)
     with pytest.raises(BlockingIOError):
         server.accept()  # nobody reached the host's loopback
     leaked = {p for p in set(os.listdir("/tmp")) - before if "escape" in p or "pwned" in p}
@@ -227,6 +240,7 @@ def test_sandbox_without_namespaces_still_enforces_limits(host_fixtures):
 
     secret_path, _ = host_fixtures
     sandbox = Sandbox(SandboxLimits(**FAST_SANDBOX), use_namespaces=False)
+    uids = _record_uids(sandbox)
     assert sandbox.protection["namespaces"] == [] and "not isolated" in sandbox.protection["network"]
     cases = [
         ("while True:\n    pass", "CPU time limit|wall-clock timeout"),
@@ -243,4 +257,5 @@ def test_sandbox_without_namespaces_still_enforces_limits(host_fixtures):
         text = f"{result.reason} {result.stderr}"
         assert not result.ok and any(w in text for w in fragment.split("|")), (code, text)
         assert SECRET_VALUE not in result.stdout + result.stderr
-        assert _sandbox_processes() == [], f"left processes behind: {code!r}"
+        assert _left_behind(uids) == [], f"left processes behind: {code!r}"
+    _assert_uids_were_dropped(uids)
