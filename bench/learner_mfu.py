@@ -69,6 +69,7 @@ import bisect
 import contextlib
 import dataclasses
 import gc
+import itertools
 import json
 import logging
 import math
@@ -664,18 +665,23 @@ def device_busy(prof, kind=torch.autograd.DeviceType.CUDA) -> dict:
     )
     if not spans:
         return {}
-    busy, (lo, hi) = 0.0, spans[0]
-    for a, b in spans[1:]:
-        if a > hi:
-            busy, lo, hi = busy + hi - lo, a, b
-        else:
-            hi = max(hi, b)
-    busy += hi - lo
+    busy = sum(b - a for a, b in _union(spans))
     host_events = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CPU]
     span = spans[-1][1] - min([spans[0][0], *(ev.time_range.start for ev in host_events)])
     host = [(ev.time_range.start, ev.time_range.end, ev.name, _root(ev).name) for ev in host_events]
     return {"device_kernels": len(spans), "device_busy_ms": busy / 1e3, "device_span_ms": span / 1e3,
             "device_busy_frac": busy / span if span > 0 else None, "device_idle": device_idle(spans, host)}  # fmt: skip
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of intervals sorted by start, as disjoint intervals in order."""
+    out = [spans[0]]
+    for a, b in spans[1:]:
+        if a > out[-1][1]:
+            out.append((a, b))
+        elif b > out[-1][1]:
+            out[-1] = (out[-1][0], b)
+    return out
 
 
 def _root(ev):
@@ -685,8 +691,9 @@ def _root(ev):
     return ev
 
 
-RUNTIME_CALLS = ("cuda", "cu", "Activity Buffer")
-"""Host events that are CUDA runtime or driver calls (launches, copies, syncs), not the op that made them."""
+RUNTIME_CALLS = ("cu", "Activity Buffer")
+"""Name prefixes of host events that are CUDA runtime or driver calls (cuda*, cu*: launches, copies, syncs), not
+the op that made them."""
 
 
 def device_idle(
@@ -698,11 +705,7 @@ def device_idle(
     nothing queued). ``spans``: the kernels' (start, end) in us, sorted by start; ``host``: (start, end, name, the
     name of its outermost op) of every host event. Returns the wait before the first kernel, the idle time in gaps
     and their count, and the ``top`` host ops by idle time charged to them (ms, gaps, outermost op)."""
-    gaps, hi = [], spans[0][1]
-    for a, b in spans[1:]:
-        if a - hi >= min_gap_us:
-            gaps.append((hi, a))
-        hi = max(hi, b)
+    gaps = [(b0, a1) for (_, b0), (a1, _) in itertools.pairwise(_union(spans)) if a1 - b0 >= min_gap_us]
     ops = sorted(h for h in host if not h[2].startswith(RUNTIME_CALLS))
     starts = [h[0] for h in ops]
     by_op: dict[tuple[str, str], list[float]] = {}

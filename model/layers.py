@@ -345,7 +345,7 @@ class ShortConvolution(nn.Module):
         what the learner's compiled KDA layer calls (``model.kda.kda_planned_forward``)."""
         from kernels.conv import causal_conv1d_triton
 
-        backward = CONV_BACKWARDS.get(fast.pick("conv", x_BTC.device), "two_pass_bf16")
+        backward = CONV_BACKWARDS.get(fast.pick("conv", x_BTC.device))  # None: the kernel's default
         return causal_conv1d_triton(x_BTC, self.weight[:, 0, :], pos_BT, self.activation, backward)
 
     def _conv_taps(self, x_BTC: torch.Tensor, layout: SeqLayout, conv_state_NCW) -> torch.Tensor:

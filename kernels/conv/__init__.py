@@ -30,7 +30,7 @@ __all__ = [
 ]  # fmt: skip
 
 
-def causal_conv1d_triton(x_BTC, w_CK, pos_BT, activation="silu", backward="two_pass_bf16"):
+def causal_conv1d_triton(x_BTC, w_CK, pos_BT, activation="silu", backward=None):
     from kernels.conv.triton import causal_conv1d_triton as impl
 
     return impl(x_BTC, w_CK, pos_BT, activation, backward)

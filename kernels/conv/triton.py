@@ -269,10 +269,11 @@ class CausalConv1dVarlen(torch.autograd.Function):
 
 def causal_conv1d_triton(
     x_BTC: torch.Tensor, w_CK: torch.Tensor, pos_BT: torch.Tensor, activation: str | None = "silu",
-    backward: str = "two_pass_bf16",
+    backward: str | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Same function as ``kernels.conv.naive.causal_conv1d_naive`` (fp32 accumulation); ``backward`` one of
-    ``BACKWARD_KERNELS``."""
+    ``BACKWARD_KERNELS`` (None: the default, its first)."""
+    backward = BACKWARD_KERNELS[0] if backward is None else backward
     if activation not in (None, "silu"):
         raise ValueError(f"activation must be None or 'silu', got {activation!r}")
     _check_backward(backward)  # here, not first in backward: a bad name fails the forward call

@@ -236,6 +236,7 @@ def test_device_idle_charges_each_gap_to_the_host_op_running_as_it_ended(bench):
         (550, 650, "Optimizer.step", "step"),
         (599, 601, "cudaGraphLaunch", "step"),
     ]
+    assert bench._union(kernels) == [(10, 30), (35, 40), (100, 160), (400, 410), (600, 610)]  # touching ones merge
     idle = bench.device_idle(kernels, host, min_gap_us=20.0)
     assert idle["before_first_kernel_ms"] == 10 / 1e3
     assert idle["gaps"] == 3 and abs(idle["in_gaps_ms"] - (60 + 240 + 190) / 1e3) < 1e-12  # 30..35 is under 20 us
