@@ -28,7 +28,8 @@ Tasks of an engine (``name:task+task``):
 * ``check``: greedy tokens on fixed prompts; a fast engine compares them with the eager engine's of its
   dtype (its reference, from an earlier ``check`` of ``ours_eager`` / ``ours_eager_fp32``) before it times
   anything, and the report gives the first mismatch (prompt, position) if any. The bar's check is the fp32
-  pair (``ours_fast_fp32`` against ``ours_eager_fp32``): the compiled regions keep eager's bf16 roundings
+  pair (``ours_fast_fp32`` against ``ours_eager_fp32``; fp32 engines run with ``TRITON_F32_DEFAULT=ieee``, so
+  that vLLM's Triton attention multiplies fp32 in fp32, not TF32: ``child_env``): the compiled regions keep eager's bf16 roundings
   but may sum in another order, which in bf16 can flip a near-tied token of this random-init model (the
   2026-12-02 H200 run, before the roundings were emulated, differed from the first token on); the bf16
   pair is reported too. Free routing amplifies last-bit differences at random init (one near-tied top-k
@@ -504,19 +505,7 @@ class Parent:
         }  # fmt: skip
         spec_path = self.tmp / f"{key.replace('#', '_')}_spec.json"
         spec_path.write_text(json.dumps(job))
-        env = dict(os.environ)
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.args.engine_process == "separate" else "0"
-        if not spec.compile_regions:
-            env["LONGHORIZON_COMPILE_BACKEND"] = "none"  # rollout.vllm_model: CUDA graphs, no compiled regions
-        env["LONGHORIZON_COMPILE_SCOPE"] = spec.compile_scope
-        env["LONGHORIZON_KERNEL_WARMUP"] = "1" if spec.kernel_warmup else "0"
-        env["LONGHORIZON_GROUPED_MM"] = spec.grouped_mm
-        env["LONGHORIZON_FAST_PATHS"] = spec.fast_paths
-        env.setdefault("TORCH_LOGS", "recompiles")  # why a region compiled again: one line each, into the log
-        if self.args.compile_threads:  # inductor's compile workers in our engines (vLLM pins them to 1)
-            env["LONGHORIZON_COMPILE_THREADS"] = str(self.args.compile_threads)
-        if ours_fast and "check" in tasks:  # the replayed check: routes from the model's device table
-            env["LONGHORIZON_ROUTE_TABLE"] = "1"
+        env = child_env(spec, dtype, self.args, route_table=ours_fast and "check" in tasks)
         if not self.args.warm_caches:  # a cold first call per engine: nothing compiled by an earlier child
             caches = self.tmp / f"cache_{name}"  # a repeat of an engine finds its own first run's caches
             for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):  # fmt: skip
@@ -557,6 +546,29 @@ def _read_json(path: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:  # no file: the child died before its first save
         return {"result_file": f"{type(e).__name__}: {e}"}
+
+
+def child_env(spec: EngineSpec, dtype: str, args, route_table: bool) -> dict[str, str]:
+    """The environment of an engine's child process: this one's, with the engine's switches (``route_table``: the
+    replayed check's device table of routes). An fp32 engine computes fp32 products in Triton kernels too:
+    vLLM's Triton attention calls ``tl.dot`` without a precision, which on a GPU means TF32 for fp32 operands
+    (10 mantissa bits, whose rounding turns a last-bit difference between two engines into a 1e-3 one)."""
+    env = dict(os.environ)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.engine_process == "separate" else "0"
+    if not spec.compile_regions:
+        env["LONGHORIZON_COMPILE_BACKEND"] = "none"  # rollout.vllm_model: CUDA graphs, no compiled regions
+    env["LONGHORIZON_COMPILE_SCOPE"] = spec.compile_scope
+    env["LONGHORIZON_KERNEL_WARMUP"] = "1" if spec.kernel_warmup else "0"
+    env["LONGHORIZON_GROUPED_MM"] = spec.grouped_mm
+    env["LONGHORIZON_FAST_PATHS"] = spec.fast_paths
+    env.setdefault("TORCH_LOGS", "recompiles")  # why a region compiled again: one line each, into the log
+    if args.compile_threads:  # inductor's compile workers in our engines (vLLM pins them to 1)
+        env["LONGHORIZON_COMPILE_THREADS"] = str(args.compile_threads)
+    if route_table:
+        env["LONGHORIZON_ROUTE_TABLE"] = "1"
+    if dtype == "float32":
+        env["TRITON_F32_DEFAULT"] = "ieee"
+    return env
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> str:

@@ -79,6 +79,9 @@ def test_budget_shares_and_the_peer_fallback(bench, tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench.Parent, "__init__", gpu_parent)
     monkeypatch.setattr(bench.Parent, "child", child)
+    # the budget clock starts before the environment report, whose first vLLM import can take seconds on a
+    # loaded machine: out of the clock here, so that the budgets below are the plan's arithmetic alone
+    monkeypatch.setattr(bench.rollout_gpu, "env_info", lambda: {"date": "test"})
     monkeypatch.setattr(
         bench, "build_checkpoints", lambda tmp, args, sz: {"ours": "o", "peer": "p", "vocab_size": 64}
     )
@@ -91,6 +94,23 @@ def test_budget_shares_and_the_peer_fallback(bench, tmp_path, monkeypatch):
     assert budgets[3] == pytest.approx(500, abs=5) and budgets[4] == pytest.approx(500, abs=5)
     res = json.loads((tmp_path / "rollout_throughput.json").read_text())
     assert "no MLA backend" in res["engines"]["peer"]["error"] and "peer#triton_mla" in res["engines"]
+
+
+def test_child_env_carries_the_engine_switches_and_fp32_products_in_fp32(bench, monkeypatch):
+    """An engine's switches reach its child; an fp32 engine's Triton dots without a precision (vLLM's Triton
+    attention) run in IEEE fp32, not TF32; a bf16 engine keeps Triton's default."""
+    from types import SimpleNamespace
+
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    args = SimpleNamespace(engine_process="in", compile_threads=None)
+    fp32 = bench.child_env(bench.ENGINES["ours_fast_fp32"], "float32", args, route_table=True)
+    assert fp32["TRITON_F32_DEFAULT"] == "ieee" and fp32["LONGHORIZON_ROUTE_TABLE"] == "1"
+    assert fp32["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and fp32["LONGHORIZON_KERNEL_WARMUP"] == "1"
+    args.engine_process, args.compile_threads = "separate", 8
+    bf16 = bench.child_env(bench.ENGINES["ours_graphs"], "bfloat16", args, route_table=False)
+    assert "TRITON_F32_DEFAULT" not in bf16 and "LONGHORIZON_ROUTE_TABLE" not in bf16
+    assert bf16["LONGHORIZON_COMPILE_BACKEND"] == "none" and bf16["LONGHORIZON_COMPILE_THREADS"] == "8"
+    assert bf16["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
 
 
 def test_the_reported_pass_is_the_median_of_those_after_the_first(bench):
