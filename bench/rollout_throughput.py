@@ -149,6 +149,7 @@ class EngineSpec:
     dtype: str | None = None  # None: the run's (bf16 on a GPU)
     compile_scope: str = "auto"  # model.compile's scope: the engine's default (moe on a GPU: each MoE block whole)
     mla_cache_form: str | None = None  # ours: overrides the checkpoint's MLA cache form (rollout.vllm_layers)
+    kda_state_depth: str | int | None = None  # ours: KDA layers per vLLM state layer (rollout.vllm_plugin)
     kernel_warmup: bool = True  # ours: LONGHORIZON_KERNEL_WARMUP (model.kernel_warmup's child process; on by default)
     grouped_mm: str = "auto"  # ours: LONGHORIZON_GROUPED_MM, the expert GEMMs' backend (kernels.moe)
     fast_paths: str = "auto"  # ours: LONGHORIZON_FAST_PATHS, the engine process's model.fast choice
@@ -171,6 +172,9 @@ ENGINES = {
     # KV bytes a token than the expanded form's 8 heads x (192 + 192) (FlashAttention-3 on CUDA)
     "ours_fast_latent": EngineSpec("ours", enforce_eager=False, mla_cache_form="latent"),
     "ours_fast_expanded": EngineSpec("ours", enforce_eager=False, mla_cache_form="expanded"),
+    # the KDA layers' states stacked by three: one KV-cache group for them instead of three (vLLM's bookkeeping
+    # runs per group and request every step)
+    "ours_fast_stacked": EngineSpec("ours", enforce_eager=False, kda_state_depth="auto"),
     # every expert GEMM on torch's CUTLASS kernel, the default before 2026-12-04's small-rows kernel for decode steps
     "ours_fast_cutlass": EngineSpec("ours", enforce_eager=False, grouped_mm="torch"),
     # each AttnRes mix compiled and its norm after it, the engine's path before kernels.attnres (2026-12-04)
@@ -500,6 +504,7 @@ class Parent:
             "capture_sizes": self.capture_sizes(),
             "gpu_util": self.args.gpu_util, "max_num_batched_tokens": self.args.max_num_batched_tokens,
             "attention_backend": backend, "profile_n": self.args.profile_n, "mla_cache_form": spec.mla_cache_form,
+            "kda_state_depth": spec.kda_state_depth,
             "engine_process": self.args.engine_process,
             "result": str(self.tmp / f"{key.replace('#', '_')}.json"),
         }  # fmt: skip
@@ -637,8 +642,9 @@ class Child:
         if job["model_kind"] == "ours":  # as RolloutWorker does: the form's override, the backend it picks for it
             from rollout.worker import latent_attention_backend
 
-            if job.get("mla_cache_form"):
-                kwargs["hf_overrides"] = {"mla_cache_form": job["mla_cache_form"]}
+            overrides = {k: job[k] for k in ("mla_cache_form", "kda_state_depth") if job.get(k)}
+            if overrides:
+                kwargs["hf_overrides"] = overrides
             worker = SimpleNamespace(model_path=job["model"], mla_cache_form=job.get("mla_cache_form"))
             backend = backend or latent_attention_backend(worker)
         if backend:

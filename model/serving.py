@@ -5,7 +5,8 @@ function as it is and make a step cheaper.
 * ``counting_layout_over``: every grouped MoE ranks its route layout's slots one way for every step the
   engine can form, so a compiled MoE block compiles once;
 * ``inductor_compile_threads``: inductor's compile workers, which ``import vllm`` pins to one;
-* ``kda_state_shapes`` / ``kda_state_dtypes``: a KDA layer's per-sequence states in an engine's slots;
+* ``kda_state_shapes`` / ``kda_state_dtypes``: a KDA layer's (or a stack of layers') per-sequence states in an
+  engine's slots;
 * ``prepare_for_serving``: the first two, the AttnRes mixes over stacked sources, and eval mode without gradients, what the vLLM model
   (``rollout.vllm_model``) and bench/moe_compile.py do to the learner's modules (the vLLM model sets the
   compile workers when it compiles).
@@ -99,13 +100,15 @@ def counting_layout_over(model: nn.Module, slots: int) -> None:
             m.counting_layout_max = max(COUNTING_LAYOUT_MAX, min(slots * m.num_experts, COUNTING_LAYOUT_ENGINE_MAX))
 
 
-def kda_state_shapes(config) -> tuple[tuple[int, ...], ...]:
+def kda_state_shapes(config, depth: int = 1) -> tuple[tuple[int, ...], ...]:
     """The four per-sequence states of a KDA layer in an engine's slots: the q, k and v short convolutions'
-    windows [H * D, kernel - 1] and the recurrent state [H, D, D]."""
+    windows [H * D, kernel - 1] and the recurrent state [H, D, D]; with ``depth`` > 1, those of ``depth``
+    layers stacked in one slot ([depth, ...] each: ``rollout.vllm_layers.KDAStates``)."""
     lac = config.linear_attn_config
     H, D, K = int(lac["num_heads"]), int(lac["head_dim"]), int(lac["short_conv_kernel_size"])
     conv = (H * D, K - 1)
-    return (conv, conv, conv, (H, D, D))
+    shapes = (conv, conv, conv, (H, D, D))
+    return shapes if depth == 1 else tuple((depth, *s) for s in shapes)
 
 
 def kda_state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, ...]:

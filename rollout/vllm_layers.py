@@ -1,6 +1,8 @@
 """Our KDA and gated-MLA layers inside vLLM's paged state, computing with the learner's own modules.
 
-* ``KDAStateLayer`` is a vLLM ``MambaBase`` recurrent-state layer. It reuses vLLM's gated-delta-net
+* ``KDAStates`` is a vLLM ``MambaBase`` recurrent-state layer holding the states of one or more KDA layers
+  (``rollout.vllm_plugin.kda_state_depth``: fewer KV-cache groups, less of vLLM's per-step bookkeeping), and
+  ``KDAStateLayer`` one KDA layer computing on its views. It reuses vLLM's gated-delta-net
   attention metadata (``mamba_type`` GDN_ATTN: decodes first, then prefills, per-request state slots,
   ``has_initial_state``) but computes with ``model.kda.KimiDeltaAttention`` itself (its projections,
   gate, short convs and the ``kernels.kda`` chunked kernel for prefills), so rollout and learner run
@@ -158,17 +160,17 @@ def kda_state_copy_funcs():
     return (get_temporal_copy_spec,) * 4
 
 
-class KDAStateLayer(nn.Module, MambaBase):
-    """vLLM-facing wrapper: state slots in vLLM's pages, math in the learner's KDA module."""
+class KDAStates(nn.Module, MambaBase):
+    """The recurrent states of ``depth`` KDA layers as one vLLM state layer: each sequence's slot holds all of
+    them ([depth, ...] per state; ``model.serving.kda_state_shapes``), and each layer computes on its own views
+    (``layer_states``). vLLM registers, sizes, binds and schedules this object; the layers
+    (``KDAStateLayer``) read its attention metadata under its name. depth 1 is one KDA layer's states as they
+    were; a larger depth makes fewer KV-cache groups (``rollout.vllm_plugin.kda_state_depth``)."""
 
-    def __init__(self, kda: nn.Module, config, prefix: str) -> None:
+    def __init__(self, config, depth: int, prefix: str) -> None:
         super().__init__()
-        self._kda = [kda]  # a plain reference: the parameters stay registered under the HF module tree
-        self.decode_inputs_fn = kda_decode_inputs  # ``rollout.vllm_model`` may swap in a compiled one
-        self.stale_step_guard: StaleStepGuard | None = None  # set by the model when sessions run async
-        self.w_in, self.in_sizes = fuse_input_projections(kda)
-        self.config = config
-        self.prefix = prefix
+        self.config, self.depth, self.prefix = config, depth, prefix
+        self.stale_step_guard: StaleStepGuard | None = None  # the metadata builder hands it the step's prompt rows
         vllm_config = get_current_vllm_config()
         self.model_dtype = vllm_config.model_config.dtype
         ctx = vllm_config.compilation_config.static_forward_context
@@ -179,7 +181,7 @@ class KDAStateLayer(nn.Module, MambaBase):
 
     # --- MambaBase contract ---------------------------------------------------------------------------
     def get_state_shape(self):
-        return kda_state_shapes(self.config)
+        return kda_state_shapes(self.config, self.depth)
 
     def get_state_dtype(self):
         return kda_state_dtypes(self.model_dtype)
@@ -190,6 +192,31 @@ class KDAStateLayer(nn.Module, MambaBase):
 
     def get_attn_backend(self):
         return KDAAttentionBackend
+
+    def layer_states(self, index: int) -> tuple[torch.Tensor, ...]:
+        """The q, k, v conv states and the recurrent state of the ``index``-th layer of the stack: views of vLLM's
+        state tensors [slots, ...] (made per call: a captured decode graph makes them once)."""
+        if self.depth == 1:
+            return self.kv_cache
+        return tuple(t[:, index] for t in self.kv_cache)
+
+
+class KDAStateLayer(nn.Module):
+    """One KDA layer in vLLM: state slots in vLLM's pages (``states``, its ``index``-th layer), math in the learner's
+    KDA module."""
+
+    def __init__(self, kda: nn.Module, states: KDAStates, index: int = 0) -> None:
+        super().__init__()
+        self._kda = [kda]  # a plain reference: the parameters stay registered under the HF module tree
+        self._states, self.index = [states], index  # a list: the stack is registered once, by the model
+        self.decode_inputs_fn = kda_decode_inputs  # ``rollout.vllm_model`` may swap in a compiled one
+        self.stale_step_guard: StaleStepGuard | None = None  # set by the model when sessions run async
+        self.w_in, self.in_sizes = fuse_input_projections(kda)
+        self.prefix = states.prefix  # the name vLLM keys the step's attention metadata by
+
+    @property
+    def kv_cache(self) -> tuple[torch.Tensor, ...]:
+        return self._states[0].layer_states(self.index)
 
     # --- forward --------------------------------------------------------------------------------------
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,9 @@
 The module tree *is* the learner's (``model.modeling.HybridModel`` + ``lm_head``), so checkpoint
 names map 1:1 and every token-wise part (embeddings, norms, Block AttnRes, MoE router with its
 frozen bias, experts, LM head) runs the learner's code. Only the sequence mixers are swapped for
-vLLM-aware wrappers (``rollout.vllm_layers``): KDA keeps its state in vLLM's recurrent-state pages,
-gated MLA attends over vLLM's paged KV cache in the form the HF config's ``mla_cache_form`` names:
+vLLM-aware wrappers (``rollout.vllm_layers``): KDA keeps its state in vLLM's recurrent-state pages (one
+state layer per KDA layer, or per stack of ``kda_state_depth`` layers: ``rollout.vllm_plugin.kda_state_depth``,
+``WorkerConfig.kda_state_depth``), gated MLA attends over vLLM's paged KV cache in the form the HF config's ``mla_cache_form`` names:
 "expanded" per-head K/V or the "latent" one-head absorbed form (``hf_overrides={"mla_cache_form": ...}``,
 or ``WorkerConfig.mla_cache_form``); unset or "auto": latent on CUDA, expanded on a CPU.
 
@@ -52,13 +53,14 @@ from model.moe import check_replay_ids, stack_expert_weights
 from model.serving import inductor_compile_threads, kda_state_dtypes, kda_state_shapes, prepare_for_serving
 from rollout.vllm_layers import (
     KDAStateLayer,
+    KDAStates,
     MLALatentPagedAttention,
     MLAPagedAttention,
     StaleStepGuard,
     kda_decode_inputs,
     kda_state_copy_funcs,
 )
-from rollout.vllm_plugin import mla_cache_form, mla_kv_layout
+from rollout.vllm_plugin import kda_state_depth, mla_cache_form, mla_kv_layout
 
 TURN_END_IDS = 16
 """Room for the ids that end a turn (a renderer's stop ids and the model's EOS ids)."""
@@ -106,15 +108,20 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         # the layout the plugin's arch convertor reported to vLLM (block sizing) is the one we build
         mla_cls = MLALatentPagedAttention if mla_cache_form(config) == "latent" else MLAPagedAttention
         head_size = mla_kv_layout(config)[1]
-        mixers = []
+        mixers, states = [], []
+        depth = kda_state_depth(config)
         for i, layer in enumerate(self.model.layers):
             name = f"{prefix + '.' if prefix else ''}model.layers.{i}.self_attn"
             if layer.is_kda:
-                mixers.append(KDAStateLayer(layer.self_attn, config, prefix=name))
+                kda_index = sum(isinstance(m, KDAStateLayer) for m in mixers)
+                if kda_index % depth == 0:  # a stack's states are named after its first layer (vLLM wants an index)
+                    states.append(KDAStates(config, depth, prefix=name))
+                mixers.append(KDAStateLayer(layer.self_attn, states[-1], kda_index % depth))
             else:
                 mixers.append(mla_cls(layer.self_attn, head_size, vllm_config.cache_config, prefix=name))
         self.paged_mixers = nn.ModuleList(mixers)
         self.model.paged_mixers = list(mixers)  # plain list: registered once, under paged_mixers
+        self.kda_states = nn.ModuleList(states)
         # inference only: MoE routing statistics (balancer input) are a training-time thing, and the
         # router bias stays frozen at the checkpoint's value
         rows = vllm_config.scheduler_config.max_num_batched_tokens
@@ -129,8 +136,8 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         self.stale_step_guard = None
         if getattr(config, "stale_step_guard", False):  # sessions under the async scheduler (the worker sets it)
             self.stale_step_guard = StaleStepGuard(TURN_END_IDS, rows, device)  # rows: any decode batch, padded too
-            for mixer in mixers:
-                if isinstance(mixer, KDAStateLayer):
+            for mixer in (*mixers, *states):
+                if isinstance(mixer, (KDAStateLayer, KDAStates)):
                     mixer.stale_step_guard = self.stale_step_guard
         self.compiled_regions = [] if vllm_config.model_config.enforce_eager else self._compile(vllm_config)
 
@@ -252,7 +259,8 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
     # --- recurrent-state sizing (called on the class before the model exists) --------------------------
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
-        return kda_state_shapes(vllm_config.model_config.hf_config)
+        config = vllm_config.model_config.hf_config
+        return kda_state_shapes(config, kda_state_depth(config))
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):

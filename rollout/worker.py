@@ -85,6 +85,9 @@ class WorkerConfig:
     in_process: bool = True  # engine core in this process (fast start; a Ray actor is a process already)
     # "auto" | "expanded" | "latent" (rollout.vllm_layers); None: the checkpoint's, else auto (latent on CUDA)
     mla_cache_form: str | None = None
+    # KDA layers per vLLM state layer (rollout.vllm_plugin.kda_state_depth): None or 1, one each; "auto", KDA layers /
+    # MLA layers (gpu_1b: 3, one KV-cache group for all KDA states instead of 3); an int, that many
+    kda_state_depth: int | str | None = None
     # vLLM attention backend name (e.g. "TRITON_ATTN", "FLASH_ATTN"); None: vLLM's pick, except the latent
     # form on CUDA with a head over 256, which takes TRITON_ATTN (see latent_attention_backend)
     attention_backend: str | None = None
@@ -109,6 +112,9 @@ class WorkerConfig:
             raise ValueError(f"reuse must be one of {REUSE_MODES}, got {self.reuse!r}")
         if self.mla_cache_form is not None and self.mla_cache_form not in MLA_CACHE_FORM_CHOICES:
             raise ValueError(f"mla_cache_form must be one of {MLA_CACHE_FORM_CHOICES}, got {self.mla_cache_form!r}")
+        depth = self.kda_state_depth
+        if depth is not None and depth != "auto" and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
+            raise ValueError(f"kda_state_depth must be None, 'auto' or an int >= 1, got {depth!r}")
         if self.async_sessions and self.reuse != "session":
             raise ValueError(f"async_sessions applies to reuse='session' only, got reuse={self.reuse!r}")
         sizes = self.cudagraph_capture_sizes
@@ -228,6 +234,8 @@ class RolloutWorker:
         if c.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = c.max_num_batched_tokens
         overrides = {"mla_cache_form": c.mla_cache_form} if c.mla_cache_form else {}
+        if c.kda_state_depth is not None:
+            overrides["kda_state_depth"] = c.kda_state_depth
         if c.async_sessions:
             overrides["stale_step_guard"] = True
         if overrides:
