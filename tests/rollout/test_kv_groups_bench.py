@@ -47,3 +47,5 @@ def test_small_run_compares_the_depths(bench, tmp_path):
         (passes,) = res["depths"][depth]["rounds"]
         assert len(passes) == 2 and all(p["steps"] >= 2 and p["allocate_slots_calls"] >= 3 for p in passes)
         assert all(p["tokens"] <= 9 and p["schedule_ms_per_step"] > 0 for p in passes)
+        groups = 3 if depth == "1" else 1  # KDA groups: one metadata build each a step
+        assert all(p["kda_metadata_builds"] >= groups * p["steps"] - groups for p in passes)
