@@ -112,9 +112,6 @@ class WorkerConfig:
             raise ValueError(f"reuse must be one of {REUSE_MODES}, got {self.reuse!r}")
         if self.mla_cache_form is not None and self.mla_cache_form not in MLA_CACHE_FORM_CHOICES:
             raise ValueError(f"mla_cache_form must be one of {MLA_CACHE_FORM_CHOICES}, got {self.mla_cache_form!r}")
-        depth = self.kda_state_depth
-        if depth is not None and depth != "auto" and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
-            raise ValueError(f"kda_state_depth must be None, 'auto' or an int >= 1, got {depth!r}")
         if self.async_sessions and self.reuse != "session":
             raise ValueError(f"async_sessions applies to reuse='session' only, got reuse={self.reuse!r}")
         sizes = self.cudagraph_capture_sizes
@@ -122,6 +119,15 @@ class WorkerConfig:
             raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of positive ints, got {sizes!r}")
         if not Path(self.model_path, "config.json").is_file():
             raise FileNotFoundError(f"model_path {self.model_path!r} has no config.json")
+        if self.kda_state_depth is not None:  # checked against the checkpoint's layers here, not in the engine's start
+            import json
+            from types import SimpleNamespace
+
+            from rollout.vllm_plugin import kda_state_depth
+
+            lac = json.loads(Path(self.model_path, "config.json").read_text()).get("linear_attn_config") or {}
+            layers = {k: lac.get(k, []) for k in ("kda_layers", "full_attn_layers")}
+            kda_state_depth(SimpleNamespace(linear_attn_config=layers, kda_state_depth=self.kda_state_depth))
 
 
 @dataclass

@@ -87,6 +87,7 @@ def test_depth_is_resolved_from_the_config_and_bad_values_are_named(tiny_ckpt):
         with pytest.raises(ValueError, match="kda_state_depth"):
             kda_state_depth(cfg(12, 4, bad))
     path, _ = tiny_ckpt
-    for bad in (0, "deep", True):
+    for bad in (0, "deep", True, 2):  # 2: the tiny model's 3 KDA layers do not split in twos
         with pytest.raises(ValueError, match="kda_state_depth"):
             WorkerConfig(model_path=str(path), kda_state_depth=bad)
+    assert WorkerConfig(model_path=str(path), kda_state_depth=3).kda_state_depth == 3
