@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -139,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.sequences < 1 or args.gen < 2 or args.passes < 1 or args.rounds < 1:
         p.error("--sequences >= 1, --gen >= 2, --passes >= 1 and --rounds >= 1")
-    depths = [d if d == "auto" else int(d) for d in args.depths.split(",") if d]
+    try:
+        depths = [d if d == "auto" else int(d) for d in args.depths.split(",") if d]
+    except ValueError:
+        p.error(f"--depths: 'auto' or ints, comma-separated; got {args.depths!r}")
     import torch
 
     from rollout.worker import RolloutWorker
@@ -170,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"depth {depth} round {rnd}: {json.dumps(median_pass(row['rounds'][-1]))}", flush=True)
     finally:
         timer.restore()
+        shutil.rmtree(ckpt, ignore_errors=True)
     summarise(res, depths)
     (args.out / "kv_groups.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res["summary"], indent=1))

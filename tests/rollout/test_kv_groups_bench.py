@@ -33,6 +33,12 @@ def test_median_pass_leaves_out_the_warm_up(bench):
     assert bench.median_pass(passes[:1])["schedule_ms_per_step"] == 9.0  # one pass: that one
 
 
+def test_bad_depths_are_named(bench, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--out", str(tmp_path), "--depths", "1,deep"])
+    assert "--depths: 'auto' or ints" in capsys.readouterr().err
+
+
 @pytest.mark.vllm
 def test_small_run_compares_the_depths(bench, tmp_path):
     argv = ["--out", str(tmp_path), "--preset", "cpu_tiny", "--sequences", "3", "--gen", "3", "--passes", "2",
