@@ -170,7 +170,9 @@ class KDAStates(nn.Module, MambaBase):
     def __init__(self, config, depth: int, prefix: str) -> None:
         super().__init__()
         self.config, self.depth, self.prefix = config, depth, prefix
-        self.stale_step_guard: StaleStepGuard | None = None  # the metadata builder hands it the step's prompt rows
+        # set by the model when sessions run async; the metadata builder hands it the step's prompt rows and the
+        # stack's layers pad their stale decode slots with it
+        self.stale_step_guard: StaleStepGuard | None = None
         vllm_config = get_current_vllm_config()
         self.model_dtype = vllm_config.model_config.dtype
         ctx = vllm_config.compilation_config.static_forward_context
@@ -210,7 +212,6 @@ class KDAStateLayer(nn.Module):
         self._kda = [kda]  # a plain reference: the parameters stay registered under the HF module tree
         self._states, self.index = [states], index  # a list: the stack is registered once, by the model
         self.decode_inputs_fn = kda_decode_inputs  # ``rollout.vllm_model`` may swap in a compiled one
-        self.stale_step_guard: StaleStepGuard | None = None  # set by the model when sessions run async
         self.w_in, self.in_sizes = fuse_input_projections(kda)
         self.prefix = states.prefix  # the name vLLM keys the step's attention metadata by
 
@@ -270,8 +271,9 @@ class KDAStateLayer(nn.Module):
         learner's full-sequence logprobs)."""
         kda = self._kda[0]
         conv_q, conv_k, conv_v, rec = self.kv_cache
-        if self.stale_step_guard is not None:
-            slots_N = self.stale_step_guard.decode_slots(slots_N)
+        guard = self._states[0].stale_step_guard
+        if guard is not None:
+            slots_N = guard.decode_slots(slots_N)
         xq, xk, xv, fa, b, gate = self._input_projections(x_ND)
         silu = kda.q_conv1d.activation == "silu"
         q, k, v = (

@@ -136,9 +136,8 @@ class VllmHybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         self.stale_step_guard = None
         if getattr(config, "stale_step_guard", False):  # sessions under the async scheduler (the worker sets it)
             self.stale_step_guard = StaleStepGuard(TURN_END_IDS, rows, device)  # rows: any decode batch, padded too
-            for mixer in (*mixers, *states):
-                if isinstance(mixer, (KDAStateLayer, KDAStates)):
-                    mixer.stale_step_guard = self.stale_step_guard
+            for stack in states:
+                stack.stale_step_guard = self.stale_step_guard
         self.compiled_regions = [] if vllm_config.model_config.enforce_eager else self._compile(vllm_config)
 
     def _compile(self, vllm_config: VllmConfig) -> list:
