@@ -639,13 +639,14 @@ class Child:
         if job["max_num_batched_tokens"]:
             kwargs["max_num_batched_tokens"] = job["max_num_batched_tokens"]
         backend = job.get("attention_backend")
-        if job["model_kind"] == "ours":  # as RolloutWorker does: the form's override, the backend it picks for it
-            from rollout.worker import latent_attention_backend
+        if job["model_kind"] == "ours":  # as RolloutWorker does: its config overrides, the backend it picks
+            from rollout.worker import engine_hf_overrides, latent_attention_backend
 
-            overrides = {k: job[k] for k in ("mla_cache_form", "kda_state_depth") if job.get(k)}
+            worker = SimpleNamespace(model_path=job["model"], mla_cache_form=job.get("mla_cache_form"),
+                                     kda_state_depth=job.get("kda_state_depth"), async_sessions=False)  # fmt: skip
+            overrides = engine_hf_overrides(worker)
             if overrides:
                 kwargs["hf_overrides"] = overrides
-            worker = SimpleNamespace(model_path=job["model"], mla_cache_form=job.get("mla_cache_form"))
             backend = backend or latent_attention_backend(worker)
         if backend:
             kwargs["attention_config"] = {"backend": backend}

@@ -239,11 +239,7 @@ class RolloutWorker:
             kwargs["block_size"] = c.block_size
         if c.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = c.max_num_batched_tokens
-        overrides = {"mla_cache_form": c.mla_cache_form} if c.mla_cache_form else {}
-        if c.kda_state_depth is not None:
-            overrides["kda_state_depth"] = c.kda_state_depth
-        if c.async_sessions:
-            overrides["stale_step_guard"] = True
+        overrides = engine_hf_overrides(c)
         if overrides:
             kwargs["hf_overrides"] = overrides
         backend = c.attention_backend or latent_attention_backend(c)
@@ -731,6 +727,17 @@ def shutdown_engine_core(engine_core, in_process: bool) -> None:
         engine_core.shutdown()
     finally:
         core_mod.cleanup_dist_env_and_memory = teardown
+
+
+def engine_hf_overrides(c: WorkerConfig) -> dict[str, Any]:
+    """The HF config fields a worker's engine overrides (vLLM's ``hf_overrides``): the MLA cache form and the KDA
+    state depth when set, the stale-step guard under async sessions."""
+    overrides: dict[str, Any] = {"mla_cache_form": c.mla_cache_form} if c.mla_cache_form else {}
+    if c.kda_state_depth is not None:
+        overrides["kda_state_depth"] = c.kda_state_depth
+    if c.async_sessions:
+        overrides["stale_step_guard"] = True
+    return overrides
 
 
 def latent_attention_backend(c: WorkerConfig) -> str | None:
