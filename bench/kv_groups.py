@@ -29,6 +29,9 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core here: its calls are timed here
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import rollout_gpu  # kv_layout: the engine's KV-cache groups, as the GPU rollout bench reports them
 
 TIMED = (("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
          ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "allocate_slots"),
@@ -112,14 +115,6 @@ def run_pass(worker, timer: CallTimer, prompts: list[list[int]], gen: int, tag: 
     }  # fmt: skip
 
 
-def kv_groups(worker) -> list[dict]:
-    def read(w):
-        return [{"spec": type(g.kv_cache_spec).__name__, "layers": len(g.layer_names),
-                 "block_size": g.kv_cache_spec.block_size} for g in w.model_runner.kv_cache_config.kv_cache_groups]  # fmt: skip
-
-    return worker.llm.collective_rpc(read)[0]
-
-
 def median_pass(passes: list[dict]) -> dict:
     """The pass of median scheduler time among those after the first (the first warms the batch up)."""
     later = passes[1:] or passes
@@ -165,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                                             max_num_seqs=args.sequences, kv_cache_memory_bytes=256 << 20,
                                             kda_state_depth=depth))  # fmt: skip
                 try:
-                    row = res["depths"].setdefault(str(depth), {"groups": kv_groups(worker), "rounds": []})
+                    groups = worker.llm.collective_rpc(rollout_gpu.kv_layout)[0]["groups"]
+                    row = res["depths"].setdefault(str(depth), {"groups": groups, "rounds": []})
                     passes = [run_pass(worker, timer, prompts, args.gen, f"r{rnd}p{i}") for i in range(args.passes)]
                 finally:
                     worker.shutdown()
