@@ -28,8 +28,9 @@ Tasks of an engine (``name:task+task``):
 * ``check``: greedy tokens on fixed prompts; a fast engine compares them with the eager engine's of its
   dtype (its reference, from an earlier ``check`` of ``ours_eager`` / ``ours_eager_fp32``) before it times
   anything, and the report gives the first mismatch (prompt, position) if any. The bar's check is the fp32
-  pair (``ours_fast_fp32`` against ``ours_eager_fp32``; fp32 engines run with ``TRITON_F32_DEFAULT=ieee``, so
-  that vLLM's Triton attention multiplies fp32 in fp32, not TF32: ``child_env``): the compiled regions keep eager's bf16 roundings
+  pair (``ours_fast_fp32`` against ``ours_eager_fp32``; fp32 engines run with ``TRITON_F32_DEFAULT=ieee`` and
+  ``LONGHORIZON_KDA_FP32_PRODUCTS=ieee``, so that vLLM's Triton attention and our KDA kernels multiply fp32 in
+  fp32, not TF32 or bf16x3: ``child_env``): the compiled regions keep eager's bf16 roundings
   but may sum in another order, which in bf16 can flip a near-tied token of this random-init model (the
   2026-12-02 H200 run, before the roundings were emulated, differed from the first token on); the bf16
   pair is reported too. Free routing amplifies last-bit differences at random init (one near-tied top-k
@@ -172,9 +173,9 @@ ENGINES = {
     # KV bytes a token than the expanded form's 8 heads x (192 + 192) (FlashAttention-3 on CUDA)
     "ours_fast_latent": EngineSpec("ours", enforce_eager=False, mla_cache_form="latent"),
     "ours_fast_expanded": EngineSpec("ours", enforce_eager=False, mla_cache_form="expanded"),
-    # the KDA layers' states stacked by three: one KV-cache group for them instead of three (vLLM's bookkeeping
-    # runs per group and request every step)
-    "ours_fast_stacked": EngineSpec("ours", enforce_eager=False, kda_state_depth="auto"),
+    # the KDA layers' states one a vLLM state layer, the default before 2026-12-06: three KV-cache groups for them
+    # where the default stacks them by three into one (vLLM's bookkeeping runs per group and request every step)
+    "ours_fast_per_layer": EngineSpec("ours", enforce_eager=False, kda_state_depth=1),
     # every expert GEMM on torch's CUTLASS kernel, the default before 2026-12-04's small-rows kernel for decode steps
     "ours_fast_cutlass": EngineSpec("ours", enforce_eager=False, grouped_mm="torch"),
     # each AttnRes mix compiled and its norm after it, the engine's path before kernels.attnres (2026-12-04)
@@ -557,7 +558,8 @@ def child_env(spec: EngineSpec, dtype: str, args, route_table: bool) -> dict[str
     """The environment of an engine's child process: this one's, with the engine's switches (``route_table``: the
     replayed check's device table of routes). An fp32 engine computes fp32 products in Triton kernels too:
     vLLM's Triton attention calls ``tl.dot`` without a precision, which on a GPU means TF32 for fp32 operands
-    (10 mantissa bits, whose rounding turns a last-bit difference between two engines into a 1e-3 one)."""
+    (10 mantissa bits, whose rounding turns a last-bit difference between two engines into a 1e-3 one), and our
+    KDA kernels split fp32 operands into bf16 parts (``kernels.kda.triton.common.fp32_products``: ~1e-5)."""
     env = dict(os.environ)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.engine_process == "separate" else "0"
     if not spec.compile_regions:
@@ -573,6 +575,7 @@ def child_env(spec: EngineSpec, dtype: str, args, route_table: bool) -> dict[str
         env["LONGHORIZON_ROUTE_TABLE"] = "1"
     if dtype == "float32":
         env["TRITON_F32_DEFAULT"] = "ieee"
+        env["LONGHORIZON_KDA_FP32_PRODUCTS"] = "ieee"  # our KDA kernels' fp32 products: fp32, not bf16x3
     return env
 
 

@@ -194,6 +194,19 @@ def test_fp32_split_products_of_the_gpu_match_reference(monkeypatch):
     assert ("bf16", "bf16") in seen
 
 
+def test_fp32_products_switch_reads_the_environment(monkeypatch):
+    """LONGHORIZON_KDA_FP32_PRODUCTS picks the GPU's fp32 products (bf16x3 unless "ieee"); a typo is an error
+    naming the variable, not a silent default."""
+    common = MODS["common"]
+    monkeypatch.delenv("LONGHORIZON_KDA_FP32_PRODUCTS", raising=False)
+    assert common.fp32_products() == "bf16x3"
+    monkeypatch.setenv("LONGHORIZON_KDA_FP32_PRODUCTS", "ieee")
+    assert common.fp32_products() == "ieee"
+    monkeypatch.setenv("LONGHORIZON_KDA_FP32_PRODUCTS", "fp32")
+    with pytest.raises(ValueError, match="LONGHORIZON_KDA_FP32_PRODUCTS"):
+        common.fp32_products()
+
+
 def test_launch_configs_one_per_kernel_unless_searching(monkeypatch):
     """fp32 (the reference precision) compiles the first config everywhere; bf16 on a GPU with a tuned
     table compiles the recorded winner; elsewhere, or with LONGHORIZON_KDA_AUTOTUNE=1, the whole space."""

@@ -98,17 +98,20 @@ def test_budget_shares_and_the_peer_fallback(bench, tmp_path, monkeypatch):
 
 def test_child_env_carries_the_engine_switches_and_fp32_products_in_fp32(bench, monkeypatch):
     """An engine's switches reach its child; an fp32 engine's Triton dots without a precision (vLLM's Triton
-    attention) run in IEEE fp32, not TF32; a bf16 engine keeps Triton's default."""
+    attention) and our KDA kernels' products run in IEEE fp32, not TF32 or bf16x3; a bf16 engine keeps the
+    defaults."""
     from types import SimpleNamespace
 
     monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    monkeypatch.delenv("LONGHORIZON_KDA_FP32_PRODUCTS", raising=False)
     args = SimpleNamespace(engine_process="in", compile_threads=None)
     fp32 = bench.child_env(bench.ENGINES["ours_fast_fp32"], "float32", args, route_table=True)
-    assert fp32["TRITON_F32_DEFAULT"] == "ieee" and fp32["LONGHORIZON_ROUTE_TABLE"] == "1"
+    assert fp32["TRITON_F32_DEFAULT"] == "ieee" and fp32["LONGHORIZON_KDA_FP32_PRODUCTS"] == "ieee"
+    assert fp32["LONGHORIZON_ROUTE_TABLE"] == "1"
     assert fp32["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and fp32["LONGHORIZON_KERNEL_WARMUP"] == "1"
     args.engine_process, args.compile_threads = "separate", 8
     bf16 = bench.child_env(bench.ENGINES["ours_graphs"], "bfloat16", args, route_table=False)
-    assert "TRITON_F32_DEFAULT" not in bf16 and "LONGHORIZON_ROUTE_TABLE" not in bf16
+    assert not {"TRITON_F32_DEFAULT", "LONGHORIZON_KDA_FP32_PRODUCTS", "LONGHORIZON_ROUTE_TABLE"} & set(bf16)
     assert bf16["LONGHORIZON_COMPILE_BACKEND"] == "none" and bf16["LONGHORIZON_COMPILE_THREADS"] == "8"
     assert bf16["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
 

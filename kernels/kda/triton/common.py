@@ -253,15 +253,31 @@ def _split_bf16(x):
     return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
 
 
-# fp32 products on the GPU are split into bf16 hi/lo parts (see mma); the interpreter computes them in IEEE
-FP32_SPLIT = tl.constexpr(not INTERPRET)
+FP32_PRODUCTS = ("bf16x3", "ieee")
+
+
+def fp32_products() -> str:
+    """How ``mma`` multiplies fp32 tiles on a GPU: "bf16x3" (the default, see ``mma``) or "ieee" (fp32 FMA,
+    LONGHORIZON_KDA_FP32_PRODUCTS=ieee). bf16x3 rounds each operand's low part to bf16, so a last-bit change
+    of an input can move a product by ~2^-16 of its size: two fp32 engines whose inputs differ in the last
+    bit (an eager and a compiled one) then differ by ~1e-5, enough to flip a near-tied router; IEEE keeps
+    such differences at the last bits. Read once, at import."""
+    name = os.environ.get("LONGHORIZON_KDA_FP32_PRODUCTS", "bf16x3")
+    if name not in FP32_PRODUCTS:
+        raise ValueError(f"LONGHORIZON_KDA_FP32_PRODUCTS must be one of {list(FP32_PRODUCTS)}, got {name!r}")
+    return name
+
+
+# fp32 products on the GPU are split into bf16 hi/lo parts unless fp32_products() says ieee (see mma); the
+# interpreter computes them in IEEE
+FP32_SPLIT = tl.constexpr(not INTERPRET and fp32_products() == "bf16x3")
 
 
 @triton.jit
 def mma(a, b):
     """a @ b with an fp32 result at the operands' own precision: one tensor-core product for bf16/fp16
     operands; for fp32 operands IEEE fp32 in the interpreter and "bf16x3" on the GPU (three bf16
-    tensor-core products of the hi/lo split, about 16 mantissa bits). Deviation from a plain ``tl.dot``,
+    tensor-core products of the hi/lo split, about 16 mantissa bits; IEEE with fp32_products() "ieee"). Deviation from a plain ``tl.dot``,
     whose fp32 default is TF32: on the H200 (Triton 3.6) TF32 made the fp32 kernels only ~2e-3 relative,
     and the fp32 state kernel's TF32 variants hit an illegal memory access while the autotuner
     benchmarked them at 8192 packed tokens (bf16 ran); IEEE fp32 products (FMA) took minutes to compile
