@@ -85,8 +85,8 @@ class WorkerConfig:
     in_process: bool = True  # engine core in this process (fast start; a Ray actor is a process already)
     # "auto" | "expanded" | "latent" (rollout.vllm_layers); None: the checkpoint's, else auto (latent on CUDA)
     mla_cache_form: str | None = None
-    # KDA layers per vLLM state layer (rollout.vllm_plugin.kda_state_depth): None or 1, one each; "auto", KDA layers /
-    # MLA layers (gpu_1b: 3, one KV-cache group for all KDA states instead of 3); an int, that many
+    # KDA layers per vLLM state layer (rollout.vllm_plugin.kda_state_depth): None or "auto", KDA layers / MLA layers
+    # (gpu_1b: 3, one KV-cache group for all KDA states instead of 3); 1, one each; an int, that many
     kda_state_depth: int | str | None = None
     # vLLM attention backend name (e.g. "TRITON_ATTN", "FLASH_ATTN"); None: vLLM's pick, except the latent
     # form on CUDA with a head over 256, which takes TRITON_ATTN (see latent_attention_backend)

@@ -1,7 +1,8 @@
-"""KDA states stacked in vLLM's slots (``kda_state_depth``): the tiny model's 3 KDA layers as one vLLM state
-layer beside its MLA layer make 2 KV-cache groups instead of 4, and the engine computes the same function: the
-same greedy tokens and sampled logprobs as the one-layer-a-state engine and the learner, over a reused session
-and beside another session (each in its own slot of the stacked states). One extra engine."""
+"""KDA states stacked in vLLM's slots (``kda_state_depth``, "auto" by default): the tiny model's 3 KDA layers as
+one vLLM state layer beside its MLA layer make 2 KV-cache groups instead of 4, and the engine computes the same
+function: the same greedy tokens and sampled logprobs as the one-layer-a-state engine (depth 1) and the learner,
+over a reused session and beside another session (each in its own slot of the stacked states). The shared session
+worker is the default (stacked) engine; one extra engine, the per-layer one."""
 
 from __future__ import annotations
 
@@ -30,17 +31,17 @@ def _groups(worker) -> list[tuple[str, int, tuple]]:
 
 
 @pytest.fixture(scope="module")
-def stacked(tiny_ckpt):
+def per_layer_worker(tiny_ckpt):
     path, _ = tiny_ckpt
-    w = RolloutWorker(dict(model_path=str(path), reuse="session", kda_state_depth="auto", **SMALL_ENGINE))
+    w = RolloutWorker(dict(model_path=str(path), reuse="session", kda_state_depth=1, **SMALL_ENGINE))
     yield w
     w.shutdown()
 
 
-def test_stacked_states_make_two_cache_groups(stacked, session_worker, tiny_ckpt):
+def test_stacked_states_make_two_cache_groups(per_layer_worker, session_worker, tiny_ckpt):
     _, model = tiny_ckpt
     lac = model.config.linear_attn_config
-    per_layer, stack = _groups(session_worker), _groups(stacked)
+    per_layer, stack = _groups(per_layer_worker), _groups(session_worker)
     assert sorted(g[0] for g in per_layer) == ["FullAttentionSpec", "MambaSpec", "MambaSpec", "MambaSpec"]
     assert sorted(g[0] for g in stack) == ["FullAttentionSpec", "MambaSpec"]
     (mamba,) = [g for g in stack if g[0] == "MambaSpec"]
@@ -48,15 +49,16 @@ def test_stacked_states_make_two_cache_groups(stacked, session_worker, tiny_ckpt
     assert mamba[1] == 1 and mamba[2] == tuple((len(lac["kda_layers"]), *s) for s in one[2])
 
 
-def test_stacked_states_give_the_same_tokens_and_logprobs(stacked, session_worker, tiny_ckpt):
+def test_stacked_states_give_the_same_tokens_and_logprobs(per_layer_worker, session_worker, tiny_ckpt):
     """Two sessions side by side (two slots of the stack), each over two turns (the second continues the kept
     state): greedy tokens equal the one-layer-a-state engine's and ``generate``; sampled logprobs equal the
     learner's on the same ids."""
     _, model = tiny_ckpt
+    stacked = session_worker
     first = {"sa": _prompt(60, 70), "sb": _prompt(61, 45)}
     second = {"sa": _prompt(62, 15), "sb": _prompt(63, 22)}
     outs = {}
-    for w in (stacked, session_worker):
+    for w in (stacked, per_layer_worker):
         o1 = w.generate([TurnRequest(s, p, max_tokens=8, temperature=0.0) for s, p in first.items()])
         o2 = w.generate([TurnRequest(s, p, max_tokens=8, temperature=0.0) for s, p in second.items()])
         w.end_sessions(list(first))
@@ -79,7 +81,7 @@ def test_depth_is_resolved_from_the_config_and_bad_values_are_named(tiny_ckpt):
         layers = {"kda_layers": list(range(kda)), "full_attn_layers": list(range(mla))}
         return SimpleNamespace(linear_attn_config=layers, kda_state_depth=depth)
 
-    assert kda_state_depth(cfg(12, 4, None)) == 1  # unset: one layer a state layer
+    assert kda_state_depth(cfg(12, 4, None)) == 3 and kda_state_depth(cfg(12, 4, 1)) == 1  # unset: auto
     assert kda_state_depth(cfg(12, 4, "auto")) == 3 and kda_state_depth(cfg(3, 1, "auto")) == 3
     assert kda_state_depth(cfg(13, 4, "auto")) == 1  # uneven: as it was
     assert kda_state_depth(cfg(12, 0, "auto")) == 1 and kda_state_depth(cfg(12, 4, 6)) == 6
