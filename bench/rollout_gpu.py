@@ -1527,7 +1527,7 @@ def main() -> None:
                    help="reuse part: our engines' MLA cache form (default: the worker's, latent on CUDA)")
     p.add_argument("--kda-state-depth", default=None, type=lambda v: v if v == "auto" else int(v),
                    help="reuse part: KDA layers per vLLM state layer of our engines (auto: one KV-cache group for "
-                        "all KDA states; default: the worker's, one a layer)")
+                        "all KDA states; default: the worker's, auto; 1: one a layer)")
     p.add_argument("--long-lengths", default="512,1536,3072,4608,6144",
                    help="longctx part: prompt lengths, one greedy turn each, against the learner")
     p.add_argument("--layer-variants", default="single,batch,chunked", help="layers part: request layouts")
