@@ -194,6 +194,27 @@ def test_fp32_split_products_of_the_gpu_match_reference(monkeypatch):
     assert ("bf16", "bf16") in seen
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["bf16x3", "ieee"])
+def test_a_last_bit_input_change_moves_fp32_products_by_their_precision(monkeypatch, split):
+    """Why the fp32 engines of the greedy check take IEEE products: a one-ulp change of q, k, v moves the exact
+    function by ~2e-7 of the output's scale; IEEE products keep it there, bf16x3 rounds each operand's low part
+    to bf16 and moves the output ~40x further (~8e-6 on this case; two engines whose inputs differ in the last
+    bit then part at a near-tied router). The bound between them separates the two by 10x either way."""
+    import triton.language as tl
+
+    monkeypatch.setattr(MODS["common"], "FP32_SPLIT", tl.constexpr(split))
+    q, k, v, g, beta, _ = _inputs(128, K=32, V=32)
+    nudge = lambda x: torch.nextafter(x, torch.full_like(x, float("inf")))
+    o1, _ = chunk_kda_triton(q, k, v, g, beta)
+    o2, _ = chunk_kda_triton(nudge(q), nudge(k), nudge(v), g, beta)
+    exact1, _ = naive_recurrent_kda(*(x.double() for x in (q, k, v, g, beta)))
+    exact2, _ = naive_recurrent_kda(*(x.double() for x in (nudge(q), nudge(k), nudge(v), g, beta)))
+    scale = o1.abs().max().item()
+    moved, exact = (o1 - o2).abs().max().item() / scale, (exact1 - exact2).abs().max().item() / scale
+    assert exact < 5e-7 and (o1.double() - exact1).abs().max().item() / scale < 1e-4  # both precisions near fp64
+    assert (moved > 10 * exact) if split else (moved < 4 * exact), (moved, exact)
+
+
 def test_fp32_products_switch_reads_the_environment(monkeypatch):
     """LONGHORIZON_KDA_FP32_PRODUCTS picks the GPU's fp32 products (bf16x3 unless "ieee"); a typo is an error
     naming the variable, not a silent default."""
