@@ -44,7 +44,6 @@ import inspect
 import json
 import random
 import shutil
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -326,14 +325,15 @@ class Learner:
         """One RL step: ppo_epochs x mini-batches optimizer updates; returns averaged metrics."""
         updates = self.algo.ppo_epochs * len(minibatches)
         pre = self._pre_update(minibatches) if updates > 1 else None
-        sums: dict[str, float] = defaultdict(float)
+        # on the device until every update is queued: one read at the end, not a sync (and an idle GPU while the
+        # host prepares the next update) after each optimizer step
+        totals: dict[str, torch.Tensor] = {}
         mismatch = _MismatchMeter()
         for epoch in range(self.algo.ppo_epochs):
             for i, mb in enumerate(minibatches):
                 m = self._update(mb, i, pre, mismatch if epoch == 0 else None)
-                for k, v in m.items():
-                    sums[k] = max(sums[k], v) if k.endswith("_max") else sums[k] + v / updates
-        metrics = self._reduced(dict(sums))
+                _accumulate(totals, m, updates)
+        metrics = self._reduced(metric_floats(totals))
         metrics.update(mismatch.result(self.dist))
         if self.balancer is not None:
             metrics.update(self.balancer.summarize(self._balancer_step()))
@@ -341,7 +341,8 @@ class Learner:
         metrics["learner/version"] = float(self.version)
         return metrics
 
-    def _update(self, micro_batches: list[TrainBatch], i: int, pre, mismatch) -> dict[str, float]:
+    def _update(self, micro_batches: list[TrainBatch], i: int, pre, mismatch) -> dict[str, torch.Tensor]:
+        """One optimizer update over ``micro_batches``; its metrics as 0-dim device tensors."""
         self.policy.train()
         self.optimizer.zero_grad(set_to_none=True)
         need_entropy = True
@@ -369,8 +370,8 @@ class Learner:
                     sums[k] = v
                 else:
                     sums[k] = torch.maximum(sums[k], v) if k.endswith("_max") else sums[k] + v
-        sums["grad_norm"] = self._clip_and_step().double()
-        return metric_floats(sums)
+        sums["grad_norm"] = self._clip_and_step()
+        return sums
 
     def _padding_backward(self, micro: TrainBatch, need_entropy: bool = False) -> None:
         """A padding micro-batch's forward and backward: its zero loss weights add exact zeros to every
@@ -719,6 +720,17 @@ def _with_filler(batch: TrainBatch, bucket: int, replay: bool, seqs_pow2: bool =
         n = len(cu) - 1
         cu = torch.cat([cu, cu.new_full((next_pow2(n) - n,), T + filler)])
     return ids, cu, routes, filler
+
+
+def _accumulate(totals: dict[str, torch.Tensor], update: dict[str, torch.Tensor], updates: int) -> None:
+    """Adds one of a step's ``updates`` updates' metrics into ``totals`` on the device, in float64: "_max" metrics
+    by maximum, the others divided by ``updates`` (their mean over the step's updates)."""
+    for k, v in update.items():
+        v = v.double()
+        if k.endswith("_max"):
+            totals[k] = torch.maximum(totals[k], v) if k in totals else v
+        else:
+            totals[k] = totals[k] + v / updates if k in totals else v / updates
 
 
 def next_pow2(n: int) -> int:

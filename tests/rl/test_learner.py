@@ -202,6 +202,30 @@ def test_ppo_value_head_and_several_minibatches():
     assert np.isfinite(m["value_loss"]) and m["learner/version"] == 1.0
 
 
+def test_a_step_of_several_updates_reads_its_metrics_once_and_averages_them(monkeypatch):
+    """Each optimizer update's metrics stay device tensors (no read, so no sync, between updates); the step reports
+    their mean over the 4 updates (2 mini-batches x 2 epochs) and the maximum of the "_max" ones, as read at the end."""
+    from rl.losses import metric_floats
+
+    c = make_cfg("algorithm.num_minibatches=2", "algorithm.ppo_epochs=2")
+    learner = Learner(c.model, c.learner, c.algorithm)
+    seen, update = [], learner._update
+
+    def spy(*args):
+        m = update(*args)
+        assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in m.values()), m
+        seen.append(metric_floats(m))  # the test's own read, after the update
+        return m
+
+    monkeypatch.setattr(learner, "_update", spy)
+    m = learner.train_step(batches_for(learner, c, make_group(n=4)))
+    assert len(seen) == 4 and any(k.endswith("_max") for k in seen[0])
+    for k in seen[0]:
+        values = [s[k] for s in seen]
+        want = max(values) if k.endswith("_max") else sum(values) / 4
+        assert m[k] == pytest.approx(want, rel=1e-6, abs=1e-9), k
+
+
 def test_activation_checkpointing_gives_the_same_update():
     results = []
     for ac in ("false", "true"):
