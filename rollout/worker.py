@@ -85,8 +85,11 @@ class WorkerConfig:
     in_process: bool = True  # engine core in this process (fast start; a Ray actor is a process already)
     # "auto" | "expanded" | "latent" (rollout.vllm_layers); None: the checkpoint's, else auto (latent on CUDA)
     mla_cache_form: str | None = None
-    # KDA layers per vLLM state layer (rollout.vllm_plugin.kda_state_depth): None or "auto", KDA layers / MLA layers
-    # (gpu_1b: 3, one KV-cache group for all KDA states instead of 3); 1, one each; an int, that many
+    # KDA layers per vLLM state layer (rollout.vllm_plugin.kda_state_depth): "auto", KDA layers / MLA layers (gpu_1b:
+    # 3, one KV-cache group for all KDA states instead of 3); 1, one each; an int, that many. None: auto, except
+    # 1 with reuse="prefix_cache": a stack's states need a page as large as the stack, vLLM raises the attention
+    # block to match where that page is the larger (gpu_1b's latent cache on a GPU: ~432 -> ~1,280 tokens), and
+    # prefix caching reuses whole blocks only (its recurrent checkpoints sit at block ends); not measured there
     kda_state_depth: int | str | None = None
     # vLLM attention backend name (e.g. "TRITON_ATTN", "FLASH_ATTN"); None: vLLM's pick, except the latent
     # form on CUDA with a head over 256, which takes TRITON_ATTN (see latent_attention_backend)
@@ -730,11 +733,14 @@ def shutdown_engine_core(engine_core, in_process: bool) -> None:
 
 
 def engine_hf_overrides(c: WorkerConfig) -> dict[str, Any]:
-    """The HF config fields a worker's engine overrides (vLLM's ``hf_overrides``): the MLA cache form and the KDA
-    state depth when set, the stale-step guard under async sessions."""
+    """The HF config fields a worker's engine overrides (vLLM's ``hf_overrides``): the MLA cache form when set, the
+    KDA state depth when set or when prefix caching keeps one KDA layer a state layer (``WorkerConfig``), the
+    stale-step guard under async sessions."""
     overrides: dict[str, Any] = {"mla_cache_form": c.mla_cache_form} if c.mla_cache_form else {}
     if c.kda_state_depth is not None:
         overrides["kda_state_depth"] = c.kda_state_depth
+    elif c.reuse == "prefix_cache":
+        overrides["kda_state_depth"] = 1
     if c.async_sessions:
         overrides["stale_step_guard"] = True
     return overrides

@@ -110,6 +110,24 @@ def _engine_kwargs(monkeypatch, cfg: WorkerConfig) -> dict:
     return seen
 
 
+def test_kda_state_depth_is_left_to_the_model_except_under_prefix_caching(tmp_path, monkeypatch):
+    """Unset, the engine's config carries no depth (the plugin reads that as auto: the KDA states stacked), except
+    with reuse="prefix_cache", whose whole-block reuse a stack's larger block would coarsen: depth 1 there. A depth
+    the user names goes through as named."""
+    pytest.importorskip("vllm")
+    from rollout import worker
+
+    path = _checkpoint(tmp_path, kv_lora_rank=128, rope=64)
+    monkeypatch.setattr(worker, "set_engine_process", lambda in_process: None)
+    for reuse in ("session", "none"):
+        kwargs = _engine_kwargs(monkeypatch, WorkerConfig(model_path=path, reuse=reuse))
+        assert "kda_state_depth" not in kwargs.get("hf_overrides", {})
+    kwargs = _engine_kwargs(monkeypatch, WorkerConfig(model_path=path, reuse="prefix_cache"))
+    assert kwargs["hf_overrides"]["kda_state_depth"] == 1
+    named = WorkerConfig(model_path=path, reuse="prefix_cache", kda_state_depth="auto")
+    assert _engine_kwargs(monkeypatch, named)["hf_overrides"]["kda_state_depth"] == "auto"
+
+
 def test_session_workers_schedule_synchronously(tmp_path, monkeypatch):
     """A session worker's engine gets async scheduling off (a stale step past a turn's stop token would move the
     parked session's recurrent state: ``scheduling_kwargs``); workers without sessions keep vLLM's default."""
