@@ -278,10 +278,10 @@ def mma(a, b):
     """a @ b with an fp32 result at the operands' own precision: one tensor-core product for bf16/fp16
     operands; for fp32 operands IEEE fp32 in the interpreter and "bf16x3" on the GPU (three bf16
     tensor-core products of the hi/lo split, about 16 mantissa bits; IEEE where fp32_products() is "ieee").
-    Deviation from a plain ``tl.dot``, whose fp32 default is TF32: on the H200 (Triton 3.6) TF32 made the fp32 kernels only ~2e-3 relative,
-    and the fp32 state kernel's TF32 variants hit an illegal memory access while the autotuner
-    benchmarked them at 8192 packed tokens (bf16 ran); IEEE fp32 products (FMA) took minutes to compile
-    for the autotuner's configs. bf16 products are what the bf16 kernels already run."""
+    Deviation from a plain ``tl.dot``, whose fp32 default is TF32: on the H200 (Triton 3.6) TF32 made the
+    fp32 kernels only ~2e-3 relative, and the fp32 state kernel's TF32 variants hit an illegal memory access
+    while the autotuner benchmarked them at 8192 packed tokens (bf16 ran); IEEE fp32 products (FMA) took
+    minutes to compile for the autotuner's configs. bf16 products are what the bf16 kernels already run."""
     if a.dtype == tl.float32:
         if FP32_SPLIT:
             return pdot(a, b, 2)
