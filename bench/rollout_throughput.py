@@ -645,7 +645,7 @@ class Child:
         if job["model_kind"] == "ours":  # as RolloutWorker does: its config overrides, the backend it picks
             from rollout.worker import engine_hf_overrides, latent_attention_backend
 
-            worker = SimpleNamespace(model_path=job["model"], mla_cache_form=job.get("mla_cache_form"),
+            worker = SimpleNamespace(model_path=job["model"], mla_cache_form=job.get("mla_cache_form"), reuse="none",
                                      kda_state_depth=job.get("kda_state_depth"), async_sessions=False)  # fmt: skip
             overrides = engine_hf_overrides(worker)
             if overrides:
