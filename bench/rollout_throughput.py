@@ -111,7 +111,6 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -643,10 +642,10 @@ class Child:
             kwargs["max_num_batched_tokens"] = job["max_num_batched_tokens"]
         backend = job.get("attention_backend")
         if job["model_kind"] == "ours":  # as RolloutWorker does: its config overrides, the backend it picks
-            from rollout.worker import engine_hf_overrides, latent_attention_backend
+            from rollout.worker import WorkerConfig, engine_hf_overrides, latent_attention_backend
 
-            worker = SimpleNamespace(model_path=job["model"], mla_cache_form=job.get("mla_cache_form"), reuse="none",
-                                     kda_state_depth=job.get("kda_state_depth"), async_sessions=False)  # fmt: skip
+            worker = WorkerConfig(model_path=job["model"], mla_cache_form=job.get("mla_cache_form"), reuse="none",
+                                  kda_state_depth=job.get("kda_state_depth"))  # fmt: skip
             overrides = engine_hf_overrides(worker)
             if overrides:
                 kwargs["hf_overrides"] = overrides

@@ -33,8 +33,8 @@ MLA_CACHE_FORM_CHOICES = ("auto", *MLA_CACHE_FORMS)
 # vLLM's ``hf_overrides``): how many KDA layers one vLLM state layer holds (``rollout.vllm_layers.KDAStates``).
 # vLLM's KV-cache manager keeps a block table per cache group and does its accounting once per group, request and
 # step, and it splits each kind of layer into groups of the smallest kind's count: 12 KDA layers of one state each
-# beside 4 MLA layers make 3 KDA groups and 1 MLA group; 4 stacks of 3 make 1 and 1. "auto" (or unset, the default): KDA
-# layers / MLA layers where that divides evenly (else 1); 1: one layer a state layer; an int: that depth.
+# beside 4 MLA layers make 3 KDA groups and 1 MLA group; 4 stacks of 3 make 1 and 1. "auto" (or unset, the
+# default): KDA layers / MLA layers where that divides evenly (else 1); 1: one layer a state layer; an int: that depth.
 KDA_STATE_DEPTH_CHOICES = ("auto", "an int >= 1 dividing the KDA layer count")
 
 
