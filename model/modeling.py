@@ -132,8 +132,27 @@ class _Step:
     cu_seqlens: torch.Tensor | None
     cache: HybridCache | None
     use_cache: bool
-    replay_TMK: torch.Tensor | None
+    routes: _Routes | None
     choices: list[torch.Tensor]
+
+
+class _Routes:
+    """A forward's replayed routes, checked and moved to the device when the first MoE layer asks for them: the
+    layers before it are queued on the device first, so the host's id check and copy of the table ([16K, 15, 8]
+    for a gpu_1b micro-batch: a few ms) run while the device computes them instead of before it has any work."""
+
+    def __init__(self, routed: torch.Tensor, num_experts: int, device, ids_checked: bool) -> None:
+        self._routed, self._num_experts, self._device, self._ids_checked = routed, num_experts, device, ids_checked
+        self._TMK: torch.Tensor | None = None
+
+    def layer(self, j: int) -> torch.Tensor:
+        """[T, top_k] experts of the forward's j-th MoE layer."""
+        if self._TMK is None:
+            if not self._ids_checked:
+                check_replay_ids(self._routed, self._num_experts)
+            self._TMK = to_device(self._routed, self._device).long()  # pinned, no host sync; widened on the device
+            self._routed = None
+        return self._TMK[:, j]
 
 
 class HybridPreTrainedModel(PreTrainedModel):
@@ -221,8 +240,8 @@ class HybridModel(HybridPreTrainedModel):
             cu_seqlens = layout.cu_seqlens_N1.long()
         if use_cache and past_key_values is None:
             past_key_values = HybridCache.empty(len(self.layers))
-        replay_TMK = self._check_replay(routed_experts, B * T, x_BTD.device, replay_checked)
-        step = _Step(layout, cu_seqlens, past_key_values, use_cache, replay_TMK, [])
+        routes = self._routes(routed_experts, B * T, x_BTD.device, replay_checked)
+        step = _Step(layout, cu_seqlens, past_key_values, use_cache, routes, [])
         if self.config.uses_attn_res:
             h_BTD = self._forward_attn_res(x_BTD, step)
         else:
@@ -231,10 +250,9 @@ class HybridModel(HybridPreTrainedModel):
             past_key_values.seen_tokens += T
         return h_BTD, past_key_values if use_cache else None, step.choices
 
-    def _check_replay(
-        self, routed: torch.Tensor | None, tokens: int, device, ids_checked: bool = False
-    ) -> torch.Tensor | None:
-        """Shape and id range checked once for all layers (on the host when given on the CPU)."""
+    def _routes(self, routed: torch.Tensor | None, tokens: int, device, ids_checked: bool = False) -> _Routes | None:
+        """The shape checked here, the id range once for all layers at the first MoE layer (``_Routes``; on the
+        host when given on the CPU)."""
         if routed is None:
             return None
         want = (tokens, len(self.moe_layer_ids), self.config.num_experts_per_token)
@@ -242,9 +260,7 @@ class HybridModel(HybridPreTrainedModel):
             raise ValueError(
                 f"routed_experts must be [B*T, num_moe_layers, top_k] = {list(want)}, got {list(routed.shape)}"
             )
-        if not ids_checked:
-            check_replay_ids(routed, self.config.num_experts)
-        return to_device(routed, device).long()  # host routes: pinned, no host sync; widened on the device
+        return _Routes(routed, self.config.num_experts, device, ids_checked)
 
     def _attn(self, layer: HybridDecoderLayer, x_BTD, step: _Step) -> torch.Tensor:
         i = layer.layer_idx
@@ -256,8 +272,8 @@ class HybridModel(HybridPreTrainedModel):
 
     def _ffn(self, layer: HybridDecoderLayer, x_BTD, step: _Step) -> torch.Tensor:
         replay = None
-        if layer.is_moe and step.replay_TMK is not None:
-            replay = step.replay_TMK[:, self.moe_layer_ids[layer.layer_idx]]
+        if layer.is_moe and step.routes is not None:
+            replay = step.routes.layer(self.moe_layer_ids[layer.layer_idx])
         y_BTD, experts_TK = layer.ffn(x_BTD, replay)
         if experts_TK is not None:
             step.choices.append(experts_TK)

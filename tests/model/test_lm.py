@@ -141,6 +141,31 @@ def test_tokens_replayed_as_minus_one_are_routed_freely_in_the_same_forward():
         model(ids, routed_experts=torch.full_like(forced, -2))
 
 
+def test_replayed_routes_are_checked_once_at_the_first_moe_layer(monkeypatch):
+    """The host's id check (and copy) of the replayed table waits for the first MoE layer, so the layers before it
+    are queued on the device first; it runs once a forward, bad ids still fail, and the output is unchanged."""
+    import model.modeling as modeling
+
+    model = make_model(torch.float32, first_k_dense_replace=1)
+    first_moe = model.config.moe_layer_indices[0]
+    assert first_moe >= 1
+    ids = torch.randint(0, 128, (2, 8))
+    own = model(ids, output_router_choices=True)
+    events: list[str] = []
+    check = modeling.check_replay_ids
+    monkeypatch.setattr(modeling, "check_replay_ids", lambda *a: (events.append("check"), check(*a))[1])
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.register_forward_hook(lambda *_, i=i: events.append(f"attn{i}"))
+    same = model(ids, routed_experts=own.router_choices)
+    torch.testing.assert_close(same.logits, own.logits, rtol=0, atol=0)
+    assert events.count("check") == 1
+    assert events.index("check") == events.index(f"attn{first_moe}") + 1  # after every layer before its MoE block
+    bad = own.router_choices.clone()
+    bad[-1, -1, 0] = model.config.num_experts
+    with pytest.raises(ValueError, match="must lie in"):
+        model(ids, routed_experts=bad)
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_save_load_round_trip_is_bit_exact(tmp_path, tie):
     from transformers import AutoConfig, AutoModelForCausalLM
