@@ -10,8 +10,9 @@ Forward options the RL stack relies on:
 * ``cu_seqlens`` (input [1, T]): packed varlen sequences; KDA state, conv state and attention never
   cross a boundary; labels never predict across one.
 * ``routed_experts`` [B*T, num_moe_layers, top_k]: replay the rollout's expert choices (R3); a
-  token-layer row of -1 is routed freely in the same forward; ``output_router_choices=True`` returns
-  the experts used in the same layout.
+  token-layer row of -1 is routed freely in the same forward (with ``filler_tokens``, rows for the other
+  tokens only: the filler is routed freely); ``output_router_choices=True`` returns the experts used in
+  the same layout.
 * ``target_ids`` [B, T]: returns ``token_logprobs`` = log p(target_ids[t] | tokens <= t).
 * ``past_key_values`` (``HybridCache``) + ``use_cache``: incremental decoding.
 """
@@ -141,8 +142,9 @@ class _Routes:
     layers before it are queued on the device first, so the host's id check and copy of the table ([16K, 15, 8]
     for a gpu_1b micro-batch: a few ms) run while the device computes them instead of before it has any work."""
 
-    def __init__(self, routed: torch.Tensor, num_experts: int, device, ids_checked: bool) -> None:
+    def __init__(self, routed: torch.Tensor, num_experts: int, device, ids_checked: bool, free_rows: int = 0) -> None:
         self._routed, self._num_experts, self._device, self._ids_checked = routed, num_experts, device, ids_checked
+        self._free_rows = free_rows  # -1 rows appended on the device (a learner's filler tokens)
         self._TMK: torch.Tensor | None = None
 
     def layer(self, j: int) -> torch.Tensor:
@@ -150,8 +152,10 @@ class _Routes:
         if self._TMK is None:
             if not self._ids_checked:
                 check_replay_ids(self._routed, self._num_experts)
-            self._TMK = to_device(self._routed, self._device).long()  # pinned, no host sync; widened on the device
-            self._routed = None
+            routed = to_device(self._routed, self._device)  # pinned, no host sync
+            if self._free_rows:
+                routed = torch.cat([routed, routed.new_full((self._free_rows, *routed.shape[1:]), -1)])
+            self._TMK, self._routed = routed.long(), None  # widened on the device
         return self._TMK[:, j]
 
 
@@ -221,15 +225,16 @@ class HybridModel(HybridPreTrainedModel):
         ``replay_checked``: the caller checked ``routed_experts``' ids already (a device table checked when
         it was filled): only its shape is checked here, with no host sync. ``filler_tokens``: the last tokens of
         the flattened batch are filler (a learner's padding to a bucket size, its own packed sequence): the MoE
-        routers leave them out of their balancing statistics; everything else computes them as any token.
+        routers leave them out of their balancing statistics; everything else computes them as any token;
+        ``routed_experts`` may leave out their rows (they are routed freely, the -1 rows added on the device).
         ``static_layout``: ``model.layers.seq_layout``'s ``static`` (the same values, shapes fixed by the token and
         sequence counts alone: what a learner replaying its layers as CUDA graphs passes)."""
         with _uncounted(self, filler_tokens):
             return self._forward(input_ids, cu_seqlens, past_key_values, use_cache, routed_experts, inputs_embeds,
-                                 replay_checked, static_layout)  # fmt: skip
+                                 replay_checked, static_layout, filler_tokens)  # fmt: skip
 
     def _forward(self, input_ids, cu_seqlens, past_key_values, use_cache, routed_experts, inputs_embeds,
-                 replay_checked, static_layout=False):  # fmt: skip
+                 replay_checked, static_layout=False, filler_tokens=0):  # fmt: skip
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         x_BTD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -240,7 +245,7 @@ class HybridModel(HybridPreTrainedModel):
             cu_seqlens = layout.cu_seqlens_N1.long()
         if use_cache and past_key_values is None:
             past_key_values = HybridCache.empty(len(self.layers))
-        routes = self._routes(routed_experts, B * T, x_BTD.device, replay_checked)
+        routes = self._routes(routed_experts, B * T, x_BTD.device, replay_checked, filler_tokens)
         step = _Step(layout, cu_seqlens, past_key_values, use_cache, routes, [])
         if self.config.uses_attn_res:
             h_BTD = self._forward_attn_res(x_BTD, step)
@@ -250,17 +255,20 @@ class HybridModel(HybridPreTrainedModel):
             past_key_values.seen_tokens += T
         return h_BTD, past_key_values if use_cache else None, step.choices
 
-    def _routes(self, routed: torch.Tensor | None, tokens: int, device, ids_checked: bool = False) -> _Routes | None:
+    def _routes(
+        self, routed: torch.Tensor | None, tokens: int, device, ids_checked: bool = False, filler: int = 0
+    ) -> _Routes | None:
         """The shape checked here, the id range once for all layers at the first MoE layer (``_Routes``; on the
-        host when given on the CPU)."""
+        host when given on the CPU). Rows for every token, or for all but the ``filler`` last ones."""
         if routed is None:
             return None
         want = (tokens, len(self.moe_layer_ids), self.config.num_experts_per_token)
-        if tuple(routed.shape) != want:
+        if tuple(routed.shape[1:]) != want[1:] or routed.shape[0] not in (tokens, tokens - filler):
+            rows = "B*T" if not filler else f"B*T or B*T - filler_tokens = {tokens - filler}"
             raise ValueError(
-                f"routed_experts must be [B*T, num_moe_layers, top_k] = {list(want)}, got {list(routed.shape)}"
+                f"routed_experts must be [{rows}, num_moe_layers, top_k] = {list(want)}, got {list(routed.shape)}"
             )
-        return _Routes(routed, self.config.num_experts, device, ids_checked)
+        return _Routes(routed, self.config.num_experts, device, ids_checked, tokens - routed.shape[0])
 
     def _attn(self, layer: HybridDecoderLayer, x_BTD, step: _Step) -> torch.Tensor:
         i = layer.layer_idx

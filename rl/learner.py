@@ -704,9 +704,10 @@ def bucket_tokens(cfg: LearnerConfig) -> int:
 
 def _with_filler(batch: TrainBatch, bucket: int, replay: bool, seqs_pow2: bool = False):
     """(input ids, host cu_seqlens, routes or None, filler tokens) of ``batch`` padded up to a multiple of
-    ``bucket`` tokens (0: as it is) with one filler sequence of token 0, routed freely (-1 routes). Each packed
-    sequence is computed apart, so the batch's own tokens come out as without the filler. ``seqs_pow2``: empty
-    sequences appended up to a power of two of sequences (a static layout's sequence bucket)."""
+    ``bucket`` tokens (0: as it is) with one filler sequence of token 0, routed freely: the routes stay the batch's
+    own rows, the model adds the filler's -1 rows on the device (``filler_tokens``; no host copy of the table).
+    Each packed sequence is computed apart, so the batch's own tokens come out as without the filler.
+    ``seqs_pow2``: empty sequences appended up to a power of two of sequences (a static layout's sequence bucket)."""
     routes = batch.routed_experts_TLK if replay else None  # -1 rows: tokens routed freely in the same forward
     T = batch.num_tokens
     filler = -(-T // bucket) * bucket - T if bucket else 0
@@ -714,8 +715,6 @@ def _with_filler(batch: TrainBatch, bucket: int, replay: bool, seqs_pow2: bool =
     if filler:
         ids = torch.cat([ids, ids.new_zeros(filler)])
         cu = torch.cat([cu, cu.new_full((1,), T + filler)])
-        if routes is not None:
-            routes = torch.cat([routes, routes.new_full((filler, *routes.shape[1:]), -1)])
     if seqs_pow2:
         n = len(cu) - 1
         cu = torch.cat([cu, cu.new_full((next_pow2(n) - n,), T + filler)])

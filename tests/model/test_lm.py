@@ -166,6 +166,25 @@ def test_replayed_routes_are_checked_once_at_the_first_moe_layer(monkeypatch):
         model(ids, routed_experts=bad)
 
 
+def test_routes_may_leave_out_the_filler_rows():
+    """With ``filler_tokens``, routes for the other tokens only give the forward of routes whose filler rows are -1
+    (routed freely); any other row count is an error naming both accepted ones."""
+    model = make_model(torch.float32)
+    ids = torch.randint(0, 128, (1, 16))
+    cu = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
+    own = model(ids, cu_seqlens=cu, output_router_choices=True).router_choices
+    padded = own.clone()
+    padded[12:] = -1
+    want = model(ids, cu_seqlens=cu, routed_experts=padded, filler_tokens=4, output_router_choices=True)
+    got = model(ids, cu_seqlens=cu, routed_experts=own[:12], filler_tokens=4, output_router_choices=True)
+    torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
+    assert torch.equal(got.router_choices, want.router_choices)
+    with pytest.raises(ValueError, match=r"B\*T or B\*T - filler_tokens = 12"):
+        model(ids, cu_seqlens=cu, routed_experts=own[:11], filler_tokens=4)
+    with pytest.raises(ValueError, match="routed_experts must be"):
+        model(ids, cu_seqlens=cu, routed_experts=own[:12])  # no filler named
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_save_load_round_trip_is_bit_exact(tmp_path, tie):
     from transformers import AutoConfig, AutoModelForCausalLM
