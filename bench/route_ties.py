@@ -13,7 +13,7 @@ script puts a number on it for a preset's router, as the model computes it: logi
 model's own selection, ties to the lower expert id), the sets compared.
 
 Per relative error: the fraction of decisions whose set changed, with the count behind it, and for a check
-of ``--check-decisions`` token-layers (the 2026-12-06 fp32 check: 4 prompts x ~1.4K tokens x 15 MoE
+of ``--check-decisions`` token-layers (the 2026-12-06 fp32 check: 4 prompts x ~1.6K tokens x 15 MoE
 layers) the expected number of changed sets and the chance that none changes (Poisson). Results:
 ``<out>/route_ties.json`` and the table on stdout.
 """
