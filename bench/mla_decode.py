@@ -4,9 +4,10 @@ The rollout engine's latent form (``rollout.vllm_layers.MLALatentPagedAttention`
 heads over one latent head of 256 + 64 columns in a 320-wide page row, K and V interleaved in each token's row as
 vLLM 0.26's Triton backend lays them out, pages in a shuffled order. Three ways, on the same cache:
 
-* ``vllm``: vLLM's ``unified_attention`` as the engine calls it by default (V read from the V pages);
-* ``vllm_v_from_k``: the same kernel handed the K pages as V (``LONGHORIZON_MLA_VALUES_FROM_KEYS=1`` off decode);
-* ``ours``: ``kernels.mla.latent_decode_triton`` (what that option runs for decode-only steps).
+* ``vllm``: vLLM's ``unified_attention`` as vLLM calls it (V read from the V pages);
+* ``vllm_v_from_k``: the same kernel handed the K pages as V (what the engine runs off decode steps:
+  ``rollout.vllm_layers.read_values_from_keys``, on unless ``LONGHORIZON_MLA_VALUES_FROM_KEYS=0``);
+* ``ours``: ``kernels.mla.latent_decode_triton`` (what it runs for decode-only steps).
 
 Per batch (sequences x context): the largest error of each against the fp32 reference
 (``kernels.mla.latent_decode_naive``) on the output's first 256 columns, and each kernel's microseconds a call

@@ -204,6 +204,7 @@ def env_info() -> dict:
         info["gpu"] = torch.cuda.get_device_name()
         info["cuda"] = torch.version.cuda
         info["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
+    info["switches"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("LONGHORIZON_")}  # A/B runs
     return info
 
 

@@ -25,9 +25,9 @@
     head on the latent output. The cache holds 2 * latent_head_size values per token and layer
     (kv_lora_rank + qk_rope rounded up to a head size: a CPU paged-attention size, on CUDA a multiple of
     32 for vLLM's Triton backend, ``rollout.vllm_plugin.latent_head_size``; stored twice because vLLM's
-    paged attention keeps separate K and V pages; on the Triton backend they can be read once, decode steps
+    paged attention keeps separate K and V pages; on the Triton backend only the K pages are read, decode steps
     on ``kernels.mla``'s split-KV kernel and the others on vLLM's kernel taking the K pages as V:
-    ``read_values_from_keys``, opt-in until run on a GPU): about 2x the
+    ``read_values_from_keys``, the default; ``LONGHORIZON_MLA_VALUES_FROM_KEYS=0`` turns it off): about 2x the
     single-latent cache of vLLM's GPU MLA backends (kv_lora_rank + rope, once), but H times fewer KV
     heads than the expanded form. On CPU the
     latent size must fit a paged-attention head size (at most 512): K3's 512 + 64 = 576 does not and
@@ -428,8 +428,8 @@ class MLALatentPagedAttention(_PagedMLA):
 
 
 def read_values_from_keys(attn: nn.Module, rank: int, rope: int) -> bool:
-    """The latent form on vLLM's Triton backend (the CUDA default), opt-in until it has run on a GPU
-    (``LONGHORIZON_MLA_VALUES_FROM_KEYS=1`` at construction; unset or 0: vLLM's own kernel as it is):
+    """The latent form on vLLM's Triton backend (the CUDA default), on by default (``LONGHORIZON_MLA_VALUES_FROM_KEYS``
+    at construction: unset or 1 on, 0 vLLM's own kernel as it is, any other value a ValueError):
 
     * decode-only steps (one query token a sequence) go to ``kernels.mla.latent_decode_triton``: the K pages read
       once, split at ``rank`` (no power-of-two padding of the 320-wide head), V taken from the same tile;
@@ -440,7 +440,7 @@ def read_values_from_keys(attn: nn.Module, rank: int, rope: int) -> bool:
     read). True when applied: the layer's impl is vLLM's ``TritonAttentionImpl`` itself, not a subclass or another
     backend."""
     impl = getattr(attn, "impl", None)
-    if os.environ.get("LONGHORIZON_MLA_VALUES_FROM_KEYS", "0") != "1" or impl is None:
+    if not _values_from_keys_on() or impl is None:
         return False
     try:
         from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
@@ -451,6 +451,13 @@ def read_values_from_keys(attn: nn.Module, rank: int, rope: int) -> bool:
     impl.__class__ = values_from_keys_impl(TritonAttentionImpl)
     impl.latent_dims = (rank, rope)
     return True
+
+
+def _values_from_keys_on() -> bool:
+    value = os.environ.get("LONGHORIZON_MLA_VALUES_FROM_KEYS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"LONGHORIZON_MLA_VALUES_FROM_KEYS must be 0 or 1 (unset: 1), got {value!r}")
+    return value == "1"
 
 
 @functools.cache

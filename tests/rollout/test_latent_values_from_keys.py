@@ -8,7 +8,7 @@ decode kernel runs under the Triton interpreter. What is checked: the identity t
 first kv_lora_rank columns are the same with V = K as with V = c_kv, and our decode kernel gives them too), which
 calls go where (decode-only steps to our kernel unless an option it lacks is set), that the module's kernel is put
 back after the call, also after an error, and that only vLLM's own impl class is swapped. The GPU run is
-bench/rollout_gpu.py (parity against the learner, with and without ``LONGHORIZON_MLA_VALUES_FROM_KEYS=1``)."""
+bench/rollout_gpu.py (parity against the learner, the default and ``LONGHORIZON_MLA_VALUES_FROM_KEYS=0``)."""
 
 from __future__ import annotations
 
@@ -147,9 +147,10 @@ class _Layer(torch.nn.Module):
 def test_only_vllms_own_triton_impl_is_swapped(monkeypatch):
     triton_attn = pytest.importorskip("vllm.v1.attention.backends.triton_attn")
     monkeypatch.delenv("LONGHORIZON_MLA_VALUES_FROM_KEYS", raising=False)
-    assert read_values_from_keys(_Layer(object.__new__(triton_attn.TritonAttentionImpl)), R, ROPE) is False  # opt-in
+    default = object.__new__(triton_attn.TritonAttentionImpl)  # its class only: nothing of it runs on a CPU
+    assert read_values_from_keys(_Layer(default), R, ROPE) is True  # on by default
     monkeypatch.setenv("LONGHORIZON_MLA_VALUES_FROM_KEYS", "1")
-    own = object.__new__(triton_attn.TritonAttentionImpl)  # its class only: nothing of it runs on a CPU
+    own = object.__new__(triton_attn.TritonAttentionImpl)
     assert read_values_from_keys(_Layer(own), R, ROPE) is True
     assert type(own).__name__ == "ValuesFromKeysTritonAttentionImpl" and own.latent_dims == (R, ROPE)
     assert isinstance(own, triton_attn.TritonAttentionImpl)
@@ -157,3 +158,10 @@ def test_only_vllms_own_triton_impl_is_swapped(monkeypatch):
     assert read_values_from_keys(_Layer(TritonAttentionImpl()), R, ROPE) is False  # another class: left alone
     monkeypatch.setenv("LONGHORIZON_MLA_VALUES_FROM_KEYS", "0")
     assert read_values_from_keys(_Layer(object.__new__(triton_attn.TritonAttentionImpl)), R, ROPE) is False
+
+
+@pytest.mark.parametrize("value", ["true", "", "2"])
+def test_a_switch_value_other_than_0_or_1_is_an_error_naming_it(monkeypatch, value):
+    monkeypatch.setenv("LONGHORIZON_MLA_VALUES_FROM_KEYS", value)
+    with pytest.raises(ValueError, match=f"LONGHORIZON_MLA_VALUES_FROM_KEYS must be 0 or 1 .*got {value!r}"):
+        read_values_from_keys(_Layer(TritonAttentionImpl()), R, ROPE)
