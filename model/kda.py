@@ -21,6 +21,7 @@ times the output gate). Eager, they are the same ops as before, recomputed in ba
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -235,17 +236,23 @@ def _short_convs(attn: KimiDeltaAttention, x_qkv, layout: SeqLayout, state: KDAS
 def _kda_kernel(attn: KimiDeltaAttention, q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, layout: SeqLayout,
                 cu_seqlens, state: KDAState | None, return_state: bool):  # fmt: skip
     """(o [B, T, H, V], final state or None): the kernel ``attn._kernel`` picks, its chunk plan built once per
-    layout from the host bounds (outside compiled graphs: see ``kda_forward``)."""
+    layout from the host bounds (outside compiled graphs: see ``kda_forward``), which the kernel's own plan
+    lookups take too (``host_bounds``: no device read of a rollout engine's inference-mode offsets)."""
     B, T = q_BTHK.shape[:2]
+    scope = contextlib.nullcontext()
     if cu_seqlens is not None and q_BTHK.is_cuda:
+        from kernels.kda.triton.common import host_bounds
+
         _layout_plan(layout, B, T, cu_seqlens, q_BTHK.device)
-    return attn._kernel(T, state)(
-        q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH,
-        scale=attn.head_dim**-0.5,
-        initial_state=state.recurrent_NHKV if state else None,
-        output_final_state=return_state,
-        cu_seqlens=cu_seqlens,
-    )  # fmt: skip
+        scope = host_bounds(cu_seqlens, _host_offsets(layout))
+    with scope:
+        return attn._kernel(T, state)(
+            q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH,
+            scale=attn.head_dim**-0.5,
+            initial_state=state.recurrent_NHKV if state else None,
+            output_final_state=return_state,
+            cu_seqlens=cu_seqlens,
+        )  # fmt: skip
 
 
 def kda_planned_forward(
@@ -289,6 +296,10 @@ def _prime_kda_plan(B: int, T: int, cu_seqlens: torch.Tensor, layout: SeqLayout)
     cu_seqlens back from the GPU."""
     from kernels.kda.triton.common import padded_chunk_count, plan_chunks
 
-    bounds = [0] + [end for _, _, end in layout.bounds]
     chunks_to = padded_chunk_count(T, layout.num_seqs) if layout.static else None
-    return plan_chunks(B, T, cu_seqlens, cu_seqlens.device, bounds=bounds, chunks_to=chunks_to)
+    return plan_chunks(B, T, cu_seqlens, cu_seqlens.device, bounds=_host_offsets(layout), chunks_to=chunks_to)
+
+
+def _host_offsets(layout: SeqLayout) -> list[int]:
+    """cu_seqlens of a packed layout (B = 1) from its host bounds."""
+    return [0] + [end for _, _, end in layout.bounds]

@@ -131,8 +131,10 @@ class StaleStepGuard:
 
 
 class KDAMetadataBuilder(GDNAttentionMetadataBuilder):
-    """vLLM's gated-delta-net metadata, and the step's prompt rows among its decodes handed to the KDA layers'
-    stale-step guard (``StaleStepGuard.set_prompt_decodes``; nothing when the model has none)."""
+    """vLLM's gated-delta-net metadata with the step's token offsets on the host attached (``_lh_query_start_cpu``,
+    vLLM's own host copy, when no request is a speculative decode: the KDA layers' prefill layout is then built
+    without reading the device, ``_prefill_layout``), and the step's prompt rows among its decodes handed to the
+    KDA layers' stale-step guard (``StaleStepGuard.set_prompt_decodes``; nothing when the model has none)."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -141,6 +143,10 @@ class KDAMetadataBuilder(GDNAttentionMetadataBuilder):
 
     def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
         meta = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
+        host = getattr(common_attn_metadata, "query_start_loc_cpu", None)
+        if meta.num_prefills > 0 and not getattr(meta, "num_spec_decodes", 0) and host is not None:
+            with contextlib.suppress(AttributeError, TypeError):  # a metadata type that takes no new attributes
+                meta._lh_query_start_cpu = host
         if self.stale_step_guard is not None:
             prefilling = getattr(common_attn_metadata, "is_prefilling", None)
             self.stale_step_guard.set_prompt_decodes(None if prefilling is None else prefilling[: meta.num_decodes])
@@ -303,12 +309,16 @@ class KDAStateLayer(nn.Module):
 
 def _prefill_layout(meta, nd: int, ndt: int, npf: int, npt: int, device) -> tuple[torch.Tensor, SeqLayout]:
     """The step's prefill offsets and their sequence layout, built once per attention-metadata object: every
-    KDA layer of a cache group gets the same one from vLLM, so the offsets are read back to the host once per
-    group and step (not once per layer) and the KDA kernel's chunk plan, cached on the layout, once too."""
+    KDA layer of a cache group gets the same one from vLLM, and the KDA kernel's chunk plan, cached on the layout,
+    once too. The layout's host bounds come from vLLM's host copy of the offsets (``KDAMetadataBuilder``), so a
+    prefill step reads nothing back from the device; without it (speculative decodes, another builder) they are
+    read back once per group and step."""
     cached = getattr(meta, "_lh_prefill_layout", None)
     if cached is None or cached[0] != (nd, ndt, npf, npt):
         cu = (meta.non_spec_query_start_loc[nd : nd + npf + 1] - ndt).long()
-        cached = ((nd, ndt, npf, npt), cu, seq_layout(1, npt, cu, device))
+        host = getattr(meta, "_lh_query_start_cpu", None)
+        offsets = cu if host is None else (host[nd : nd + npf + 1] - ndt).long()
+        cached = ((nd, ndt, npf, npt), cu, seq_layout(1, npt, offsets, device))
         # a metadata type that takes no new attributes: the layout is built per layer, as before
         with contextlib.suppress(AttributeError, TypeError):
             meta._lh_prefill_layout = cached

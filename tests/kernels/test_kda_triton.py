@@ -383,6 +383,37 @@ def test_chunk_plan_of_an_inference_tensor_is_keyed_by_its_values():
     assert common.plan_chunks(1, 511, torch.tensor([0, 100, 200, 511]), cpu) is not again
 
 
+def test_inference_tensor_plans_take_the_callers_host_bounds_without_a_device_read(monkeypatch):
+    """A rollout engine's KDA layers hold their step's offsets on the host: priming with ``bounds`` and the kernel's
+    own lookups inside a ``host_bounds`` block read nothing back (``_bounds`` is the device read), and give the plan
+    a read would. Outside the block the tensor is read again: it may have changed in place since."""
+    common = MODS["common"]
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        values = [0, 37, 200, 200, 511]
+        read = common.plan_chunks(1, 511, torch.tensor(values), cpu)
+        common._PLAN_CACHE.clear()
+        cu = torch.tensor(values)
+        reads = []
+        monkeypatch.setattr(common, "_bounds", lambda t: reads.append(t) or [int(x) for x in t.tolist()])
+        primed = common.plan_chunks(1, 511, cu, cpu, bounds=values)
+        with common.host_bounds(cu, values):
+            assert common.plan_chunks(1, 511, cu, cpu) is primed
+            other = torch.tensor([0, 100, 511])  # not the scoped tensor: read
+            assert common.plan_chunks(1, 511, other, cpu).num_seqs == 2 and len(reads) == 1
+        assert len(reads) == 1
+        for a, b in ((primed.chunk_indices_C2, read.chunk_indices_C2), (primed.chunk_offsets_N1, read.chunk_offsets_N1),
+                     (primed.cu_seqlens_N1, read.cu_seqlens_N1)):  # fmt: skip
+            assert torch.equal(a, b)
+        cu[1] = 100  # in place after the block: the next lookup reads the new values
+        assert common.plan_chunks(1, 511, cu, cpu).chunk_offsets_N1.tolist() == [0, 2, 4, 4, 9] and len(reads) == 2
+        with pytest.raises(ValueError, match="not the 5 offsets"):
+            common.plan_chunks(1, 511, cu, cpu, bounds=[0, 511])
+        with pytest.raises(RuntimeError), common.host_bounds(cu, values):
+            raise RuntimeError("the block fails")
+        assert common._HOST_BOUNDS == []  # popped on the error too
+
+
 def test_forward_under_inference_mode_equals_the_plain_forward():
     cu = torch.tensor([0, 15, 80, 97])
     q, k, v, g, beta, h0 = _inputs(97, N=3)

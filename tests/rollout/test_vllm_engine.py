@@ -145,6 +145,25 @@ def test_a_prefill_over_kept_sessions_dispatches_no_ops_per_session(worker, benc
     assert (many - few) / 4 <= 8, f"{(many - few) / 4:.1f} ops more a session ({few} ops at 2 sessions, {many} at 6)"
 
 
+def test_prefill_steps_take_the_offsets_from_vllms_host_copy(worker, monkeypatch):
+    """The real engine's KDA metadata carries vLLM's host copy of the step's offsets (``KDAMetadataBuilder``), so the
+    KDA layers' prefill layouts are built without reading the device offsets back (a device sync per cache group
+    and step on a GPU)."""
+    import rollout.vllm_layers as layers
+
+    seen = []
+    inner = layers._prefill_layout
+
+    def recording(meta, *args):
+        seen.append(getattr(meta, "_lh_query_start_cpu", None) is not None)
+        return inner(meta, *args)
+
+    monkeypatch.setattr(layers, "_prefill_layout", recording)
+    worker.generate([TurnRequest(f"h{i}", _prompt(80 + i, 20 + 7 * i), max_tokens=2, temperature=0.0) for i in range(3)])
+    worker.end_sessions([f"h{i}" for i in range(3)])
+    assert seen and all(seen), seen
+
+
 def test_routed_experts_match_the_learners_router(worker, tiny_ckpt):
     _, model = tiny_ckpt
     first, second = _prompt(7, 30), _prompt(8, 9)
@@ -204,9 +223,10 @@ def test_context_budget_and_bad_requests(worker):
 
 
 def test_the_prefill_layout_is_built_once_per_step_metadata():
-    """Every KDA layer of a cache group gets the same attention-metadata object for a step: the prefill
-    offsets are read back and the layout (and with it the KDA chunk plan) built once for all of them, and
-    a metadata object of another step, or one that takes no new attributes, gets its own."""
+    """Every KDA layer of a cache group gets the same attention-metadata object for a step: the layout (and with it
+    the KDA chunk plan) is built once for all of them, from vLLM's host copy of the offsets when the metadata has
+    it, else from one read of the device offsets, and a metadata object of another step, or one that takes no new
+    attributes, gets its own."""
     from types import SimpleNamespace
 
     from rollout.vllm_layers import _prefill_layout
@@ -220,6 +240,14 @@ def test_the_prefill_layout_is_built_once_per_step_metadata():
     other = SimpleNamespace(non_spec_query_start_loc=torch.tensor([0, 4, 6], dtype=torch.int32))
     cu2, layout2 = _prefill_layout(other, 0, 0, 2, 6, torch.device("cpu"))
     assert cu2.tolist() == [0, 4, 6] and layout2 is not layout
+
+    # vLLM's host copy of the step's offsets (``KDAMetadataBuilder``): the layout comes from it and the device
+    # offsets are never read (a meta tensor cannot be), only offset on the device for the kernels
+    hosted = SimpleNamespace(non_spec_query_start_loc=torch.empty(5, dtype=torch.int32, device="meta"),
+                             _lh_query_start_cpu=torch.tensor([0, 1, 2, 7, 10], dtype=torch.int32))  # fmt: skip
+    cu3, layout3 = _prefill_layout(hosted, 2, 2, 2, 8, torch.device("cpu"))
+    assert cu3.is_meta and cu3.shape == (3,) and [(a, b) for _, a, b in layout3.bounds] == [(0, 5), (5, 8)]
+    assert layout3.cu_seqlens_N1.tolist() == [0, 5, 8]
 
     class Slotted:  # a metadata type without a __dict__
         __slots__ = ("non_spec_query_start_loc",)

@@ -8,6 +8,7 @@ packed sequences with cu_seqlens = [0, T, 2T, ...]. A chunk never crosses a sequ
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from dataclasses import dataclass
@@ -47,6 +48,31 @@ class ChunkPlan:
 
 _PLAN_CACHE: list[tuple[tuple, torch.Tensor | None, ChunkPlan]] = []  # most recent first
 _PLAN_CACHE_SIZE = 8
+_HOST_BOUNDS: list[tuple[torch.Tensor, list[int]]] = []  # innermost last: ``host_bounds`` scopes
+
+
+@contextlib.contextmanager
+def host_bounds(cu_seqlens: torch.Tensor | None, bounds: list[int] | None):
+    """Within the block, ``plan_chunks`` takes ``bounds`` (the caller's host copy of this very tensor's values) for
+    ``cu_seqlens`` instead of reading an inference tensor back from the device: a rollout engine's KDA layers
+    (``model.kda._kda_kernel``) have their step's offsets on the host already, and the kernel's plan lookups, two
+    a layer, would otherwise sync the device each. Scoped to the block, because an inference tensor may be
+    changed in place afterwards without a trace; nothing in the block may change it."""
+    if cu_seqlens is None or bounds is None:
+        yield
+        return
+    _HOST_BOUNDS.append((cu_seqlens, bounds))
+    try:
+        yield
+    finally:
+        _HOST_BOUNDS.pop()
+
+
+def _scoped_bounds(cu_seqlens: torch.Tensor) -> list[int] | None:
+    for t, bounds in reversed(_HOST_BOUNDS):
+        if t is cu_seqlens:
+            return bounds
+    return None
 
 
 def plan_chunks(
@@ -63,14 +89,18 @@ def plan_chunks(
     cannot be reused): a hit costs no device sync. An inference tensor (made under
     ``torch.inference_mode``, as vLLM's attention metadata is) has no version counter and can be
     changed in place inside inference mode without a trace, so its identity proves nothing: it is
-    keyed by its values, read with the one host copy a build needs anyway (one device sync per call,
-    no rebuild on a hit). Without cu_seqlens the key is (B, T) and nothing syncs. A miss validates
-    cu_seqlens and builds the plan. ``bounds``: the caller's host copy of cu_seqlens (the model's
-    sequence layout has one), so that a miss builds without reading the device tensor either. ``chunks_to``:
+    keyed by its values: ``bounds`` when given, or inside a ``host_bounds`` block for it, else read with the one
+    host copy a build needs anyway (one device sync per call, no rebuild on a hit). Without cu_seqlens the key
+    is (B, T) and nothing syncs. A miss validates cu_seqlens and builds the plan. ``bounds``: the caller's host
+    copy of cu_seqlens (the model's sequence layout has one), so that nothing reads the device tensor. ``chunks_to``:
     the plan's chunk list padded to this length (a static shape for CUDA graphs, ``padded_chunk_count``) with
     empty chunks past the last sequence's end, which every kernel masks out."""
     if cu_seqlens is not None and cu_seqlens.is_inference():
-        bounds = _bounds(cu_seqlens)
+        if bounds is None:
+            bounds = _scoped_bounds(cu_seqlens)
+        bounds = _bounds(cu_seqlens) if bounds is None else [int(b) for b in bounds]
+        if len(bounds) != cu_seqlens.numel():
+            raise ValueError(f"host bounds {bounds} are not the {cu_seqlens.numel()} offsets of cu_seqlens")
         key, ref = (B, T, str(device), chunks_to, "values", tuple(bounds)), None
     else:
         key, ref = (B, T, str(device), chunks_to, None if cu_seqlens is None else cu_seqlens._version), cu_seqlens
