@@ -301,5 +301,5 @@ def _prime_kda_plan(B: int, T: int, cu_seqlens: torch.Tensor, layout: SeqLayout)
 
 
 def _host_offsets(layout: SeqLayout) -> list[int]:
-    """cu_seqlens of a packed layout (B = 1) from its host bounds."""
-    return [0] + [end for _, _, end in layout.bounds]
+    """cu_seqlens of a packed layout (B = 1) from its host bounds, once per layout (every KDA layer asks)."""
+    return layout.cached("host_offsets", lambda: [0] + [end for _, _, end in layout.bounds])
