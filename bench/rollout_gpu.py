@@ -738,7 +738,8 @@ def part_reuse(run: Run) -> None:
     if a.profile_turn and "session" in head and run.enough(40, "profiled turn"):
         extra = reuse.episode_chunks(SimpleNamespace(**{**vars(cfg), "turns": cfg.turns + 1}), ChatRenderer())
         ninth = [c[-1] for c in extra]
-        out["profiled_turn"] = guarded(lambda: profiled_turn(runs["session"].worker, ninth, cfg.gen, run.cuda))
+        trace = str(run.out / "profiled_turn") if a.trace else None
+        out["profiled_turn"] = guarded(lambda: profiled_turn(runs["session"].worker, ninth, cfg.gen, run.cuda, trace))
         log(f"profiled turn: { {k: v.get('batch', v) for k, v in out['profiled_turn'].items()} }")
         run.save()
     if "session" in head and run.enough(30, "decode rate"):
@@ -918,12 +919,15 @@ def reuse_summary(turns: dict) -> dict:
     return s
 
 
-def profiled_turn(worker, chunks: list[list[int]], gen: int, cuda: bool) -> dict:
+def profiled_turn(worker, chunks: list[list[int]], gen: int, cuda: bool, trace: str | None = None) -> dict:
     """One more turn of every resident session (``chunks``: each its new tokens) under ``torch.profiler``, in two
     parts: the steps until every turn has its first token (the new tokens' prefill over the kept state; with
     async scheduling a step's tokens come back one step late, so the first decode step counts here) and the
-    rest (decode). Each part: its steps, seconds and top kernels (``rollout_throughput.profile_summary``)."""
+    rest (decode). Each part: its steps, seconds and top kernels (``rollout_throughput.profile_summary``).
+    ``trace``: a path prefix; the prefill part's timeline is written beside it as a gzipped Chrome trace
+    (``<trace>_prefill.json.gz``), each engine step a ``step N`` range in it."""
     import rollout_throughput
+    from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
     from rollout.worker import TurnRequest
@@ -941,7 +945,8 @@ def profiled_turn(worker, chunks: list[list[int]], gen: int, cuda: bool) -> dict
             parts[phase] = {"prof": profile(activities=acts), "steps": 0, "seconds": 0.0, "open": True}
             parts[phase]["prof"].__enter__()
         t0 = time.perf_counter()
-        outs = type(eng).step(eng)
+        with record_function(f"step {parts[phase]['steps']}"):
+            outs = type(eng).step(eng)
         parts[phase]["seconds"] += time.perf_counter() - t0
         parts[phase]["steps"] += 1
         started.update(o.request_id for o in outs if o.outputs and o.outputs[0].token_ids)
@@ -954,6 +959,8 @@ def profiled_turn(worker, chunks: list[list[int]], gen: int, cuda: bool) -> dict
         del eng.step  # the class's method again
         for p in parts.values():
             _stop(p, cuda)
+    if trace and "prefill" in parts:
+        _write_trace(parts["prefill"]["prof"], f"{trace}_prefill.json.gz")
     return {
         phase: rollout_throughput.profile_summary(
             p["prof"], dict(sequences=len(reqs), new_tokens=sum(map(len, chunks)), steps=p["steps"],
@@ -961,6 +968,19 @@ def profiled_turn(worker, chunks: list[list[int]], gen: int, cuda: bool) -> dict
             cuda, top=40)
         for phase, p in parts.items()
     }  # fmt: skip
+
+
+def _write_trace(prof, path: str) -> None:
+    """A profiler's timeline as a gzipped Chrome trace (chrome://tracing, Perfetto)."""
+    import gzip
+    import shutil
+
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    log(f"trace: {path} ({os.path.getsize(path) / 2**20:.1f} MiB)")
 
 
 def _stop(part: dict, cuda: bool) -> None:
@@ -1520,6 +1540,8 @@ def main() -> None:
                         "(rollout.engine.async_sessions); reuse.last_turn_vs_learner says whether its state stayed right")
     p.add_argument("--profile-turn", action="store_true",
                    help="reuse part: one more session turn under torch.profiler, its prefill and decode steps apart")
+    p.add_argument("--trace", action="store_true",
+                   help="with --profile-turn: the profiled prefill's timeline as a gzipped Chrome trace under --out")
     p.add_argument("--engine-process", choices=("in", "separate"), default="in",
                    help="reuse part: each engine's core in this process (the workers' default) or in a process "
                         "of its own (vLLM's default: its scheduler and the model step overlap this process's "
