@@ -31,3 +31,23 @@ def test_the_bar_reads_the_median_of_the_repeats_that_finished(bench):
     assert out["speedup_vs_none_median"] == 3.5  # an even count: the middle two's mean, not the upper one
     bench.repeat_speedup(out := {}, {"session": runs["session"]}, turns=2)
     assert out == {}  # without the none mode there is no ratio
+
+
+def test_a_profiled_timeline_is_written_as_a_gzipped_chrome_trace_with_its_steps_named(bench, tmp_path):
+    import gzip
+    import json
+
+    import torch
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(2):
+            with record_function(f"step {i}"):
+                torch.ones(4, 4).matmul(torch.ones(4, 4))
+    path = tmp_path / "turn_prefill.json.gz"
+    bench._write_trace(prof, str(path))
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    steps = sorted(e["name"] for e in events if str(e.get("name", "")).startswith("step "))
+    assert steps == ["step 0", "step 1"]
+    assert any(e.get("name") == "aten::matmul" for e in events)
