@@ -693,7 +693,8 @@ def part_reuse(run: Run) -> None:
         max_model_len=a.max_model_len, kv_mib=a.kv_mib, block_size=None, repeats=a.repeats,
         engine=dict(dtype="bfloat16", max_resident_sessions=a.episodes, in_process=a.engine_process == "in",
                     enforce_eager=not (a.cuda_graphs and run.cuda), max_num_batched_tokens=a.max_batched_tokens,
-                    mla_cache_form=a.mla_form, kda_state_depth=a.kda_state_depth, **run.gpu_share()),
+                    mla_cache_form=a.mla_form, kda_state_depth=a.kda_state_depth,
+                    record_logprobs=a.logprobs_from == "records", **run.gpu_share()),
     )  # fmt: skip
     out = run.results.setdefault("reuse", {"config": {**vars(cfg), "async_sessions": a.async_sessions}})
     chunks = reuse.episode_chunks(cfg, ChatRenderer())
@@ -1551,6 +1552,9 @@ def main() -> None:
     p.add_argument("--kda-state-depth", default=None, type=lambda v: v if v == "auto" else int(v),
                    help="reuse part: KDA layers per vLLM state layer of our engines (auto: one KV-cache group for "
                         "all KDA states; default: the worker's, auto; 1: one a layer)")
+    p.add_argument("--logprobs-from", default="records", choices=("records", "vllm"),
+                   help="reuse part: our engines' sampled-token logprobs from the model runner's step records (the "
+                        "worker's default) or from vLLM's per-request logprob outputs (the path before)")  # fmt: skip
     p.add_argument("--long-lengths", default="512,1536,3072,4608,6144",
                    help="longctx part: prompt lengths, one greedy turn each, against the learner")
     p.add_argument("--layer-variants", default="single,batch,chunked", help="layers part: request layouts")

@@ -11,16 +11,24 @@ model's ``routed_experts_TLK`` buffer are split per request. The recorder is the
 for "prefill tokens actually computed" in the reuse benchmark, for every caching mode alike, and the
 source of the routing replay records: ``RolloutWorker`` looks each turn's prompt and sampled tokens
 up by position (a position with no record was not computed, e.g. a prefix-cache hit).
+
+``install_sampled_logprobs`` makes the same records carry the sampled tokens' logprobs: the runner's
+sampler computes them as vLLM's own ``logprobs=0`` path does (the engine's ``logprobs_mode``, so the
+same tensor vLLM would gather from), and the values go to the host with the step's routes instead of
+through vLLM's per-request logprob outputs, whose host work (ranks, lists per request and step, the
+output processor's appends) took 1.5-2 ms of a 64-sequence decode step on an H100 (bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class RequestRecord:
@@ -29,6 +37,20 @@ class RequestRecord:
     num_computed_tokens: int = 0
     positions: list[np.ndarray] = field(default_factory=list)  # [n] absolute positions per step
     routed: list[np.ndarray] = field(default_factory=list)  # [n, L, K] int16 per step
+    # the sampled tokens' logprobs by the position the token was sampled for (install_sampled_logprobs)
+    sampled: dict[int, float] = field(default_factory=dict)
+
+    def sampled_logprobs(self, first: int, n: int) -> list[float]:
+        """The logprobs of the tokens sampled for positions first .. first + n - 1 (a request's turn: first
+        is its prompt length). A position with no record is an error: its token was not sampled by a step
+        this record saw."""
+        missing = [q for q in range(first, first + n) if q not in self.sampled]
+        if missing:
+            raise RuntimeError(
+                f"no sampled logprob recorded for positions {missing[:8]}{'...' if len(missing) > 8 else ''} "
+                f"(recorded: {len(self.sampled)} positions)"
+            )
+        return [self.sampled[q] for q in range(first, first + n)]
 
 
 @dataclass
@@ -40,6 +62,7 @@ class _Step:
     positions_T: torch.Tensor | None
     routed_TLK: torch.Tensor | None
     done: torch.cuda.Event | None
+    sampled_R: torch.Tensor | None = None  # [requests] fp32, the logprob of each span's sampled token
 
 
 class StepRecorder:
@@ -54,6 +77,7 @@ class StepRecorder:
         self.records: dict[str, RequestRecord] = defaultdict(RequestRecord)
         self.steps: list[_Step] = []
         self.scheduler_output = None
+        self.unsampled: _Step | None = None  # the last real forward, until its tokens are sampled
 
     def record(self, runner, positions: torch.Tensor | None, routed_TLK: torch.Tensor | None) -> None:
         sched = self.scheduler_output
@@ -76,6 +100,22 @@ class StepRecorder:
                 done = torch.cuda.Event()
                 done.record()  # after both copies, on the forward's stream
         self.steps.append(_Step(spans, pos_T, routed, done))
+        self.unsampled = self.steps[-1] if pos_T is not None else None
+
+    def record_sampled(self, logprobs_R: torch.Tensor) -> None:
+        """The sampled tokens' logprobs of the last recorded forward, one a request in the batch's order (the
+        sampler's rows: the runner's batch holds only the requests scheduled in the step). A sampler call
+        with no recorded forward before it (a dummy run) records nothing."""
+        step, self.unsampled = self.unsampled, None
+        if step is None:
+            return
+        if logprobs_R.shape[0] != len(step.spans):  # not raised here: that would stop the engine for every request
+            logger.warning("sampler rows %d != requests of the step %d: no logprobs recorded for this step",
+                           logprobs_R.shape[0], len(step.spans))  # fmt: skip
+            return
+        step.sampled_R = _host_copy(logprobs_R, torch.float32)
+        if step.done is not None:
+            step.done.record()  # after this copy too
 
     def _drain(self) -> None:
         """Split the recorded steps into per-request records (waiting for their copies first)."""
@@ -85,13 +125,16 @@ class StepRecorder:
                 step.done.synchronize()
             pos_np = step.positions_T.numpy() if step.positions_T is not None else None
             routed_np = step.routed_TLK.numpy() if step.routed_TLK is not None else None
-            for req_id, first, n in step.spans:
+            sampled = step.sampled_R.tolist() if step.sampled_R is not None else None
+            for i, (req_id, first, n) in enumerate(step.spans):
                 rec = self.records[req_id]
                 rec.num_computed_tokens += n
                 if pos_np is not None:
                     rec.positions.append(pos_np[first : first + n])
                     if routed_np is not None:
                         rec.routed.append(routed_np[first : first + n])
+                    if sampled is not None:  # the token sampled after the span's last position
+                        rec.sampled[int(pos_np[first + n - 1]) + 1] = sampled[i]
 
     def pop(self, req_id: str) -> RequestRecord:
         if self.steps:
@@ -132,6 +175,45 @@ def install_step_recorder(worker) -> bool:
 
     runner.execute_model = execute_model
     runner._model_forward = _model_forward
+    return True
+
+
+def install_sampled_logprobs(worker) -> bool:
+    """Record the sampled tokens' logprobs with the step records (``RequestRecord.sampled``) for requests that
+    ask vLLM for none (``SamplingParams.logprobs=None``). The runner's sampler is asked for the sampled tokens'
+    logprobs (``max_num_logprobs=0``) as if a request wanted them, and its gather is replaced for that call by
+    one that keeps the sampled tokens' values on the device and returns nothing to vLLM, so vLLM's host side
+    sees no logprobs. When a request of the batch does want vLLM's logprobs, vLLM's gather runs as well and
+    its output goes out as usual. Needs ``install_step_recorder`` first; returns True when installed."""
+    runner = worker.model_runner
+    recorder: StepRecorder | None = getattr(runner, "_lh_recorder", None)
+    if recorder is None:
+        raise RuntimeError("install_step_recorder must run before install_sampled_logprobs")
+    sampler = runner.sampler
+    if getattr(sampler, "_lh_sampled_logprobs", False):
+        return True
+    orig_forward = sampler.forward
+
+    def forward(logits, sampling_metadata, *args, **kwargs):
+        wanted = sampling_metadata.max_num_logprobs
+        if wanted is not None and wanted < 0:  # the whole vocabulary's logprobs: vLLM's path alone
+            return orig_forward(logits, sampling_metadata, *args, **kwargs)
+        orig_gather = sampler.gather_logprobs
+
+        def gather(logprobs, num_logprobs, token_ids):
+            recorder.record_sampled(logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1))
+            return None if wanted is None else orig_gather(logprobs, num_logprobs, token_ids)
+
+        sampling_metadata.max_num_logprobs = 0 if wanted is None else wanted
+        sampler.gather_logprobs = gather
+        try:
+            return orig_forward(logits, sampling_metadata, *args, **kwargs)
+        finally:
+            sampling_metadata.max_num_logprobs = wanted
+            del sampler.gather_logprobs  # back to the class's
+
+    sampler.forward = forward
+    sampler._lh_sampled_logprobs = True
     return True
 
 

@@ -63,6 +63,44 @@ def test_sampled_logprobs_equal_learner_logprobs(worker, tiny_ckpt):
     assert_sampled_logprobs_equal_learner(worker, tiny_ckpt[1], "lp", _prompt(2, 60))
 
 
+def test_recorded_sampled_logprobs_equal_vllms_own(worker, monkeypatch):
+    """The step records' sampled logprobs (the worker's default source) are vLLM's own logprob outputs, bit for
+    bit, on the same sampled tokens: greedy, and sampled with temperature, top-p and top-k, over two turns of a
+    reused session and a batch of three. With ``record_logprobs`` off the worker asks vLLM for them, and the
+    records (the sampler hook stays installed) are checked against them turn by turn."""
+    import rollout.worker as rw
+
+    checked = []
+    orig = rw.RolloutWorker._finish_turn
+
+    def finish(self, p, rec):
+        out = orig(self, p, rec)
+        assert len(out.logprobs) == len(out.token_ids) > 0
+        assert rec.sampled_logprobs(p.prompt_len, len(out.token_ids)) == out.logprobs
+        checked.append(len(out.token_ids))
+        return out
+
+    monkeypatch.setattr(rw.RolloutWorker, "_finish_turn", finish)
+    monkeypatch.setattr(worker.config, "record_logprobs", False)
+    sampling = [dict(temperature=0.0), dict(temperature=0.7, top_p=0.9, top_k=20), dict(temperature=1.3, top_k=5)]
+    ids = [f"rec{i}" for i in range(len(sampling))]
+    for turn in range(2):
+        reqs = [TurnRequest(s, _prompt(30 + 3 * turn + i, 20 + 7 * i), max_tokens=9, **kw)
+                for i, (s, kw) in enumerate(zip(ids, sampling))]  # fmt: skip
+        worker.generate(reqs)
+    worker.end_sessions(ids)
+    assert checked == [9] * 6
+
+
+def test_a_missing_sampled_logprob_is_an_error():
+    from rollout.engine_hooks import RequestRecord
+
+    rec = RequestRecord(sampled={10: -0.5, 11: -1.5})
+    assert rec.sampled_logprobs(10, 2) == [-0.5, -1.5]
+    with pytest.raises(RuntimeError, match=r"positions \[12\]"):
+        rec.sampled_logprobs(10, 3)
+
+
 def assert_last_turn_equals_the_learner(model, turns: list[list[int]], outs) -> None:
     """The episode's context is its chunks and sampled tokens, and the last turn's logprobs are the learner's on it."""
     history = [t for chunk, o in zip(turns, outs) for t in (*chunk, *o.token_ids)]
