@@ -853,13 +853,16 @@ def profiled_prefill(llm, prompts: list[list[int]], gens: list[int], activities)
 
 def profile_summary(prof, row: dict, cuda: bool, top: int = 60) -> dict:
     """The profiled steps: their timing row, device (or CPU) time per step, and the top entries by self time
-    as [name, ms, calls]. On a GPU only kernels count (the ops that launch them would count them twice)."""
+    as [name, ms, calls]. On a GPU only kernels count: not the ops that launch them, nor the device-side spans of
+    ``record_function`` ranges (``gpu_user_annotation``, e.g. ``profiled_turn``'s ``step N``), which would count
+    them twice."""
     from torch.autograd import DeviceType
 
     events = prof.key_averages()
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
     if cuda:
-        events = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA] or list(events)
+        on_device = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA]
+        events = [e for e in on_device if not getattr(e, "is_user_annotation", False)] or list(events)
     kernels = sorted(events, key=lambda e: getattr(e, attr, 0.0), reverse=True)
     total_ms = sum(getattr(e, attr, 0.0) for e in events) / 1e3
     return {

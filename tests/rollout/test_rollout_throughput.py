@@ -41,6 +41,25 @@ def test_step_stats_tell_stalls_from_a_slow_batch(bench):
     assert bench.step_stats([1.0]) == {"steps": 1}
 
 
+def test_profile_summary_counts_kernels_not_annotated_ranges(bench):
+    """On a GPU the device time is the kernels': not the launching ops, nor a ``record_function`` range's device
+    span (``gpu_user_annotation``), which covers kernels already counted."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def ev(key, us, device, annotation=False):
+        return SimpleNamespace(key=key, count=2, device_type=device, self_device_time_total=us,
+                               self_cpu_time_total=us, is_user_annotation=annotation)  # fmt: skip
+
+    events = [ev("gemm", 3000.0, DeviceType.CUDA), ev("norm", 1000.0, DeviceType.CUDA),
+              ev("step 0", 3900.0, DeviceType.CUDA, annotation=True), ev("aten::mm", 50.0, DeviceType.CPU)]  # fmt: skip
+    prof = SimpleNamespace(key_averages=lambda: events)
+    got = bench.profile_summary(prof, {"steps": 2}, cuda=True)
+    assert got["device_time_ms"] == 4.0 and got["per_step_ms"] == 2.0
+    assert [t[0] for t in got["top"]] == ["gemm", "norm"]
+
+
 def test_first_mismatch(bench):
     assert bench.first_mismatch([[1, 2, 3], [4]], [[1, 2, 3], [4]]) is None
     assert bench.first_mismatch([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]) == {
