@@ -104,6 +104,7 @@ class StepTimer:
 
     def __init__(self, engine) -> None:
         self.engine, self.ms = engine, []
+        self.alloc0 = allocator_counts()
 
     def __enter__(self) -> StepTimer:
         inner = self.engine.step
@@ -127,7 +128,36 @@ class StepTimer:
         return {"count": len(ms), "engine_s": round(in_steps, 4), "worker_s": round(seconds - in_steps, 4),
                 "median_ms": round(ms[len(ms) // 2], 3) if ms else None, "max_ms": round(ms[-1], 3) if ms else None,
                 # in order: a turn's prefill is its first step or two (one more with async scheduling)
-                "first_ms": [round(x, 3) for x in self.ms[:FIRST_STEPS]]}  # fmt: skip
+                "first_ms": [round(x, 3) for x in self.ms[:FIRST_STEPS]],
+                **allocator_delta(self.alloc0, allocator_counts())}  # fmt: skip
+
+
+# the caching allocators' counters a turn changes (on a GPU): device blocks created / returned, allocations retried
+# after returning cached blocks (each synchronises the device), pinned host blocks created and the time in it (us)
+ALLOC_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_host_alloc", "host_alloc_us")
+
+
+def allocator_counts() -> dict[str, float] | None:
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    dev, host = torch.cuda.memory_stats(), torch.cuda.host_memory_stats()
+    return {
+        "num_device_alloc": dev.get("num_device_alloc", 0),
+        "num_device_free": dev.get("num_device_free", 0),
+        "num_alloc_retries": dev.get("num_alloc_retries", 0),
+        "num_host_alloc": host.get("num_host_alloc", 0),
+        "host_alloc_us": host.get("host_alloc_time.total", 0),
+    }
+
+
+def allocator_delta(before: dict | None, after: dict | None) -> dict:
+    """``{"alloc": {counter: change}}`` for the counters that changed; nothing off a GPU."""
+    if before is None or after is None:
+        return {}
+    changed = {k: after[k] - before[k] for k in ALLOC_COUNTERS if after[k] != before[k]}
+    return {"alloc": changed} if changed else {}
 
 
 class ModeRun:

@@ -101,3 +101,13 @@ def test_mode_run_splits_each_turn_into_engine_steps_and_worker_time(bench, tiny
         assert steps["engine_s"] > 0 and steps["worker_s"] >= 0
         assert steps["engine_s"] + steps["worker_s"] == pytest.approx(row["seconds"], abs=1e-3)
         assert 0 < steps["median_ms"] <= steps["max_ms"]
+
+
+def test_a_turns_allocator_counters_are_the_changed_ones(bench):
+    """The step summary's ``alloc`` entry: what a turn changed of the caching allocators' counters, nothing when
+    none changed or off a GPU (``allocator_counts`` is None there)."""
+    before = dict.fromkeys(bench.ALLOC_COUNTERS, 0) | {"num_device_alloc": 10, "host_alloc_us": 5.0}
+    after = before | {"num_device_alloc": 13, "num_alloc_retries": 1}
+    assert bench.allocator_delta(before, after) == {"alloc": {"num_device_alloc": 3, "num_alloc_retries": 1}}
+    assert bench.allocator_delta(before, dict(before)) == {}
+    assert bench.allocator_delta(None, after) == {} and bench.allocator_counts() is None  # this machine: no GPU
