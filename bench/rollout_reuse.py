@@ -105,6 +105,7 @@ class StepTimer:
     def __init__(self, engine) -> None:
         self.engine, self.ms = engine, []
         self.alloc0 = allocator_counts()
+        self.jit0 = JIT_COMPILES.snapshot()
 
     def __enter__(self) -> StepTimer:
         inner = self.engine.step
@@ -129,7 +130,62 @@ class StepTimer:
                 "median_ms": round(ms[len(ms) // 2], 3) if ms else None, "max_ms": round(ms[-1], 3) if ms else None,
                 # in order: a turn's prefill is its first step or two (one more with async scheduling)
                 "first_ms": [round(x, 3) for x in self.ms[:FIRST_STEPS]],
-                **allocator_delta(self.alloc0, allocator_counts())}  # fmt: skip
+                **allocator_delta(self.alloc0, allocator_counts()), **JIT_COMPILES.since(self.jit0)}  # fmt: skip
+
+
+class JitCompiles:
+    """Triton kernel variants compiled in this process (a JIT function's in-memory cache missed: a new
+    specialisation of its arguments, e.g. an integer's divisibility by 16, or a new constexpr), by kernel, with
+    the time each took (a hit in Triton's disk cache still takes milliseconds). Counted through Triton's
+    ``knobs.runtime`` compile hooks, installed on first use, chained to hooks already there."""
+
+    def __init__(self) -> None:
+        self.count: dict[str, int] = {}
+        self.ms = 0.0
+        self._t0: float | None = None
+        self.installed = False
+
+    def install(self) -> bool:
+        if self.installed:
+            return True
+        try:
+            from triton import knobs
+        except ImportError:  # no Triton, or one without knobs (before 3.4): nothing counted
+            return False
+        rt = knobs.runtime
+        before, after = rt.jit_cache_hook, rt.jit_post_compile_hook
+
+        def pre(**kw):
+            self._t0 = time.perf_counter()
+            return before(**kw) if before else None  # a truthy answer skips the compile: only a hook before us
+
+        def post(**kw):
+            if self._t0 is not None:
+                self.ms += (time.perf_counter() - self._t0) * 1e3
+                self._t0 = None
+            name = getattr(kw.get("fn"), "name", "?")
+            self.count[name] = self.count.get(name, 0) + 1
+            return after(**kw) if after else None
+
+        rt.jit_cache_hook, rt.jit_post_compile_hook = pre, post
+        self.installed = True
+        return True
+
+    def snapshot(self) -> tuple[dict[str, int], float] | None:
+        return (dict(self.count), self.ms) if self.install() else None
+
+    def since(self, snap: tuple[dict[str, int], float] | None) -> dict:
+        """``{"jit": {"compiles": n, "ms": t, "kernels": {name: n}}}`` for the variants compiled since ``snap``."""
+        if snap is None:
+            return {}
+        counts, ms = snap
+        new = {k: n - counts.get(k, 0) for k, n in self.count.items() if n != counts.get(k, 0)}
+        if not new:
+            return {}
+        return {"jit": {"compiles": sum(new.values()), "ms": round(self.ms - ms, 1), "kernels": new}}
+
+
+JIT_COMPILES = JitCompiles()
 
 
 # the caching allocators' counters a turn changes (on a GPU): device blocks created / returned, allocations retried

@@ -111,3 +111,26 @@ def test_a_turns_allocator_counters_are_the_changed_ones(bench):
     assert bench.allocator_delta(before, after) == {"alloc": {"num_device_alloc": 3, "num_alloc_retries": 1}}
     assert bench.allocator_delta(before, dict(before)) == {}
     assert bench.allocator_delta(None, after) == {} and bench.allocator_counts() is None  # this machine: no GPU
+
+
+def test_jit_compiles_are_counted_by_kernel_through_tritons_hooks(bench, monkeypatch):
+    """A turn's ``jit`` entry: the Triton kernel variants compiled during it, by kernel, timed from Triton's
+    pre-compile hook to its post-compile hook; hooks already installed keep being called (a truthy answer of the
+    earlier pre-compile hook, which skips the compile, passes through)."""
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    calls = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: calls.append("pre") or False)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: calls.append("post"))
+    jit = bench.JitCompiles()
+    snap = jit.snapshot()
+    assert snap == ({}, 0.0) and jit.since(snap) == {}
+    for name in ("_conv_fwd_state", "_conv_fwd_state", "kernel_unified_attention"):  # what Triton does per compile
+        assert not knobs.runtime.jit_cache_hook(key=None, fn=SimpleNamespace(name=name))
+        knobs.runtime.jit_post_compile_hook(key=None, fn=SimpleNamespace(name=name))
+    got = jit.since(snap)["jit"]
+    assert got["compiles"] == 3 and got["kernels"] == {"_conv_fwd_state": 2, "kernel_unified_attention": 1}
+    assert got["ms"] >= 0 and calls == ["pre", "post"] * 3
+    assert jit.since(jit.snapshot()) == {}  # nothing compiled since
