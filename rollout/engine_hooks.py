@@ -16,7 +16,7 @@ up by position (a position with no record was not computed, e.g. a prefix-cache 
 sampler computes them as vLLM's own ``logprobs=0`` path does (the engine's ``logprobs_mode``, so the
 same tensor vLLM would gather from), and the values go to the host with the step's routes instead of
 through vLLM's per-request logprob outputs, whose host work (ranks, lists per request and step, the
-output processor's appends) took 1.5-2 ms of a 64-sequence decode step on an H100 (bench/RESULTS.md).
+output processor's appends) made a 64-sequence decode step on an H100 0.8-1 ms longer (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass
 class RequestRecord:

@@ -82,7 +82,7 @@ class WorkerConfig:
     logprobs_mode: str = "processed_logprobs"  # logprobs of the distribution actually sampled from
     # where the sampled tokens' logprobs come from: the model runner's step records (True; vLLM computes them as
     # for logprobs=0, ``rollout.engine_hooks.install_sampled_logprobs``) or vLLM's per-request logprob outputs
-    # (False), whose host work made a 64-sequence decode step on an H100 1.5-2 ms longer (bench/RESULTS.md)
+    # (False), whose host work made a 64-sequence decode step on an H100 0.8-1 ms longer (bench/RESULTS.md)
     record_logprobs: bool = True
     policy_version: int = 0
     stall_steps: int = 200  # engine steps without progress before idle sessions are force-closed
