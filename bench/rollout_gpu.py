@@ -740,7 +740,9 @@ def part_reuse(run: Run) -> None:
         extra = reuse.episode_chunks(SimpleNamespace(**{**vars(cfg), "turns": cfg.turns + 1}), ChatRenderer())
         ninth = [c[-1] for c in extra]
         trace = str(run.out / "profiled_turn") if a.trace else None
-        out["profiled_turn"] = guarded(lambda: profiled_turn(runs["session"].worker, ninth, cfg.gen, run.cuda, trace))
+        out["profiled_turn"] = guarded(
+            lambda: profiled_turn(runs["session"].worker, ninth, cfg.gen, run.cuda, trace, top=a.profile_top)
+        )
         log(f"profiled turn: { {k: v.get('batch', v) for k, v in out['profiled_turn'].items()} }")
         run.save()
     if "session" in head and run.enough(30, "decode rate"):
@@ -920,13 +922,15 @@ def reuse_summary(turns: dict) -> dict:
     return s
 
 
-def profiled_turn(worker, chunks: list[list[int]], gen: int, cuda: bool, trace: str | None = None) -> dict:
+def profiled_turn(
+    worker, chunks: list[list[int]], gen: int, cuda: bool, trace: str | None = None, top: int = 40
+) -> dict:
     """One more turn of every resident session (``chunks``: each its new tokens) under ``torch.profiler``, in two
     parts: the steps until every turn has its first token (the new tokens' prefill over the kept state; with
     async scheduling a step's tokens come back one step late, so the first decode step counts here) and the
     rest (decode). Each part: its steps, seconds and top kernels (``rollout_throughput.profile_summary``).
     ``trace``: a path prefix; the prefill part's timeline is written beside it as a gzipped Chrome trace
-    (``<trace>_prefill.json.gz``), each engine step a ``step N`` range in it."""
+    (``<trace>_prefill.json.gz``), each engine step a ``step N`` range in it. ``top``: kernels listed a part."""
     import rollout_throughput
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
@@ -966,7 +970,7 @@ def profiled_turn(worker, chunks: list[list[int]], gen: int, cuda: bool, trace: 
         phase: rollout_throughput.profile_summary(
             p["prof"], dict(sequences=len(reqs), new_tokens=sum(map(len, chunks)), steps=p["steps"],
                             seconds=round(p["seconds"], 4), step_ms=round(1e3 * p["seconds"] / max(p["steps"], 1), 3)),
-            cuda, top=40)
+            cuda, top=top)
         for phase, p in parts.items()
     }  # fmt: skip
 
@@ -1543,6 +1547,8 @@ def main() -> None:
                    help="reuse part: one more session turn under torch.profiler, its prefill and decode steps apart")
     p.add_argument("--trace", action="store_true",
                    help="with --profile-turn: the profiled prefill's timeline as a gzipped Chrome trace under --out")
+    p.add_argument("--profile-top", type=int, default=40, metavar="N",
+                   help="with --profile-turn: the N kernels of most device time listed for each part (default 40)")
     p.add_argument("--engine-process", choices=("in", "separate"), default="in",
                    help="reuse part: each engine's core in this process (the workers' default) or in a process "
                         "of its own (vLLM's default: its scheduler and the model step overlap this process's "
@@ -1570,6 +1576,8 @@ def main() -> None:
     unknown = sorted({name for name, _, _ in parts} - set(PARTS))
     if unknown:
         p.error(f"unknown parts {unknown}; choose from {PARTS}")
+    if args.profile_top < 1:
+        p.error(f"--profile-top {args.profile_top}: list at least one kernel")
     run = Run(args)
     log(f"env {json.dumps(run.results['env'])}")
     fns = {
