@@ -5,24 +5,28 @@
 rows laid out by ``kernels.moe.route_layout`` from random top-8 routes of T tokens. Per size: the error of ours
 against CUTLASS (relative Frobenius, over the rows both compute) and each kernel's microseconds a call inside a
 replayed CUDA graph (10 calls a graph; a decode step runs its GEMMs in one), with the weight bytes a call reads
-over that time. CUDA only.
+over that time. ``--sweep``: our kernel's launch (``SmallTiles``: tile rows, columns and k, warps, pipeline stages)
+over a grid at the decode sizes, each checked against CUTLASS, the fastest listed beside the default. CUDA only.
 
-    python3 bench/grouped_mm_decode.py [--out DIR]   # DIR/grouped_mm_decode.json
+    python3 bench/grouped_mm_decode.py [--out DIR]           # DIR/grouped_mm_decode.json
+    python3 bench/grouped_mm_decode.py --sweep --tokens 64   # DIR/grouped_mm_decode_sweep.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from moe_compile import time_graph_replays
 
 from kernels.moe import grouped_mm_alignment, route_layout
-from kernels.moe.triton import grouped_mm_small
+from kernels.moe.triton import SmallTiles, grouped_mm_small
 
 EXPERTS, TOP_K, Z, I = 128, 8, 512, 256  # gpu_1b (configs/model/gpu_1b.yaml)
 
@@ -34,31 +38,105 @@ def graph_us(fn, calls: int = 10, reps: int = 200) -> float:
     return ms * 1e3 / calls
 
 
-def one_size(tokens: int, n: int, k: int) -> dict:
+# the launches ``--sweep`` tries: (BM, BN, BK) x (warps, stages)
+SWEEP_TILES = [(16, bn, bk) for bn in (32, 64, 128) for bk in (64, 128, 256)] + [(32, 64, 64), (32, 64, 128)]
+SWEEP_WARPS_STAGES = [(4, 2), (4, 3), (4, 4), (8, 3)]
+L2_BYTES = 60 << 20  # more than an H100's or H200's L2 (50 MB)
+
+
+def problem(tokens: int, n: int, k: int):
+    """gpu_1b's expert product at a decode batch: rows laid out from random top-8 routes, bf16 weights, and
+    torch's CUTLASS product of them (the reference)."""
     dev = torch.device("cuda")
     experts = torch.stack([torch.randperm(EXPERTS, device=dev)[:TOP_K] for _ in range(tokens)])
     lay = route_layout(experts, EXPERTS, grouped_mm_alignment(dev, torch.bfloat16))
     x = torch.randn(lay.rows, k, device=dev, dtype=torch.bfloat16)
     w = torch.randn(EXPERTS, n, k, device=dev, dtype=torch.bfloat16) * k**-0.5
-    cutlass = lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=lay.offs_E)
+    return lay, x, w, lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=lay.offs_E)
+
+
+def rel_err(ref: torch.Tensor, got: torch.Tensor) -> float:
+    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def one_size(tokens: int, n: int, k: int) -> dict:
+    lay, x, w, cutlass = problem(tokens, n, k)
     small = lambda: grouped_mm_small(x, w, lay.offs_E)
     used = int(lay.offs_E[-1])
-    ref, got = cutlass()[:used].float(), small()[:used].float()
     us_c, us_s = graph_us(cutlass), graph_us(small)
     gb = w.numel() * w.element_size() / 1e9
-    return dict(tokens=tokens, rows=lay.rows, n=n, k=k, rel_err=((got - ref).norm() / ref.norm()).item(),
+    return dict(tokens=tokens, rows=lay.rows, n=n, k=k, rel_err=rel_err(cutlass()[:used], small()[:used]),
                 cutlass_us=us_c, small_us=us_s, cutlass_tb_s=gb / us_c * 1e3, small_tb_s=gb / us_s * 1e3,
                 speedup=us_c / us_s)  # fmt: skip
+
+
+def sweep(tokens: int, n: int, k: int) -> dict:
+    """Our kernel's launches (``SWEEP_TILES`` x ``SWEEP_WARPS_STAGES``) on one product: each checked against
+    CUTLASS (a launch off by more than bf16 rounding, or failing to compile, is reported and not ranked), then
+    timed in a replayed graph; the rows sorted fastest first, the default's time and rank beside."""
+    lay, x, w, cutlass = problem(tokens, n, k)
+    used = int(lay.offs_E[-1])
+    ref = cutlass()[:used]
+    gb = w.numel() * w.element_size() / 1e9
+    # the timed calls cycle through copies of the weights larger than L2 together, as a step's layers do
+    copies = [w] + [w.clone() for _ in range(max(1, -(-L2_BYTES // (w.numel() * w.element_size()))))]
+    rows, failed = [], []
+    for (bm, bn, bk), (warps, stages) in itertools.product(SWEEP_TILES, SWEEP_WARPS_STAGES):
+        tiles = SmallTiles(bm, bn, bk, warps, stages)
+        fn = over_copies(copies, lambda w_, t=tiles: grouped_mm_small(x, w_, lay.offs_E, t))
+        try:
+            err = rel_err(ref, grouped_mm_small(x, w, lay.offs_E, tiles)[:used])
+        except Exception as e:  # e.g. out of shared memory: the launch is not a candidate
+            failed.append(dict(**asdict(tiles), error=f"{type(e).__name__}: {str(e)[:200]}"))
+            continue
+        if err > 1e-2:
+            failed.append(dict(**asdict(tiles), error=f"relative error {err:.2e} against CUTLASS"))
+            continue
+        us = graph_us(fn)
+        rows.append(dict(**asdict(tiles), us=us, tb_s=gb / us * 1e3, rel_err=err))
+    rows.sort(key=lambda r: r["us"])
+    default = asdict(SmallTiles())
+    rank = next((i for i, r in enumerate(rows) if all(r[f] == v for f, v in default.items())), None)
+    cutlass = over_copies(copies, lambda w_: torch._grouped_mm(x, w_.transpose(-2, -1), offs=lay.offs_E))
+    return dict(tokens=tokens, rows=lay.rows, n=n, k=k, cutlass_us=graph_us(cutlass), default=default,
+                default_rank=rank, default_us=None if rank is None else rows[rank]["us"], launches=rows,
+                failed=failed)  # fmt: skip
+
+
+def over_copies(copies: list[torch.Tensor], call):
+    """A function calling ``call`` with the next of ``copies`` each time (the weights of successive layers)."""
+    ws = itertools.cycle(copies)
+    return lambda: call(next(ws))
+
+
+def print_sweep(r: dict, top: int = 6) -> None:
+    print(f"T={r['tokens']} rows={r['rows']} [{r['n']} x {r['k']}]: CUTLASS {r['cutlass_us']:.1f} us; default "
+          f"{r['default_us']} us (rank {r['default_rank']} of {len(r['launches'])}); {len(r['failed'])} failed",
+          flush=True)  # fmt: skip
+    for x in r["launches"][:top]:
+        print(f"  BM {x['bm']} BN {x['bn']} BK {x['bk']} warps {x['warps']} stages {x['stages']}: {x['us']:.1f} us "
+              f"({x['tb_s']:.2f} TB/s of weights)", flush=True)  # fmt: skip
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/grouped_mm_decode")))
     p.add_argument("--tokens", default="8,64,128,256,512", help="decode batch sizes, comma-separated")
+    p.add_argument("--sweep", action="store_true", help="time our kernel's launches over a grid (module docstring)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("grouped_mm_decode: needs a CUDA GPU (the kernels are compared in CUDA graphs)")
     torch.manual_seed(0)
+    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.sweep:
+        res = []
+        for t in (int(v) for v in args.tokens.split(",")):
+            for n, k in ((2 * I, Z), (Z, I)):
+                res.append(sweep(t, n, k))
+                print_sweep(res[-1])
+                (args.out / "grouped_mm_decode_sweep.json").write_text(json.dumps(dict(env=env, sizes=res), indent=1))
+        return
     rows = []
     for t in (int(v) for v in args.tokens.split(",")):
         for n, k in ((2 * I, Z), (Z, I)):
@@ -67,8 +145,6 @@ def main() -> None:
             print(f"T={t} rows={r['rows']} [{n} x {k}]: rel err {r['rel_err']:.2e}; us a call in a graph: CUTLASS "
                   f"{r['cutlass_us']:.1f} ({r['cutlass_tb_s']:.2f} TB/s of weights), small-rows Triton "
                   f"{r['small_us']:.1f} ({r['small_tb_s']:.2f} TB/s): {r['speedup']:.2f}x", flush=True)  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M"))
     (args.out / "grouped_mm_decode.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
 
 

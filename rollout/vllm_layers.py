@@ -62,7 +62,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend, GDNAttentionMetadataBuilder
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from kernels.conv import conv_state_step_
+from kernels.conv import conv_state_steps_
 from kernels.kda import kda_decode_step_
 from kernels.mla import latent_decode_triton
 from model.cache import KDAState
@@ -107,7 +107,16 @@ class StaleStepGuard:
             self.ids_S[: len(ids)].copy_(torch.tensor(ids, dtype=torch.long))
 
     def mark(self, input_ids_T: torch.Tensor | None) -> None:
-        self.stale_T = None if input_ids_T is None else (input_ids_T[:, None] == self.ids_S[None, :]).any(-1)
+        """Flag the step's tokens whose input is a turn-end id, less the decode rows that are prompt tokens
+        (``prompt_R``, which the step's metadata builder sets before the forward): once a step, for every KDA
+        layer's ``decode_slots``."""
+        if input_ids_T is None:
+            self.stale_T = None
+            return
+        stale_T = (input_ids_T[:, None] == self.ids_S[None, :]).any(-1)
+        rows = min(stale_T.shape[0], self.prompt_R.shape[0])
+        stale_T[:rows] &= ~self.prompt_R[:rows]
+        self.stale_T = stale_T
 
     def set_prompt_decodes(self, prefilling_R: torch.Tensor | None) -> None:
         """The step's decode rows that are prompt tokens (vLLM's ``is_prefilling`` of its decode requests, on the
@@ -123,11 +132,10 @@ class StaleStepGuard:
         self._prompt_rows = rows
 
     def decode_slots(self, slots_N: torch.Tensor) -> torch.Tensor:
+        """``slots_N`` with the flagged decode rows' slots -1: one kernel a layer."""
         if self.stale_T is None:
             return slots_N
-        N = slots_N.shape[0]
-        stale_N = self.stale_T[:N] & ~self.prompt_R[:N]
-        return torch.where(stale_N, torch.full_like(slots_N, -1), slots_N)
+        return torch.where(self.stale_T[: slots_N.shape[0]], -1, slots_N)
 
 
 class KDAMetadataBuilder(GDNAttentionMetadataBuilder):
@@ -270,7 +278,7 @@ class KDAStateLayer(nn.Module):
 
     def _decode(self, x_ND: torch.Tensor, slots_N: torch.Tensor) -> torch.Tensor:
         """One token per sequence, states updated in place: the learner's projections, the three conv
-        window steps in vLLM's state slots (``kernels.conv.conv_state_step_``: one Triton launch each on
+        window steps in vLLM's state slots (``kernels.conv.conv_state_steps_``: one Triton launch for the three on
         CUDA, no gathers or scatters, padding slots skipped), then the q/k norms and gates as one function,
         ``kda_decode_inputs`` (one compiled region when the engine compiles, ``rollout.vllm_model``), our
         in-place pool step for the delta rule, and the learner's gated output (tests hold this path to the
@@ -282,10 +290,8 @@ class KDAStateLayer(nn.Module):
             slots_N = guard.decode_slots(slots_N)
         xq, xk, xv, fa, b, gate = self._input_projections(x_ND)
         silu = kda.q_conv1d.activation == "silu"
-        q, k, v = (
-            conv_state_step_(x, pool, slots_N, conv.weight[:, 0], silu)
-            for x, pool, conv in ((xq, conv_q, kda.q_conv1d), (xk, conv_k, kda.k_conv1d), (xv, conv_v, kda.v_conv1d))
-        )
+        ws = [conv.weight[:, 0] for conv in (kda.q_conv1d, kda.k_conv1d, kda.v_conv1d)]
+        q, k, v = conv_state_steps_((xq, xk, xv), (conv_q, conv_k, conv_v), slots_N, ws, silu)
         q, k, v, g, beta = self.decode_inputs_fn(
             q, k, v, kda.f_b_proj(fa), b, kda.dt_bias, kda.A_log, kda.gate_kind, kda.lower_bound
         )

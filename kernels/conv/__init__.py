@@ -9,12 +9,15 @@
 
     conv_state_step_(x [N, C], state [P, C, K-1], slots [N], w [C, K], silu)   one decode step of N
                                                                           sequences, windows in place
+    conv_state_steps_((x, ...), (state, ...), slots, (w, ...), silu)      the same for up to three convs
+                                                                          over the same slots (one launch)
 
 ``pos`` is each token's position inside its own sequence (``model.layers.SeqLayout.pos_BT``), so
 one call covers a packed micro-batch of many sequences. The model's stateful path (prefill over a cache,
 decode) is ``model.layers.ShortConvolution``, which takes the state kernel for an inference prefill; the rollout
-engine's decode steps the windows in vLLM's state slots with ``conv_state_step_`` (the Triton kernel on
-CUDA: one launch, no gathers or scatters, padding slots skipped; the PyTorch reference elsewhere).
+engine's decode steps the windows in vLLM's state slots with ``conv_state_steps_`` (the Triton kernel on
+CUDA: one launch for a KDA layer's q, k and v convs, no gathers or scatters, padding slots skipped; the PyTorch
+reference elsewhere).
 Import-light: the Triton module loads on first use.
 """
 
@@ -26,7 +29,7 @@ from kernels.conv.naive import causal_conv1d_naive, conv_state_step_naive_
 
 __all__ = [
     "causal_conv1d_naive", "causal_conv1d_state_triton", "causal_conv1d_triton", "conv_state_step_",
-    "conv_state_step_naive_",
+    "conv_state_step_naive_", "conv_state_steps_",
 ]  # fmt: skip
 
 
@@ -48,3 +51,11 @@ def conv_state_step_(x_NC, state_PCW, slots_N, w_CK, silu: bool) -> torch.Tensor
 
         return conv_state_step_triton_(x_NC, state_PCW, slots_N, w_CK, silu)
     return conv_state_step_naive_(x_NC, state_PCW, slots_N, w_CK, silu)
+
+
+def conv_state_steps_(xs_NC, states_PCW, slots_N, ws_CK, silu: bool) -> tuple[torch.Tensor, ...]:
+    if xs_NC[0].is_cuda:
+        from kernels.conv.triton import conv_state_steps_triton_
+
+        return conv_state_steps_triton_(xs_NC, states_PCW, slots_N, ws_CK, silu)
+    return tuple(conv_state_step_naive_(x, st, slots_N, w, silu) for x, st, w in zip(xs_NC, states_PCW, ws_CK, strict=True))

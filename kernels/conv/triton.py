@@ -22,6 +22,7 @@ per-program scratch tile).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -346,14 +347,10 @@ def causal_conv1d_state_triton(
 
 
 @triton.jit
-def _conv_state_step(x_ptr, w_ptr, state_ptr, slot_ptr, y_ptr, C, sx, s0, s1, s2, K: tl.constexpr,
-                     SILU: tl.constexpr, BC: tl.constexpr):  # fmt: skip
-    """One sequence's decode step over a block of channels: the window read from its state slot, the new
-    input appended, the output written and the window shifted in place (padding slots: zero output)."""
-    n = tl.program_id(0)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    cm = c < C
-    slot = tl.load(slot_ptr + n).to(tl.int64)
+def _conv_state_step_part(x_ptr, w_ptr, state_ptr, y_ptr, n, slot, c, cm, C, sx, s0, s1, s2, K: tl.constexpr,
+                          SILU: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+    """One sequence's decode step over a block of channels of one conv: the window read from its state slot, the
+    new input appended, the output written and the window shifted in place (padding slots: zero output)."""
     x = tl.load(x_ptr + n.to(tl.int64) * sx + c, mask=cm, other=0.0)
     acc = tl.full([BC], 0.0, dtype=tl.float32)
     if slot >= 0:
@@ -370,21 +367,67 @@ def _conv_state_step(x_ptr, w_ptr, state_ptr, slot_ptr, y_ptr, C, sx, s0, s1, s2
     tl.store(y_ptr + n.to(tl.int64) * C + c, acc.to(y_ptr.dtype.element_ty), mask=cm)
 
 
+@triton.jit
+def _conv_state_step(x0_ptr, w0_ptr, state0_ptr, y0_ptr, x1_ptr, w1_ptr, state1_ptr, y1_ptr,
+                     x2_ptr, w2_ptr, state2_ptr, y2_ptr, slot_ptr, C, sx, s0, s1, s2, K: tl.constexpr,
+                     SILU: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+    """Program (sequence, channel block, part): the decode step of up to three convs of one shape and layout (the
+    KDA layer's q, k and v) in one launch; part p of the grid's third axis steps the p-th (x, w, state, y)."""
+    n, part = tl.program_id(0), tl.program_id(2)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cm = c < C
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    if part == 0:
+        _conv_state_step_part(x0_ptr, w0_ptr, state0_ptr, y0_ptr, n, slot, c, cm, C, sx, s0, s1, s2, K, SILU, BC)
+    elif part == 1:
+        _conv_state_step_part(x1_ptr, w1_ptr, state1_ptr, y1_ptr, n, slot, c, cm, C, sx, s0, s1, s2, K, SILU, BC)
+    else:
+        _conv_state_step_part(x2_ptr, w2_ptr, state2_ptr, y2_ptr, n, slot, c, cm, C, sx, s0, s1, s2, K, SILU, BC)
+
+
 def conv_state_step_triton_(
     x_NC: torch.Tensor, state_PCW: torch.Tensor, slots_N: torch.Tensor, w_CK: torch.Tensor, silu: bool
 ) -> torch.Tensor:
     """``kernels.conv.naive.conv_state_step_naive_`` in one launch, fp32 accumulation, nothing read back to
     the host (safe inside a captured CUDA graph). x: [N, C] with a contiguous last dim; state: any strides."""
+    return conv_state_steps_triton_((x_NC,), (state_PCW,), slots_N, (w_CK,), silu)[0]
+
+
+def conv_state_steps_triton_(
+    xs_NC: Sequence[torch.Tensor], states_PCW: Sequence[torch.Tensor], slots_N: torch.Tensor,
+    ws_CK: Sequence[torch.Tensor], silu: bool,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """``conv_state_step_triton_`` of one to three convs over the same slots, in one launch when their inputs share a
+    row stride and their states a layout (the KDA layer's q, k and v: column slices of one projection, states in
+    one page layout), else one launch each."""
+    if not 1 <= len(xs_NC) == len(states_PCW) == len(ws_CK) <= 3:
+        raise ValueError(f"conv_state_steps: one to three (x, state, w) each, got {len(xs_NC)}, {len(states_PCW)} "
+                         f"and {len(ws_CK)}")  # fmt: skip
+    for x_NC, state_PCW, w_CK in zip(xs_NC, states_PCW, ws_CK):
+        _check_step(x_NC, state_PCW, slots_N, w_CK)
+    same = all(x.shape == xs_NC[0].shape and x.stride() == xs_NC[0].stride() for x in xs_NC) and all(
+        st.shape == states_PCW[0].shape and st.stride() == states_PCW[0].stride() for st in states_PCW
+    )
+    if not same:
+        return tuple(conv_state_steps_triton_((x,), (st,), slots_N, (w,), silu)[0]
+                     for x, st, w in zip(xs_NC, states_PCW, ws_CK))  # fmt: skip
+    N, C = xs_NC[0].shape
+    K = ws_CK[0].shape[1]
+    ys = tuple(torch.empty_like(x) for x in xs_NC)
+    if N:
+        bc = min(256, triton.next_power_of_2(C))
+        pad = 3 - len(xs_NC)  # unused pointer sets: the first part's, never read (the grid has no such part)
+        parts = [(x, w.contiguous(), st, y) for x, w, st, y in zip(xs_NC, ws_CK, states_PCW, ys)]
+        args = [t for part in parts + parts[:1] * pad for t in part]
+        _conv_state_step[(N, triton.cdiv(C, bc), len(parts))](
+            *args, slots_N, C, xs_NC[0].stride(0), *states_PCW[0].stride(), K=K, SILU=silu, BC=bc
+        )
+    return ys
+
+
+def _check_step(x_NC: torch.Tensor, state_PCW: torch.Tensor, slots_N: torch.Tensor, w_CK: torch.Tensor) -> None:
     N, C = x_NC.shape
     K = w_CK.shape[1]
     if K < 2 or tuple(state_PCW.shape[1:]) != (C, K - 1) or slots_N.shape != (N,) or x_NC.stride(-1) != 1:
         raise ValueError(f"conv_state_step: x [N, C] = {tuple(x_NC.shape)}, state [P, C, K-1] = "
                          f"{tuple(state_PCW.shape)}, slots [N] = {tuple(slots_N.shape)}, w [C, K] = {tuple(w_CK.shape)}")  # fmt: skip
-    y_NC = torch.empty_like(x_NC)
-    if N:
-        bc = min(256, triton.next_power_of_2(C))
-        s0, s1, s2 = state_PCW.stride()
-        _conv_state_step[(N, triton.cdiv(C, bc))](
-            x_NC, w_CK.contiguous(), state_PCW, slots_N, y_NC, C, x_NC.stride(0), s0, s1, s2, K=K, SILU=silu, BC=bc
-        )
-    return y_NC

@@ -11,6 +11,8 @@ with fp32 accumulation. Tested under TRITON_INTERPRET=1 against ``naive.py``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -21,6 +23,19 @@ BM, BN, BK = 64, 64, 32
 # ``grouped_mm_forward``'s kernel for few rows a group (a decode step's: gpu_1b's 64 sequences put ~4-11 rows on
 # each of 128 experts): one program per (group, column tile), the group's rows in 16-row tiles
 SMALL_BM, SMALL_BN, SMALL_BK = 16, 64, 64
+
+
+@dataclass(frozen=True)
+class SmallTiles:
+    """A launch of ``_gmm_groups``: rows, columns and k a tile, warps a program, software-pipeline stages."""
+
+    bm: int = SMALL_BM
+    bn: int = SMALL_BN
+    bk: int = SMALL_BK
+    warps: int = 4
+    stages: int = 3
+
+
 # rows up to which ``grouped_mm_forward`` runs that kernel: a decode step of up to 512 sequences at top-8 (with
 # the groups' padding); larger products (prefill chunks, learner micro-batches) take torch's CUTLASS kernel
 SMALL_ROWS_MAX = 4096
@@ -106,17 +121,21 @@ def _gmm_groups(x_ptr, w_ptr, y_ptr, offs_ptr, N, K, sxm, sxk, swg, swn, swk, sy
               PREC, BM, BN, BK)  # fmt: skip
 
 
-def grouped_mm_small(x_SK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+def grouped_mm_small(
+    x_SK: torch.Tensor, w_GNK: torch.Tensor, offs_G: torch.Tensor, tiles: SmallTiles | None = None
+) -> torch.Tensor:
     """y [S, N] with y[rows of g] = x[rows of g] @ w[g]^T, forward only, in one launch (``_gmm_groups``): the
     product for few rows a group. offs: int32 [G] group ends; rows past offs[-1] are left unwritten (callers
-    never read them, as with torch's kernel)."""
+    never read them, as with torch's kernel). ``tiles``: the launch (default ``SmallTiles()``;
+    bench/grouped_mm_decode.py ``--sweep`` times others)."""
     S, K = x_SK.shape
     G, N, _ = w_GNK.shape
+    t = tiles or SmallTiles()
     y = torch.empty(S, N, device=x_SK.device, dtype=x_SK.dtype)
     if S and N and G:
-        _gmm_groups[(G, triton.cdiv(N, SMALL_BN))](
+        _gmm_groups[(G, triton.cdiv(N, t.bn))](
             x_SK, w_GNK, y, offs_G, N, K, x_SK.stride(0), x_SK.stride(1), *w_GNK.stride(), y.stride(0), y.stride(1),
-            PREC=_prec(x_SK.dtype), BM=SMALL_BM, BN=SMALL_BN, BK=SMALL_BK,
+            PREC=_prec(x_SK.dtype), BM=t.bm, BN=t.bn, BK=t.bk, num_warps=t.warps, num_stages=t.stages,
         )  # fmt: skip
     return y
 

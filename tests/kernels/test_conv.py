@@ -142,6 +142,65 @@ def test_conv_state_step_matches_reference_and_skips_padding(dtype, tol, silu):
         CONV.conv_state_step_triton_(x, pool_kern, slots[:3], w, silu)
 
 
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_conv_state_steps_run_a_layers_convs_in_one_launch(parts, monkeypatch):
+    """A KDA layer's q, k and v conv steps in one launch: inputs column slices of one projection, states in one page
+    layout ([P, 3, C, K-1] pages, each conv's pool a strided view, as vLLM's stacked state slots give them), a
+    padding slot; equal to the reference conv by conv, and the launch count is one."""
+    from kernels.conv.naive import conv_state_step_naive_
+
+    torch.manual_seed(2)
+    C, K, P, N = 40, 4, 5, 4
+    pages = torch.randn(P, 3, C + 2, K)
+    pools = [pages[:, i, 1 : 1 + C, 1:] for i in range(parts)]
+    ref_pages = pages.clone()
+    ref_pools = [ref_pages[:, i, 1 : 1 + C, 1:] for i in range(parts)]
+    proj = torch.randn(N, 3 * C + 7)
+    xs = [proj[:, i * C : (i + 1) * C] for i in range(parts)]
+    ws = [torch.randn(C, K) for _ in range(parts)]
+    slots = torch.tensor([3, -1, 0, 4], dtype=torch.int32)
+    launches = []
+    kernel = CONV._conv_state_step
+    monkeypatch.setattr(CONV, "_conv_state_step", _Counting(kernel, launches))
+    ys = CONV.conv_state_steps_triton_(xs, pools, slots, ws, silu=True)
+    assert launches == [(N, 1, parts)]
+    for x, pool, w, y in zip(xs, ref_pools, ws, ys, strict=True):
+        assert_close("y", conv_state_step_naive_(x, pool, slots, w, True), y, 1e-6)
+    assert torch.equal(pages, ref_pages)
+
+
+def test_conv_state_steps_of_different_layouts_launch_each():
+    """States of different layouts (one contiguous pool, one strided) still step, one launch each; more than three
+    convs, or mismatched lists, are a ValueError."""
+    from kernels.conv.naive import conv_state_step_naive_
+
+    torch.manual_seed(3)
+    C, K = 24, 3
+    pools = [torch.randn(4, C, K - 1), torch.randn(4, C + 3, K + 1)[:, :C, 1:K]]
+    ref = [p.clone() for p in pools]
+    xs, ws = [torch.randn(2, C), torch.randn(2, C)], [torch.randn(C, K), torch.randn(C, K)]
+    slots = torch.tensor([1, 2], dtype=torch.int32)
+    ys = CONV.conv_state_steps_triton_(xs, pools, slots, ws, silu=False)
+    for x, pool, w, y, got in zip(xs, ref, ws, ys, pools, strict=True):
+        assert_close("y", conv_state_step_naive_(x, pool, slots, w, False), y, 1e-6)
+        assert torch.equal(pool, got)
+    with pytest.raises(ValueError, match="one to three"):
+        CONV.conv_state_steps_triton_(xs * 2, pools * 2, slots, ws * 2, silu=False)
+    with pytest.raises(ValueError, match="one to three"):
+        CONV.conv_state_steps_triton_(xs, pools[:1], slots, ws, silu=False)
+
+
+class _Counting:
+    """A Triton kernel whose launches record their grid."""
+
+    def __init__(self, kernel, grids: list) -> None:
+        self.kernel, self.grids = kernel, grids
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
 @pytest.mark.parametrize("dtype, state_dtype, tol", [(torch.float32, torch.float32, 1e-6),
                                                      (torch.bfloat16, torch.float32, 1e-2)])  # fmt: skip
 def test_conv_from_states_equals_the_taps(dtype, state_dtype, tol):

@@ -156,15 +156,17 @@ def test_triton_grouped_mm_matches_the_loop_fwd_bwd(monkeypatch, N, K):
 
 
 @pytest.mark.parametrize("N, K", [(64, 64), (40, 24)])  # one tile; partial tiles in both dims
-def test_small_grouped_mm_matches_the_loop(monkeypatch, N, K):
-    """The decode step's kernel under TRITON_INTERPRET=1: groups empty, of one row, longer than its 16-row tile
-    (three tiles), the weight a strided view, rows past offs[-1] never computed."""
+@pytest.mark.parametrize("tiles", [None, (16, 32, 128), (32, 128, 16)])  # the default; other (BM, BN, BK)
+def test_small_grouped_mm_matches_the_loop(monkeypatch, N, K, tiles):
+    """The decode step's kernel under TRITON_INTERPRET=1: groups empty, of one row, longer than its row tile
+    (several tiles), the weight a strided view, rows past offs[-1] never computed; with the default launch and
+    the tile shapes bench/grouped_mm_decode.py --sweep tries (narrower and wider than the matrices)."""
     mod = _interpreted_triton_module()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     offs = torch.tensor([0, 1, 1, 40, 47], dtype=torch.int32)
     x = torch.randn(52, K)
     w = torch.randn(5, K, N).transpose(1, 2)  # [G, N, K], not contiguous
-    y = mod.grouped_mm_small(x, w, offs)
+    y = mod.grouped_mm_small(x, w, offs, None if tiles is None else mod.SmallTiles(*tiles))
     assert_close("y", grouped_mm_naive(x, w, offs)[:47], y[:47], 1e-6)
 
 

@@ -48,10 +48,12 @@ def _kernels():
 
     io = {"x_ptr": "*bf16", "w_ptr": "*fp32", "pos_ptr": "*i32"}
     return [
+        # the engine's decode step of a KDA layer's three convs in one launch
         (conv._conv_state_step,
-         {"x_ptr": "*bf16", "w_ptr": "*fp32", "state_ptr": "*bf16", "slot_ptr": "*i64", "y_ptr": "*bf16",
-          "C": "i32", "sx": "i32", "s0": "i64", "s1": "i32", "s2": "i32", "K": "constexpr", "SILU": "constexpr",
-          "BC": "constexpr"},
+         {**{n: t for i in range(3) for n, t in ((f"x{i}_ptr", "*bf16"), (f"w{i}_ptr", "*fp32"),
+                                                  (f"state{i}_ptr", "*bf16"), (f"y{i}_ptr", "*bf16"))},
+          "slot_ptr": "*i64", "C": "i32", "sx": "i32", "s0": "i64", "s1": "i32", "s2": "i32", "K": "constexpr",
+          "SILU": "constexpr", "BC": "constexpr"},
          {"K": 4, "SILU": True, "BC": 256}),
         # the engine's prefill continuing from the kept sessions' conv states (fp32 states, bf16 inputs)
         (conv._conv_fwd_state,
