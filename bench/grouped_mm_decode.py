@@ -26,7 +26,7 @@ import torch
 from moe_compile import time_graph_replays
 
 from kernels.moe import grouped_mm_alignment, route_layout
-from kernels.moe.triton import SmallTiles, grouped_mm_small
+from kernels.moe.triton import SmallTiles, grouped_mm_small, small_tiles
 
 EXPERTS, TOP_K, Z, I = 128, 8, 512, 256  # gpu_1b (configs/model/gpu_1b.yaml)
 
@@ -73,7 +73,7 @@ def one_size(tokens: int, n: int, k: int) -> dict:
 def sweep(tokens: int, n: int, k: int) -> dict:
     """Our kernel's launches (``SWEEP_TILES`` x ``SWEEP_WARPS_STAGES``) on one product: each checked against
     CUTLASS (a launch off by more than bf16 rounding, or failing to compile, is reported and not ranked), then
-    timed in a replayed graph; the rows sorted fastest first, the default's time and rank beside."""
+    timed in a replayed graph; the rows sorted fastest first, the default's (``small_tiles``) time and rank beside."""
     lay, x, w, cutlass = problem(tokens, n, k)
     used = int(lay.offs_E[-1])
     ref = cutlass()[:used]
@@ -95,7 +95,7 @@ def sweep(tokens: int, n: int, k: int) -> dict:
         us = graph_us(fn)
         rows.append(dict(**asdict(tiles), us=us, tb_s=gb / us * 1e3, rel_err=err))
     rows.sort(key=lambda r: r["us"])
-    default = asdict(SmallTiles())
+    default = asdict(small_tiles(lay.rows))
     rank = next((i for i, r in enumerate(rows) if all(r[f] == v for f, v in default.items())), None)
     cutlass = over_copies(copies, lambda w_: torch._grouped_mm(x, w_.transpose(-2, -1), offs=lay.offs_E))
     return dict(tokens=tokens, rows=lay.rows, n=n, k=k, cutlass_us=graph_us(cutlass), default=default,

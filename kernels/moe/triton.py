@@ -36,6 +36,18 @@ class SmallTiles:
     stages: int = 3
 
 
+# ``grouped_mm_small``'s launch by rows, from bench/grouped_mm_decode.py --sweep on an H200 (gpu_1b's two expert
+# products, 2026-12-07): up to ~16 sequences (960 rows) the default; 64-128 sequences (1,408-1,920 rows) two
+# pipeline stages, 19.2 / 10.3 us against 22.4 / 11.3 (gate/up / down at 64); 256 (2,944 rows) 32-row tiles,
+# 21.4 / 12.5 against 29.3 / 15.0. Each entry: (rows below which it applies, launch); the last applies above.
+SMALL_TILES_BY_ROWS = ((1024, SmallTiles()), (2560, SmallTiles(stages=2)), (None, SmallTiles(bm=32)))
+
+
+def small_tiles(rows: int) -> SmallTiles:
+    """The launch ``grouped_mm_small`` takes for ``rows`` rows (``SMALL_TILES_BY_ROWS``)."""
+    return next(t for below, t in SMALL_TILES_BY_ROWS if below is None or rows < below)
+
+
 # rows up to which ``grouped_mm_forward`` runs that kernel: a decode step of up to 512 sequences at top-8 (with
 # the groups' padding); larger products (prefill chunks, learner micro-batches) take torch's CUTLASS kernel
 SMALL_ROWS_MAX = 4096
@@ -126,11 +138,11 @@ def grouped_mm_small(
 ) -> torch.Tensor:
     """y [S, N] with y[rows of g] = x[rows of g] @ w[g]^T, forward only, in one launch (``_gmm_groups``): the
     product for few rows a group. offs: int32 [G] group ends; rows past offs[-1] are left unwritten (callers
-    never read them, as with torch's kernel). ``tiles``: the launch (default ``SmallTiles()``;
+    never read them, as with torch's kernel). ``tiles``: the launch (default ``small_tiles(S)``;
     bench/grouped_mm_decode.py ``--sweep`` times others)."""
     S, K = x_SK.shape
     G, N, _ = w_GNK.shape
-    t = tiles or SmallTiles()
+    t = tiles or small_tiles(S)
     y = torch.empty(S, N, device=x_SK.device, dtype=x_SK.dtype)
     if S and N and G:
         _gmm_groups[(G, triton.cdiv(N, t.bn))](

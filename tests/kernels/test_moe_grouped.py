@@ -156,7 +156,7 @@ def test_triton_grouped_mm_matches_the_loop_fwd_bwd(monkeypatch, N, K):
 
 
 @pytest.mark.parametrize("N, K", [(64, 64), (40, 24)])  # one tile; partial tiles in both dims
-@pytest.mark.parametrize("tiles", [None, (16, 32, 128), (32, 128, 16)])  # the default; other (BM, BN, BK)
+@pytest.mark.parametrize("tiles", [None, (16, 32, 128), (32, 128, 16), (32, 64, 64)])  # by rows; other (BM, BN, BK)
 def test_small_grouped_mm_matches_the_loop(monkeypatch, N, K, tiles):
     """The decode step's kernel under TRITON_INTERPRET=1: groups empty, of one row, longer than its row tile
     (several tiles), the weight a strided view, rows past offs[-1] never computed; with the default launch and
@@ -168,6 +168,15 @@ def test_small_grouped_mm_matches_the_loop(monkeypatch, N, K, tiles):
     w = torch.randn(5, K, N).transpose(1, 2)  # [G, N, K], not contiguous
     y = mod.grouped_mm_small(x, w, offs, None if tiles is None else mod.SmallTiles(*tiles))
     assert_close("y", grouped_mm_naive(x, w, offs)[:47], y[:47], 1e-6)
+
+
+def test_small_grouped_mm_launch_by_rows():
+    """The decode kernel's launch follows its row count (the sweep's table): the default up to 1,023 rows, two
+    pipeline stages up to 2,559, then 32-row tiles; every entry a launch the loop test above holds to the loop."""
+    mod = _interpreted_triton_module()
+    assert mod.small_tiles(960) == mod.SmallTiles() and mod.small_tiles(1023) == mod.SmallTiles()
+    assert mod.small_tiles(1024) == mod.small_tiles(2559) == mod.SmallTiles(stages=2)
+    assert mod.small_tiles(2560) == mod.small_tiles(10**6) == mod.SmallTiles(bm=32)
 
 
 def test_grouped_mm_forward_picks_its_kernel_by_rows(monkeypatch):
