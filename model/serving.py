@@ -4,10 +4,11 @@ function as it is and make a step cheaper.
 * ``fuse_feed_forward_inputs``: the projections that read the same input as one GEMM (``fuse_linears``);
 * ``counting_layout_over``: every grouped MoE ranks its route layout's slots one way for every step the
   engine can form, so a compiled MoE block compiles once;
+* ``layout_decode_steps_in_one_launch``: on CUDA, a decode step's route layout as one Triton launch;
 * ``inductor_compile_threads``: inductor's compile workers, which ``import vllm`` pins to one;
 * ``kda_state_shapes`` / ``kda_state_dtypes``: a KDA layer's (or a stack of layers') per-sequence states in an
   engine's slots;
-* ``prepare_for_serving``: the first two, the AttnRes mixes over stacked sources, and eval mode without gradients, what the vLLM model
+* ``prepare_for_serving``: the first three, the AttnRes mixes over stacked sources, and eval mode without gradients, what the vLLM model
   (``rollout.vllm_model``) and bench/moe_compile.py do to the learner's modules (the vLLM model sets the
   compile workers when it compiles).
 """
@@ -124,7 +125,8 @@ def prepare_for_serving(model: nn.Module, max_step_tokens: int) -> None:
     (``attn_res_mix_stacked``: one compiled graph whatever the number of sources); on CUDA each mix and the
     sub-layer's norm after it are one Triton kernel over the stacked sources
     (``kernels.attnres.attn_res_mix_norm_triton``: 2 launches a mix where the compiled mix and the norm made 5,
-    and no compile of the mix at the engine's start)."""
+    and no compile of the mix at the engine's start), and a decode step's route layout is one launch
+    (``layout_decode_steps_in_one_launch``)."""
     model.eval()
     model.requires_grad_(False)
     on_cuda = any(p.is_cuda for p in model.parameters())
@@ -139,3 +141,17 @@ def prepare_for_serving(model: nn.Module, max_step_tokens: int) -> None:
     top_k = max((m.top_k for m in model.modules() if isinstance(m, MoEGate)), default=0)
     if top_k:
         counting_layout_over(model, max_step_tokens * top_k)
+    if on_cuda:
+        layout_decode_steps_in_one_launch(model)
+
+
+def layout_decode_steps_in_one_launch(model: nn.Module) -> None:
+    """Every grouped MoE of ``model`` lays out its routes with ``kernels.moe.triton.route_tensors_engine``: a decode
+    step's in one Triton launch (about six compiled kernels a MoE layer before), larger steps by sort. Inside a MoE
+    block compiled whole (the engine's scope on CUDA) the block's graph calls the op; a scope that compiles the
+    layout as a region of its own (``model.compile``'s "regions") swaps it back to the compiled ``route_tensors``."""
+    from kernels.moe.triton import route_tensors_engine
+
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            m.route_fn = route_tensors_engine

@@ -249,3 +249,86 @@ def scale_rows_triton_(x_PN: torch.Tensor, w_P: torch.Tensor) -> torch.Tensor:
         grid = (triton.cdiv(P, br), triton.cdiv(N, bn))
         _scale_rows[grid](x_PN, w_P.contiguous(), P, N=N, sx=x_PN.stride(0), BR=br, BN=bn)
     return x_PN
+
+
+_sum_combine = tl.standard._sum_combine  # tl.sum / tl.cumsum are jit functions the interpreter cannot call here
+
+# slots (tokens x top-k) up to which ``route_tensors_engine`` lays a routing out in one launch: a decode step of up
+# to 128 sequences at top-8
+ROUTE_SMALL_MAX = 1024
+
+
+@triton.jit(do_not_specialize=["S", "T", "P"])  # one compile for every decode batch size
+def _route_small(experts_ptr, src_row_ptr, row_of_slot_ptr, offs_ptr, S, T, k, P, align, E,
+                 BE: tl.constexpr, BS: tl.constexpr, BP: tl.constexpr):  # fmt: skip
+    """``kernels.moe.route_tensors`` in one program: the slots' expert counts, the padded groups' ends, then each
+    slot's row (its group's start plus the slots of its expert before it: a running count and a prefix sum over
+    one-hot [E, BS] tiles) and the token feeding each row (T for padding and tail rows)."""
+    e = tl.arange(0, BE)
+    counts = tl.full([BE], 0, tl.int32)
+    for s0 in range(0, S, BS):
+        s = s0 + tl.arange(0, BS)
+        ex = tl.load(experts_ptr + s, mask=s < S, other=-1).to(tl.int32)
+        counts += tl.reduce((ex[None, :] == e[:, None]).to(tl.int32), 1, _sum_combine)
+    padded = (counts + align - 1) // align * align
+    ends = tl.associative_scan(padded, 0, _sum_combine)
+    tl.store(offs_ptr + e, ends, mask=e < E)
+    for p0 in range(0, P, BP):
+        p = p0 + tl.arange(0, BP)
+        tl.store(src_row_ptr + p, tl.full([BP], 0, tl.int64) + T, mask=p < P)
+    tl.debug_barrier()  # the tail rows' T written before any slot's token overwrites its row
+    running = ends - padded  # the next free row of each group
+    for s0 in range(0, S, BS):
+        s = s0 + tl.arange(0, BS)
+        sm = s < S
+        ex = tl.load(experts_ptr + s, mask=sm, other=-1).to(tl.int32)
+        onehot = (ex[None, :] == e[:, None]).to(tl.int32)  # [BE, BS]
+        seen = tl.associative_scan(onehot, 1, _sum_combine)  # slots of e up to and including s, within the tile
+        row = tl.reduce(onehot * (running[:, None] + seen - 1), 0, _sum_combine)
+        tl.store(row_of_slot_ptr + s, row.to(tl.int64), mask=sm)
+        tl.store(src_row_ptr + row, (s // k).to(tl.int64), mask=sm)
+        running += tl.reduce(onehot, 1, _sum_combine)
+
+
+def route_tensors_small(experts_TK: torch.Tensor, num_experts: int, align: int) -> tuple[torch.Tensor, ...]:
+    """``kernels.moe.route_tensors`` (the same integers and dtypes) in one launch of one program, for up to
+    ``ROUTE_SMALL_MAX`` slots: a decode step's layout, where the compiled one ran about six small kernels."""
+    T, k = experts_TK.shape
+    S = T * k
+    if S > ROUTE_SMALL_MAX or num_experts < 1 or align < 1:
+        raise ValueError(f"route_tensors_small: at most {ROUTE_SMALL_MAX} slots, experts and align >= 1; got "
+                         f"[T, k] = [{T}, {k}], {num_experts} experts, align {align}")  # fmt: skip
+    dev = experts_TK.device
+    P = S + num_experts * (align - 1)
+    src_row_P = torch.empty(P, dtype=torch.long, device=dev)
+    row_of_slot_S = torch.empty(S, dtype=torch.long, device=dev)
+    offs_E = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    _route_small[(1,)](
+        experts_TK.reshape(-1), src_row_P, row_of_slot_S, offs_E, S, T, max(k, 1), P, align, num_experts,
+        BE=triton.next_power_of_2(num_experts), BS=64, BP=1024, num_warps=4,
+    )  # fmt: skip
+    return src_row_P, row_of_slot_S, offs_E
+
+
+@torch.library.custom_op(op_name("route_tensors_engine"), mutates_args=())
+def route_tensors_engine(
+    experts_TK: torch.Tensor, num_experts: int, align: int, counting_max: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernels.moe.route_tensors`` for the rollout engine's MoE blocks (``model.serving.prepare_for_serving`` on
+    CUDA): a step of up to ``ROUTE_SMALL_MAX`` slots on ``route_tensors_small``, a larger one (prefill chunks) on
+    ``route_tensors`` ranking by sort (one radix sort, where the counting path would hold an [E, S] prefix sum
+    eagerly). A custom op, so the choice is made when it runs: a rule on the traced slot count in a compiled MoE
+    block would be a guard, and a step across it a second compile. ``counting_max``: unused (the signature of
+    ``route_tensors``, which ``kernels.moe.route_layout`` calls)."""
+    from kernels.moe import route_tensors
+
+    if experts_TK.is_cuda and experts_TK.numel() <= ROUTE_SMALL_MAX:
+        return route_tensors_small(experts_TK, num_experts, align)
+    return route_tensors(experts_TK, num_experts, align, 0)
+
+
+@route_tensors_engine.register_fake
+def _(experts_TK, num_experts, align, counting_max):
+    S = experts_TK.numel()
+    return (experts_TK.new_empty(S + num_experts * (align - 1), dtype=torch.long),
+            experts_TK.new_empty(S, dtype=torch.long), experts_TK.new_empty(num_experts, dtype=torch.int32))  # fmt: skip

@@ -347,3 +347,39 @@ def test_expert_nodes_on_the_triton_grouped_mm_equal_the_loop(monkeypatch):
     for name, a, b in zip(("y", "dz", "dw_gu", "dw_down", "dweights"), [outs["naive"][0], *outs["naive"][1]],
                           [outs["triton"][0], *outs["triton"][1]]):  # fmt: skip
         assert_close(name, a, b, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "T, k, E, align, skew",
+    [(64, 8, 128, 8, False),  # a decode step of gpu_1b: 512 slots, 8 tiles of 64
+     (3, 2, 5, 1, False),  # no padding, E not a power of two
+     (65, 8, 16, 16, True),  # one expert takes most slots (ranks past a tile), groups padded to 16
+     (1, 1, 4, 4, False)],  # one slot
+)  # fmt: skip
+def test_route_tensors_small_equal_the_torch_layout(monkeypatch, T, k, E, align, skew):
+    """The engine's one-launch route layout under TRITON_INTERPRET=1: the same integers and dtypes as
+    ``route_tensors`` (rows by expert, stable in slot order, groups padded to ``align``, T in the padding rows)."""
+    mod = _interpreted_triton_module()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(T * 31 + E)
+    experts = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    if skew:
+        experts[:, 0] = 3  # every token's first slot on expert 3: 65 ranks of one expert
+    want = moe_kernels.route_tensors(experts, E, align)
+    got = mod.route_tensors_small(experts, E, align)
+    for name, w, g in zip(("src_row_P", "row_of_slot_S", "offs_E"), want, got, strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w), name
+
+
+def test_route_tensors_small_refuses_a_prefill_size_and_the_engine_op_takes_torch_there(monkeypatch):
+    """Past ``ROUTE_SMALL_MAX`` slots the kernel refuses, and the engine's op lays out by sort (here on CPU, where
+    it always does): equal to ``route_tensors``; its fake agrees with it under ``torch.library.opcheck``."""
+    mod = _interpreted_triton_module()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    experts = torch.randint(0, 128, (mod.ROUTE_SMALL_MAX // 8 + 1, 8))
+    with pytest.raises(ValueError, match="at most"):
+        mod.route_tensors_small(experts, 128, 8)
+    want = moe_kernels.route_tensors(experts, 128, 8)
+    got = mod.route_tensors_engine(experts, 128, 8, 0)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    torch.library.opcheck(mod.route_tensors_engine, (experts[:4], 128, 8, 0))

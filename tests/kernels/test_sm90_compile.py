@@ -72,6 +72,12 @@ def _kernels():
           **{s: "i64" for s in ("sxm", "sxk", "swg", "swn", "swk", "sym", "syn")}, "PREC": "constexpr",
           "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"},
          {"PREC": "tf32", "BM": moe.SMALL_BM, "BN": moe.SMALL_BN, "BK": moe.SMALL_BK}),
+        # the engine's decode route layout in one program
+        (moe._route_small,
+         {"experts_ptr": "*i64", "src_row_ptr": "*i64", "row_of_slot_ptr": "*i64", "offs_ptr": "*i32",
+          **{n: "i32" for n in ("S", "T", "k", "P", "align", "E")}, "BE": "constexpr", "BS": "constexpr",
+          "BP": "constexpr"},
+         {"BE": 128, "BS": 64, "BP": 1024}),
         (moe._gmm_rows,
          {"x_ptr": "*fp32", "w_ptr": "*fp32", "y_ptr": "*fp32", "offs_ptr": "*i32", "tile_group_ptr": "*i32",
           "tile_row_ptr": "*i32", "N": "i32", "K": "i32", "G": "i32",
@@ -94,7 +100,7 @@ def _kernels():
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("index", range(9))
+@pytest.mark.parametrize("index", range(10))
 def test_kernel_compiles_for_sm90(index):
     fn, signature, constexprs = _kernels()[index]
     # keyword order is the kernel's own: the signature must name every parameter

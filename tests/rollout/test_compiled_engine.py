@@ -146,3 +146,39 @@ def test_one_route_path_compiles_the_moe_block_once(monkeypatch):
     assert compiles(raise_limit=True) == 1
     monkeypatch.setattr("model.serving.COUNTING_LAYOUT_ENGINE_MAX", 100 * k * E)  # a budget past the cap
     assert compiles(raise_limit=True) == 2  # the 160-token step sorts again
+
+
+def test_the_engines_layout_op_traces_in_a_compiled_moe_block_and_changes_nothing():
+    """``layout_decode_steps_in_one_launch`` (what the engine does on CUDA): a MoE block compiled whole calls the
+    layout op (a custom op: its slot-count rule is no guard, so one compile across step sizes) and computes the
+    same logits as the block with the traced layout, bit for bit (the same integers). On CPU the op lays out by
+    sort; its Triton path is held to ``route_tensors`` in tests/kernels/test_moe_grouped.py. bf16: the grouped
+    GEMM traces on the CPU only in bf16."""
+    import copy
+
+    from model.compile import compile_regions
+    from model.config import HybridConfig
+    from model.modeling import HybridForCausalLM
+    from model.moe import GroupedExperts
+    from model.serving import layout_decode_steps_in_one_launch
+
+    config = HybridConfig.from_yaml(os.path.join(os.path.dirname(__file__), "../../configs/model/cpu_tiny.yaml"))
+    torch.manual_seed(0)
+    plain = HybridForCausalLM(config).eval().to(torch.bfloat16)
+    engine = copy.deepcopy(plain)
+    layout_decode_steps_in_one_launch(engine)
+    from kernels.moe.triton import route_tensors_engine
+
+    assert all(m.route_fn is route_tensors_engine for m in engine.modules() if isinstance(m, GroupedExperts))
+    steps = [torch.randint(0, config.vocab_size, (1, T)) for T in (160, 8)]  # a prefill-sized step, a decode one
+    outs = {}
+    for name, model in (("plain", plain), ("engine", engine)):
+        torch._dynamo.reset()
+        compile_regions(model, lambda gm, ex: gm.forward, scope="moe")
+        with torch.inference_mode():
+            outs[name] = [model(ids).logits for ids in steps]
+        block = next(m for m in model.modules() if type(m).__name__ == "SparseMoE").forward_fn
+        assert block.failed is None, block.failed
+        if name == "engine":
+            assert block.graphs() == 1
+    assert all(torch.equal(a, b) for a, b in zip(outs["plain"], outs["engine"], strict=True))
