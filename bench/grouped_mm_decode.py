@@ -6,10 +6,13 @@ rows laid out by ``kernels.moe.route_layout`` from random top-8 routes of T toke
 against CUTLASS (relative Frobenius, over the rows both compute) and each kernel's microseconds a call inside a
 replayed CUDA graph (10 calls a graph; a decode step runs its GEMMs in one), with the weight bytes a call reads
 over that time. ``--sweep``: our kernel's launch (``SmallTiles``: tile rows, columns and k, warps, pipeline stages)
-over a grid at the decode sizes, each checked against CUTLASS, the fastest listed beside the default. CUDA only.
+over a grid at the decode sizes, each checked against CUTLASS, the fastest listed beside the default. ``--layout``:
+the route layout before the GEMMs, the engine's one-launch ``route_tensors_small`` against ``route_tensors`` compiled
+(what the engine's MoE block ran before it). CUDA only.
 
     python3 bench/grouped_mm_decode.py [--out DIR]           # DIR/grouped_mm_decode.json
     python3 bench/grouped_mm_decode.py --sweep --tokens 64   # DIR/grouped_mm_decode_sweep.json
+    python3 bench/grouped_mm_decode.py --layout              # DIR/grouped_mm_decode_layout.json
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from pathlib import Path
 import torch
 from moe_compile import time_graph_replays
 
-from kernels.moe import grouped_mm_alignment, route_layout
-from kernels.moe.triton import SmallTiles, grouped_mm_small, small_tiles
+from kernels.moe import grouped_mm_alignment, route_layout, route_tensors
+from kernels.moe.triton import ROUTE_SMALL_MAX, SmallTiles, grouped_mm_small, route_tensors_small, small_tiles
 
 EXPERTS, TOP_K, Z, I = 128, 8, 512, 256  # gpu_1b (configs/model/gpu_1b.yaml)
 
@@ -103,6 +106,20 @@ def sweep(tokens: int, n: int, k: int) -> dict:
                 failed=failed)  # fmt: skip
 
 
+def layout(tokens: int) -> dict:
+    """The route layout of ``tokens`` random top-8 routes: the one-launch kernel against the compiled
+    ``route_tensors`` (counting ranks, as the engine's compiled block traced it), equal integers, us a call."""
+    dev = torch.device("cuda")
+    experts = torch.stack([torch.randperm(EXPERTS, device=dev)[:TOP_K] for _ in range(tokens)])
+    align = grouped_mm_alignment(dev, torch.bfloat16)
+    compiled = torch.compile(route_tensors, dynamic=False)
+    traced = lambda: compiled(experts, EXPERTS, align, 1 << 25)
+    small = lambda: route_tensors_small(experts, EXPERTS, align)
+    equal = all(torch.equal(a, b) for a, b in zip(traced(), small(), strict=True))
+    us_c, us_s = graph_us(traced), graph_us(small)
+    return dict(tokens=tokens, slots=tokens * TOP_K, equal=equal, compiled_us=us_c, small_us=us_s, speedup=us_c / us_s)
+
+
 def over_copies(copies: list[torch.Tensor], call):
     """A function calling ``call`` with the next of ``copies`` each time (the weights of successive layers)."""
     ws = itertools.cycle(copies)
@@ -123,12 +140,22 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/grouped_mm_decode")))
     p.add_argument("--tokens", default="8,64,128,256,512", help="decode batch sizes, comma-separated")
     p.add_argument("--sweep", action="store_true", help="time our kernel's launches over a grid (module docstring)")
+    p.add_argument("--layout", action="store_true", help="time the decode route layout's kernel (module docstring)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("grouped_mm_decode: needs a CUDA GPU (the kernels are compared in CUDA graphs)")
     torch.manual_seed(0)
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M"))
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.layout:
+        res = []
+        for t in (int(v) for v in args.tokens.split(",") if int(v) * TOP_K <= ROUTE_SMALL_MAX):
+            res.append(layout(t))
+            r = res[-1]
+            print(f"T={t} ({r['slots']} slots): equal {r['equal']}; us a call in a graph: compiled route_tensors "
+                  f"{r['compiled_us']:.1f}, one launch {r['small_us']:.1f}: {r['speedup']:.2f}x", flush=True)  # fmt: skip
+        (args.out / "grouped_mm_decode_layout.json").write_text(json.dumps(dict(env=env, sizes=res), indent=1))
+        return
     if args.sweep:
         res = []
         for t in (int(v) for v in args.tokens.split(",")):
