@@ -214,6 +214,10 @@ class AttnResMix(nn.Module):
         # (``kernels.attnres.attn_res_mix_norm_triton``, same arguments as ``attn_res_mix_norm`` but the sources
         # stacked; set by ``prepare_for_serving``), None: the mix, then the norm
         self.stacked_mix_norm_fn: Callable | None = None
+        # inference on CUDA, taken before the stacked one: the same over the sources where they are, no stacked copy
+        # (``kernels.attnres.attn_res_mix_norm_sources_triton``, the sources as separate arguments; set by
+        # ``prepare_for_serving``)
+        self.sources_mix_norm_fn: Callable | None = None
         self.mix_norm_fn: Callable = attn_res_mix_norm  # compiled likewise
         self.mix_norm_grads_fn: Callable = attn_res_mix_norm_grads  # compiled likewise
 
@@ -257,13 +261,15 @@ class AttnResMix(nn.Module):
         """``norm(self(sources))``: the input of the sub-layer that ``norm`` belongs to. With ``model.fast`` op
         "attn_res" = fused (the default) and the sources unstacked (the learner), one node (``attn_res_mix_norm``
         forward, its closed-form gradient backward; the norm goes with the mix whatever op "norm" says); an
-        engine's (``stacked_mix_norm_fn``) as one kernel over the stacked sources unless op "attn_res"
+        engine's (``sources_mix_norm_fn``, else ``stacked_mix_norm_fn``) as one kernel unless op "attn_res"
         names the reference; else the two modules one after the other."""
         op = fast.pick("attn_res", sources[0].device)
-        if self.stacked_mix_norm_fn is not None and len(sources) > 1 and op != "torch":
-            return self.stacked_mix_norm_fn(
-                self.query, self.norm.weight, self.norm.eps, norm.weight, norm.eps, torch.stack(sources)
-            )
+        if len(sources) > 1 and op != "torch":
+            weights = (self.query, self.norm.weight, self.norm.eps, norm.weight, norm.eps)
+            if self.sources_mix_norm_fn is not None:
+                return self.sources_mix_norm_fn(*weights, *sources)
+            if self.stacked_mix_norm_fn is not None:
+                return self.stacked_mix_norm_fn(*weights, torch.stack(sources))
         if op in ("fused", *TRITON_BACKWARDS) and self.stacked_mix_fn is None:
             return self(sources, norm, shared)  # one source: ``forward`` norms it
         return norm(self(sources))

@@ -20,7 +20,7 @@ import os
 import torch
 from torch import nn
 
-from kernels.attnres import attn_res_mix_norm_triton
+from kernels.attnres import attn_res_mix_norm_sources_triton, attn_res_mix_norm_triton
 from model.attnres import AttnResMix, attn_res_mix_stacked
 from model.layers import GLUMLP
 from model.moe import GroupedExperts, MoEGate, SparseMoE
@@ -123,9 +123,9 @@ def prepare_for_serving(model: nn.Module, max_step_tokens: int) -> None:
     shared expert is fused with the MoE's latent projection, not on its own), the route layout counted over
     the largest step (top-k slots a token), and the AttnRes mixes given their sources stacked
     (``attn_res_mix_stacked``: one compiled graph whatever the number of sources); on CUDA each mix and the
-    sub-layer's norm after it are one Triton kernel over the stacked sources
-    (``kernels.attnres.attn_res_mix_norm_triton``: 2 launches a mix where the compiled mix and the norm made 5,
-    and no compile of the mix at the engine's start), and a decode step's route layout is one launch
+    sub-layer's norm after it are one Triton kernel reading the sources where they are
+    (``kernels.attnres.attn_res_mix_norm_sources_triton``: 1 launch a mix where the compiled mix and the norm made
+    5, and the stacked kernel 2; no compile of the mix at the engine's start), and a decode step's route layout is one launch
     (``layout_decode_steps_in_one_launch``)."""
     model.eval()
     model.requires_grad_(False)
@@ -134,6 +134,7 @@ def prepare_for_serving(model: nn.Module, max_step_tokens: int) -> None:
         if isinstance(m, AttnResMix):  # sources stacked before the mix: one compiled graph for every count
             m.stacked_mix_fn = attn_res_mix_stacked
             m.stacked_mix_norm_fn = attn_res_mix_norm_triton if on_cuda else None
+            m.sources_mix_norm_fn = attn_res_mix_norm_sources_triton if on_cuda else None
     shared = {id(m.shared_experts) for m in model.modules() if isinstance(m, SparseMoE)}
     for m in list(model.modules()):
         if isinstance(m, SparseMoE) or (isinstance(m, GLUMLP) and id(m) not in shared):

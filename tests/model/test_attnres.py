@@ -194,3 +194,40 @@ def test_served_mixes_on_the_engine_kernel_give_the_model_logits(monkeypatch):
             model(ids)
         assert calls == []
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_served_mixes_read_their_sources_where_they_are(monkeypatch):
+    """An engine's mixes with ``sources_mix_norm_fn`` (what CUDA engines take first: the learner's forward kernel
+    over the unstacked sources, here interpreted on the CPU) give the logits of the stacked mix and the norm one
+    after the other (fp32), taken before the stacked kernel; past ``MAX_SOURCES`` sources the function stacks them
+    for the stacked kernel, equal to the same."""
+    import pytest
+
+    pytest.importorskip("triton")
+    from kernels.attnres import attn_res_mix_norm_sources_triton
+    from kernels.testing import import_interpreted
+    from model.serving import prepare_for_serving
+
+    interp = import_interpreted("kernels.attnres.triton")[0]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(1)
+    model = HybridForCausalLM(tiny_config(num_hidden_layers=6, attn_res_block_size=2, routed_expert_hidden_size=32))
+    prepare_for_serving(model, 64)
+    mixes = [m for m in model.modules() if isinstance(m, AttnResMix)]
+    assert mixes and all(m.sources_mix_norm_fn is None for m in mixes)  # a CPU model: the compiled mix, the norm
+    with torch.no_grad():
+        for m in mixes:
+            m.query.copy_(torch.randn_like(m.query))
+        ids = torch.randint(0, 128, (1, 29))
+        want = model(ids).logits
+        calls, stacked = [], []
+        for m in mixes:
+            m.sources_mix_norm_fn = lambda *a: calls.append(len(a) - 5) or attn_res_mix_norm_sources_triton(*a)
+            m.stacked_mix_norm_fn = lambda *a: stacked.append(1) or interp.mix_norm_rows(*a)
+        got = model(ids).logits
+    assert len(calls) >= len(mixes) and max(calls) >= 3 and not stacked  # every mix of 2+ sources, unstacked
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    weights = (torch.randn(16), torch.rand(16) + 0.5, 1e-5, torch.rand(16) + 0.5, 1e-5)
+    many = [torch.randn(5, 16) for _ in range(interp.MAX_SOURCES + 1)]
+    torch.testing.assert_close(attn_res_mix_norm_sources_triton(*weights, *many),
+                               interp.mix_norm_rows(*weights, torch.stack(many)), rtol=0, atol=0)  # fmt: skip
