@@ -161,6 +161,23 @@ def test_mix_norm_node_in_bf16_is_as_accurate_as_autograd():
         assert err_new <= 1.25 * err_old + 1e-3, f"gradient {i}: node {err_new:.2e} vs checkpoint {err_old:.2e}"
 
 
+def _served_tiny_model(seed: int):
+    """A tiny model prepared for serving on the CPU (its mixes on neither CUDA kernel: the compiled stacked mix, then
+    the norm) with learned-looking queries, a batch of ids and its logits: (model, mixes, ids, logits)."""
+    from model.serving import prepare_for_serving
+
+    torch.manual_seed(seed)
+    model = HybridForCausalLM(tiny_config(num_hidden_layers=6, attn_res_block_size=2, routed_expert_hidden_size=32))
+    prepare_for_serving(model, 64)
+    mixes = [m for m in model.modules() if isinstance(m, AttnResMix)]
+    assert mixes and all(m.stacked_mix_norm_fn is None and m.sources_mix_norm_fn is None for m in mixes)
+    with torch.no_grad():
+        for m in mixes:
+            m.query.copy_(torch.randn_like(m.query))
+        ids = torch.randint(0, 128, (1, 29))
+        return model, mixes, ids, model(ids).logits
+
+
 def test_served_mixes_on_the_engine_kernel_give_the_model_logits(monkeypatch):
     """An engine's mixes (``prepare_for_serving``) with ``stacked_mix_norm_fn``, the one-kernel mix and norm that
     CUDA engines get (here the Triton kernel interpreted on the CPU), give the logits of the stacked mix and the
@@ -170,20 +187,11 @@ def test_served_mixes_on_the_engine_kernel_give_the_model_logits(monkeypatch):
     pytest.importorskip("triton")
     from kernels.testing import import_interpreted
     from model.fast import use_fast_paths
-    from model.serving import prepare_for_serving
 
     kernel = import_interpreted("kernels.attnres.triton")[0].mix_norm_rows
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    torch.manual_seed(0)
-    model = HybridForCausalLM(tiny_config(num_hidden_layers=6, attn_res_block_size=2, routed_expert_hidden_size=32))
-    prepare_for_serving(model, 64)
-    mixes = [m for m in model.modules() if isinstance(m, AttnResMix)]
-    assert mixes and all(m.stacked_mix_norm_fn is None for m in mixes)  # a CPU model: the compiled mix, the norm
+    model, mixes, ids, want = _served_tiny_model(seed=0)
     with torch.no_grad():
-        for m in mixes:
-            m.query.copy_(torch.randn_like(m.query))
-        ids = torch.randint(0, 128, (1, 29))
-        want = model(ids).logits
         calls = []
         for m in mixes:
             m.stacked_mix_norm_fn = lambda *a: calls.append(a[-1].shape[0]) or kernel(*a)
@@ -206,20 +214,11 @@ def test_served_mixes_read_their_sources_where_they_are(monkeypatch):
     pytest.importorskip("triton")
     from kernels.attnres import attn_res_mix_norm_sources_triton
     from kernels.testing import import_interpreted
-    from model.serving import prepare_for_serving
 
     interp = import_interpreted("kernels.attnres.triton")[0]
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    torch.manual_seed(1)
-    model = HybridForCausalLM(tiny_config(num_hidden_layers=6, attn_res_block_size=2, routed_expert_hidden_size=32))
-    prepare_for_serving(model, 64)
-    mixes = [m for m in model.modules() if isinstance(m, AttnResMix)]
-    assert mixes and all(m.sources_mix_norm_fn is None for m in mixes)  # a CPU model: the compiled mix, the norm
+    model, mixes, ids, want = _served_tiny_model(seed=1)
     with torch.no_grad():
-        for m in mixes:
-            m.query.copy_(torch.randn_like(m.query))
-        ids = torch.randint(0, 128, (1, 29))
-        want = model(ids).logits
         calls, stacked = [], []
         for m in mixes:
             m.sources_mix_norm_fn = lambda *a: calls.append(len(a) - 5) or attn_res_mix_norm_sources_triton(*a)
