@@ -8,7 +8,8 @@ replayed CUDA graph (10 calls a graph; a decode step runs its GEMMs in one), wit
 over that time. ``--sweep``: our kernel's launch (``SmallTiles``: tile rows, columns and k, warps, pipeline stages)
 over a grid at the decode sizes, each checked against CUTLASS, the fastest listed beside the default. ``--layout``:
 the route layout before the GEMMs, the engine's one-launch ``route_tensors_small`` against ``route_tensors`` compiled
-(what the engine's MoE block ran before it). CUDA only.
+(what the engine's MoE block ran before it), and the router's top-k, ``top_experts_small`` against the sort. CUDA
+only.
 
     python3 bench/grouped_mm_decode.py [--out DIR]           # DIR/grouped_mm_decode.json
     python3 bench/grouped_mm_decode.py --sweep --tokens 64   # DIR/grouped_mm_decode_sweep.json
@@ -29,7 +30,15 @@ import torch
 from moe_compile import time_graph_replays
 
 from kernels.moe import grouped_mm_alignment, route_layout, route_tensors
-from kernels.moe.triton import ROUTE_SMALL_MAX, SmallTiles, grouped_mm_small, route_tensors_small, small_tiles
+from kernels.moe.triton import (
+    ROUTE_SMALL_MAX,
+    SmallTiles,
+    grouped_mm_small,
+    route_tensors_small,
+    small_tiles,
+    top_experts_small,
+)
+from model.moe import top_experts
 
 EXPERTS, TOP_K, Z, I = 128, 8, 512, 256  # gpu_1b (configs/model/gpu_1b.yaml)
 
@@ -117,7 +126,13 @@ def layout(tokens: int) -> dict:
     small = lambda: route_tensors_small(experts, EXPERTS, align)
     equal = all(torch.equal(a, b) for a, b in zip(traced(), small(), strict=True))
     us_c, us_s = graph_us(traced), graph_us(small)
-    return dict(tokens=tokens, slots=tokens * TOP_K, equal=equal, compiled_us=us_c, small_us=us_s, speedup=us_c / us_s)
+    # the router's top-k before it: the sort the compiled block calls (``model.moe.top_experts``) and the kernel
+    scores = torch.rand(tokens, EXPERTS, device=dev)
+    sort, top = lambda: top_experts(scores, TOP_K), lambda: top_experts_small(scores, TOP_K)
+    top_equal = all(torch.equal(a, b) for a, b in zip(sort(), top(), strict=True))
+    us_sort, us_top = graph_us(sort), graph_us(top)
+    return dict(tokens=tokens, slots=tokens * TOP_K, equal=equal, compiled_us=us_c, small_us=us_s, speedup=us_c / us_s,
+                top_equal=top_equal, sort_us=us_sort, top_us=us_top, top_speedup=us_sort / us_top)  # fmt: skip
 
 
 def over_copies(copies: list[torch.Tensor], call):
@@ -153,7 +168,9 @@ def main() -> None:
             res.append(layout(t))
             r = res[-1]
             print(f"T={t} ({r['slots']} slots): equal {r['equal']}; us a call in a graph: compiled route_tensors "
-                  f"{r['compiled_us']:.1f}, one launch {r['small_us']:.1f}: {r['speedup']:.2f}x", flush=True)  # fmt: skip
+                  f"{r['compiled_us']:.1f}, one launch {r['small_us']:.1f}: {r['speedup']:.2f}x; top-{TOP_K} equal "
+                  f"{r['top_equal']}: sort {r['sort_us']:.1f}, one launch {r['top_us']:.1f}: {r['top_speedup']:.2f}x",
+                  flush=True)  # fmt: skip
         (args.out / "grouped_mm_decode_layout.json").write_text(json.dumps(dict(env=env, sizes=res), indent=1))
         return
     if args.sweep:

@@ -155,6 +155,8 @@ class MoEGate(nn.Module):
         self.uncounted_tokens = 0
         # ``model.compile.compile_regions`` swaps in the compiled one
         self.weights_fn: Callable = routing_weights
+        # the top-k selection (``top_experts``; a CUDA engine's ``kernels.moe.triton.top_experts_engine``)
+        self.top_fn: Callable = top_experts
         nn.init.normal_(self.weight, std=config.initializer_range)
 
     def _apply(self, fn, recurse=True):
@@ -202,7 +204,7 @@ class MoEGate(nn.Module):
         if self.num_groups > 1:
             biased_TE = self._limit_to_groups(biased_TE)
         needs_cutoff = collect and self.balancing_mode.startswith("quantile")  # alpha_i = (k+1)-th value
-        top_vals, top_idx = top_experts(biased_TE, self.top_k + 1 if needs_cutoff else self.top_k)
+        top_vals, top_idx = self.top_fn(biased_TE, self.top_k + 1 if needs_cutoff else self.top_k)
         experts_TK = top_idx[:, : self.top_k]
         if replay_TK is not None:  # a token whose row is -1 keeps its own top-k (routed freely)
             if not replay_checked:

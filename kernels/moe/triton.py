@@ -332,3 +332,62 @@ def _(experts_TK, num_experts, align, counting_max):
     S = experts_TK.numel()
     return (experts_TK.new_empty(S + num_experts * (align - 1), dtype=torch.long),
             experts_TK.new_empty(S, dtype=torch.long), experts_TK.new_empty(num_experts, dtype=torch.int32))  # fmt: skip
+
+
+# experts up to which ``top_experts_engine`` selects a decode step's top-k in one Triton launch (a row a program)
+TOP_SMALL_MAX_EXPERTS = 1024
+TOP_SMALL_MAX_ROWS = 1024
+
+
+@triton.jit
+def _top_small(x_ptr, vals_ptr, idx_ptr, E, sx, N: tl.constexpr, BE: tl.constexpr):
+    """Row ``program_id`` of ``top_experts``: the N largest scores and their experts in descending order, ties to
+    the lower expert, as a stable descending sort's first N: N rounds each taking the largest score not yet taken
+    (a -inf score included) at its lowest index."""
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BE)
+    x = tl.load(x_ptr + row * sx + e, mask=e < E, other=-float("inf")).to(tl.float32)
+    taken = e >= E
+    for i in tl.static_range(N):
+        m = tl.reduce(tl.where(taken, -float("inf"), x), 0, tl.standard._elementwise_max)
+        j = tl.reduce(tl.where(~taken & (x == m), e, BE), 0, tl.standard._elementwise_min)
+        tl.store(vals_ptr + row * N + i, m)
+        tl.store(idx_ptr + row * N + i, j.to(tl.int64))
+        taken = taken | (e == j)
+
+
+def top_experts_small(biased_TE: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model.moe.top_experts`` (the same values, experts and order) in one launch, a program a row, for up to
+    ``TOP_SMALL_MAX_ROWS`` rows of up to ``TOP_SMALL_MAX_EXPERTS`` fp32 scores: a decode step's, where the sort
+    took a single-block radix sort a MoE layer. No NaN scores (a sort would order them first)."""
+    T, E = biased_TE.shape
+    if biased_TE.dtype != torch.float32 or not 1 <= n <= E <= TOP_SMALL_MAX_EXPERTS or T > TOP_SMALL_MAX_ROWS:
+        raise ValueError(f"top_experts_small: fp32 scores [T <= {TOP_SMALL_MAX_ROWS}, E <= {TOP_SMALL_MAX_EXPERTS}] "
+                         f"and 1 <= n <= E, got {biased_TE.dtype} {tuple(biased_TE.shape)} and n = {n}")  # fmt: skip
+    vals = torch.empty(T, n, dtype=torch.float32, device=biased_TE.device)
+    idx = torch.empty(T, n, dtype=torch.long, device=biased_TE.device)
+    if T:
+        x = biased_TE if biased_TE.stride(-1) == 1 else biased_TE.contiguous()
+        _top_small[(T,)](x, vals, idx, E, x.stride(0), N=n, BE=triton.next_power_of_2(E), num_warps=4)
+    return vals, idx
+
+
+@torch.library.custom_op(op_name("top_experts_engine"), mutates_args=())
+def top_experts_engine(biased_TE: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model.moe.top_experts`` for the rollout engine's routers (``model.serving.prepare_for_serving`` on CUDA):
+    a decode step's rows on ``top_experts_small``, larger steps sorted as ``top_experts`` sorts. A custom op: the
+    rule on the row count is made when it runs, not a guard in the compiled MoE block."""
+    from model.moe import top_experts
+
+    T, E = biased_TE.shape
+    fits = biased_TE.is_cuda and biased_TE.dtype == torch.float32 and T <= TOP_SMALL_MAX_ROWS
+    if fits and n <= E <= TOP_SMALL_MAX_EXPERTS:
+        return top_experts_small(biased_TE, n)
+    vals, idx = top_experts(biased_TE, n)
+    return vals.contiguous(), idx.contiguous()
+
+
+@top_experts_engine.register_fake
+def _(biased_TE, n):
+    T = biased_TE.shape[0]
+    return biased_TE.new_empty(T, n), biased_TE.new_empty(T, n, dtype=torch.long)

@@ -383,3 +383,38 @@ def test_route_tensors_small_refuses_a_prefill_size_and_the_engine_op_takes_torc
     got = mod.route_tensors_engine(experts, 128, 8, 0)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     torch.library.opcheck(mod.route_tensors_engine, (experts[:4], 128, 8, 0))
+
+
+@pytest.mark.parametrize("T, E, n", [(64, 128, 8), (5, 20, 3), (3, 7, 7)])  # gpu_1b's decode; E not a power of 2
+def test_top_experts_small_equal_the_sort(monkeypatch, T, E, n):
+    """The engine's one-launch top-k under TRITON_INTERPRET=1: the values, experts and order of ``top_experts``
+    (a stable descending sort's first n), with ties (to the lower expert) and -inf scores (group-limited routers)
+    among them; a strided row read as it is."""
+    from model.moe import top_experts
+
+    mod = _interpreted_triton_module()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(T + E)
+    scores = torch.randn(T, E + 3)[:, :E]  # rows strided
+    scores[0, : E // 2] = 0.5  # half a row tied
+    scores[1 % T, 1::2] = -float("inf")  # every other expert masked out
+    scores[2 % T] = -float("inf")  # a whole row masked: the lowest experts, in order
+    want_v, want_i = top_experts(scores, n)
+    got_v, got_i = mod.top_experts_small(scores, n)
+    assert torch.equal(got_i, want_i) and torch.equal(got_v, want_v)
+
+
+def test_top_experts_small_refuses_what_it_does_not_take_and_the_engine_op_sorts_there(monkeypatch):
+    """bf16 scores, too many experts or n past E are a ValueError; the engine's op sorts them (as on CPU, always):
+    equal to ``top_experts``; its fake agrees under ``torch.library.opcheck``."""
+    from model.moe import top_experts
+
+    mod = _interpreted_triton_module()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    scores = torch.randn(4, 16)
+    for bad, n in ((scores.bfloat16(), 2), (torch.randn(2, mod.TOP_SMALL_MAX_EXPERTS + 1), 2), (scores, 17)):
+        with pytest.raises(ValueError, match="top_experts_small"):
+            mod.top_experts_small(bad, n)
+    got, want = mod.top_experts_engine(scores, 3), top_experts(scores, 3)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    torch.library.opcheck(mod.top_experts_engine, (scores, 3))

@@ -78,6 +78,9 @@ def _kernels():
           **{n: "i32" for n in ("S", "T", "k", "P", "align", "E")}, "BE": "constexpr", "BS": "constexpr",
           "BP": "constexpr"},
          {"BE": 128, "BS": 64, "BP": 1024}),
+        # the engine's decode top-k, a row a program
+        (moe._top_small, {"x_ptr": "*fp32", "vals_ptr": "*fp32", "idx_ptr": "*i64", "E": "i32", "sx": "i32",
+                          "N": "constexpr", "BE": "constexpr"}, {"N": 8, "BE": 128}),
         (moe._gmm_rows,
          {"x_ptr": "*fp32", "w_ptr": "*fp32", "y_ptr": "*fp32", "offs_ptr": "*i32", "tile_group_ptr": "*i32",
           "tile_row_ptr": "*i32", "N": "i32", "K": "i32", "G": "i32",
@@ -100,7 +103,7 @@ def _kernels():
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("index", range(10))
+@pytest.mark.parametrize("index", range(11))
 def test_kernel_compiles_for_sm90(index):
     fn, signature, constexprs = _kernels()[index]
     # keyword order is the kernel's own: the signature must name every parameter

@@ -148,28 +148,29 @@ def test_one_route_path_compiles_the_moe_block_once(monkeypatch):
     assert compiles(raise_limit=True) == 2  # the 160-token step sorts again
 
 
-def test_the_engines_layout_op_traces_in_a_compiled_moe_block_and_changes_nothing():
-    """``layout_decode_steps_in_one_launch`` (what the engine does on CUDA): a MoE block compiled whole calls the
-    layout op (a custom op: its slot-count rule is no guard, so one compile across step sizes) and computes the
-    same logits as the block with the traced layout, bit for bit (the same integers). On CPU the op lays out by
-    sort; its Triton path is held to ``route_tensors`` in tests/kernels/test_moe_grouped.py. bf16: the grouped
-    GEMM traces on the CPU only in bf16."""
+def test_the_engines_routing_ops_trace_in_a_compiled_moe_block_and_change_nothing():
+    """``route_decode_steps_in_single_launches`` (what the engine does on CUDA): a MoE block compiled whole calls the
+    top-k and layout ops (custom ops: their size rules are no guards, so one compile across step sizes) and computes
+    the same logits as the block with the traced sort and layout, bit for bit (the same experts and integers). On
+    CPU the ops sort; their Triton paths are held to ``top_experts`` and ``route_tensors`` in
+    tests/kernels/test_moe_grouped.py. bf16: the grouped GEMM traces on the CPU only in bf16."""
     import copy
 
     from model.compile import compile_regions
     from model.config import HybridConfig
     from model.modeling import HybridForCausalLM
-    from model.moe import GroupedExperts
-    from model.serving import layout_decode_steps_in_one_launch
+    from model.moe import GroupedExperts, MoEGate
+    from model.serving import route_decode_steps_in_single_launches
 
     config = HybridConfig.from_yaml(os.path.join(os.path.dirname(__file__), "../../configs/model/cpu_tiny.yaml"))
     torch.manual_seed(0)
     plain = HybridForCausalLM(config).eval().to(torch.bfloat16)
     engine = copy.deepcopy(plain)
-    layout_decode_steps_in_one_launch(engine)
-    from kernels.moe.triton import route_tensors_engine
+    route_decode_steps_in_single_launches(engine)
+    from kernels.moe.triton import route_tensors_engine, top_experts_engine
 
     assert all(m.route_fn is route_tensors_engine for m in engine.modules() if isinstance(m, GroupedExperts))
+    assert all(m.top_fn is top_experts_engine for m in engine.modules() if isinstance(m, MoEGate))
     steps = [torch.randint(0, config.vocab_size, (1, T)) for T in (160, 8)]  # a prefill-sized step, a decode one
     outs = {}
     for name, model in (("plain", plain), ("engine", engine)):
