@@ -4,8 +4,8 @@ function as it is and make a step cheaper.
 * ``fuse_feed_forward_inputs``: the projections that read the same input as one GEMM (``fuse_linears``);
 * ``counting_layout_over``: every grouped MoE ranks its route layout's slots one way for every step the
   engine can form, so a compiled MoE block compiles once;
-* ``route_decode_steps_in_single_launches``: on CUDA, a decode step's top-k and route layout as one Triton launch
-  each;
+* ``route_decode_steps_in_single_launches``: on CUDA, a decode step's top-k as one Triton launch (and, chosen by
+  ``LONGHORIZON_DECODE_ROUTE_LAYOUT``, its route layout);
 * ``inductor_compile_threads``: inductor's compile workers, which ``import vllm`` pins to one;
 * ``kda_state_shapes`` / ``kda_state_dtypes``: a KDA layer's (or a stack of layers') per-sequence states in an
   engine's slots;
@@ -126,8 +126,8 @@ def prepare_for_serving(model: nn.Module, max_step_tokens: int) -> None:
     (``attn_res_mix_stacked``: one compiled graph whatever the number of sources); on CUDA each mix and the
     sub-layer's norm after it are one Triton kernel reading the sources where they are
     (``kernels.attnres.attn_res_mix_norm_sources_triton``: 1 launch a mix where the compiled mix and the norm made
-    5, and the stacked kernel 2; no compile of the mix at the engine's start), and a decode step's top-k and route
-    layout are one launch each (``route_decode_steps_in_single_launches``)."""
+    5, and the stacked kernel 2; no compile of the mix at the engine's start), and a decode step's top-k is one
+    launch (``route_decode_steps_in_single_launches``)."""
     model.eval()
     model.requires_grad_(False)
     on_cuda = any(p.is_cuda for p in model.parameters())
@@ -147,17 +147,25 @@ def prepare_for_serving(model: nn.Module, max_step_tokens: int) -> None:
         route_decode_steps_in_single_launches(model)
 
 
+DECODE_ROUTE_LAYOUTS = ("compiled", "triton")
+
+
 def route_decode_steps_in_single_launches(model: nn.Module) -> None:
     """Every router of ``model`` selects its top-k with ``kernels.moe.triton.top_experts_engine`` (a decode step's
-    in one Triton launch, where the sort was a single-block radix sort a layer) and every grouped MoE lays out its
-    routes with ``kernels.moe.triton.route_tensors_engine`` (one launch, about six compiled kernels a MoE layer
-    before); larger steps sort. Inside a MoE block compiled whole (the engine's scope on CUDA) the block's graph
-    calls the ops; a scope that compiles the layout as a region of its own (``model.compile``'s "regions") swaps
-    that back to the compiled ``route_tensors``."""
+    in one Triton launch, where the sort was a single-block radix sort a layer; larger steps sort). With
+    ``LONGHORIZON_DECODE_ROUTE_LAYOUT=triton`` every grouped MoE also lays out its routes with
+    ``kernels.moe.triton.route_tensors_engine`` (one program, where the compiled layout is about six kernels a MoE
+    layer); the default, "compiled", keeps the compiled layout until the one-program kernel is timed on a GPU
+    (bench/grouped_mm_decode.py --layout). Inside a MoE block compiled whole (the engine's scope on CUDA) the block's
+    graph calls the ops; a scope that compiles the layout as a region of its own (``model.compile``'s "regions")
+    swaps that back to the compiled ``route_tensors``."""
     from kernels.moe.triton import route_tensors_engine, top_experts_engine
 
+    layout = os.environ.get("LONGHORIZON_DECODE_ROUTE_LAYOUT", "compiled")
+    if layout not in DECODE_ROUTE_LAYOUTS:
+        raise ValueError(f"LONGHORIZON_DECODE_ROUTE_LAYOUT must be one of {DECODE_ROUTE_LAYOUTS}, got {layout!r}")
     for m in model.modules():
-        if isinstance(m, GroupedExperts):
+        if isinstance(m, GroupedExperts) and layout == "triton":
             m.route_fn = route_tensors_engine
         elif isinstance(m, MoEGate):
             m.top_fn = top_experts_engine

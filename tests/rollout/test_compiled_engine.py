@@ -148,12 +148,14 @@ def test_one_route_path_compiles_the_moe_block_once(monkeypatch):
     assert compiles(raise_limit=True) == 2  # the 160-token step sorts again
 
 
-def test_the_engines_routing_ops_trace_in_a_compiled_moe_block_and_change_nothing():
+def test_the_engines_routing_ops_trace_in_a_compiled_moe_block_and_change_nothing(monkeypatch):
     """``route_decode_steps_in_single_launches`` (what the engine does on CUDA): a MoE block compiled whole calls the
     top-k and layout ops (custom ops: their size rules are no guards, so one compile across step sizes) and computes
     the same logits as the block with the traced sort and layout, bit for bit (the same experts and integers). On
     CPU the ops sort; their Triton paths are held to ``top_experts`` and ``route_tensors`` in
-    tests/kernels/test_moe_grouped.py. bf16: the grouped GEMM traces on the CPU only in bf16."""
+    tests/kernels/test_moe_grouped.py. The layout op as ``LONGHORIZON_DECODE_ROUTE_LAYOUT=triton`` picks it (the
+    default keeps the compiled layout; another value is a ValueError). bf16: the grouped GEMM traces on the CPU only
+    in bf16."""
     import copy
 
     from model.compile import compile_regions
@@ -166,8 +168,16 @@ def test_the_engines_routing_ops_trace_in_a_compiled_moe_block_and_change_nothin
     torch.manual_seed(0)
     plain = HybridForCausalLM(config).eval().to(torch.bfloat16)
     engine = copy.deepcopy(plain)
-    route_decode_steps_in_single_launches(engine)
     from kernels.moe.triton import route_tensors_engine, top_experts_engine
+
+    default = copy.deepcopy(plain)
+    route_decode_steps_in_single_launches(default)
+    assert not any(m.route_fn is route_tensors_engine for m in default.modules() if isinstance(m, GroupedExperts))
+    monkeypatch.setenv("LONGHORIZON_DECODE_ROUTE_LAYOUT", "sorted")
+    with pytest.raises(ValueError, match="LONGHORIZON_DECODE_ROUTE_LAYOUT"):
+        route_decode_steps_in_single_launches(default)
+    monkeypatch.setenv("LONGHORIZON_DECODE_ROUTE_LAYOUT", "triton")
+    route_decode_steps_in_single_launches(engine)
 
     assert all(m.route_fn is route_tensors_engine for m in engine.modules() if isinstance(m, GroupedExperts))
     assert all(m.top_fn is top_experts_engine for m in engine.modules() if isinstance(m, MoEGate))
