@@ -210,13 +210,9 @@ class AttnResMix(nn.Module):
         # inference: ``attn_res_mix_stacked`` over the sources stacked first (``model.serving.prepare_for_serving``
         # sets it; compiled likewise), None: ``mix_fn``
         self.stacked_mix_fn: Callable | None = None
-        # inference on CUDA: the mix and the sub-layer's norm as one kernel over the stacked sources
-        # (``kernels.attnres.attn_res_mix_norm_triton``, same arguments as ``attn_res_mix_norm`` but the sources
-        # stacked; set by ``prepare_for_serving``), None: the mix, then the norm
-        self.stacked_mix_norm_fn: Callable | None = None
-        # inference on CUDA, taken before the stacked one: the same over the sources where they are, no stacked copy
-        # (``kernels.attnres.attn_res_mix_norm_sources_triton``, the sources as separate arguments; set by
-        # ``prepare_for_serving``)
+        # inference on CUDA: the mix and the sub-layer's norm as one kernel over the sources where they are
+        # (``kernels.attnres.attn_res_mix_norm_sources_triton``, the arguments of ``attn_res_mix_norm``; set by
+        # ``prepare_for_serving``), None: the mix, then the norm
         self.sources_mix_norm_fn: Callable | None = None
         self.mix_norm_fn: Callable = attn_res_mix_norm  # compiled likewise
         self.mix_norm_grads_fn: Callable = attn_res_mix_norm_grads  # compiled likewise
@@ -261,15 +257,12 @@ class AttnResMix(nn.Module):
         """``norm(self(sources))``: the input of the sub-layer that ``norm`` belongs to. With ``model.fast`` op
         "attn_res" = fused (the default) and the sources unstacked (the learner), one node (``attn_res_mix_norm``
         forward, its closed-form gradient backward; the norm goes with the mix whatever op "norm" says); an
-        engine's (``sources_mix_norm_fn``, else ``stacked_mix_norm_fn``) as one kernel unless op "attn_res"
-        names the reference; else the two modules one after the other."""
+        engine's (``sources_mix_norm_fn``) as one kernel unless op "attn_res" names the reference; else the two
+        modules one after the other."""
         op = fast.pick("attn_res", sources[0].device)
-        if len(sources) > 1 and op != "torch":
+        if self.sources_mix_norm_fn is not None and len(sources) > 1 and op != "torch":
             weights = (self.query, self.norm.weight, self.norm.eps, norm.weight, norm.eps)
-            if self.sources_mix_norm_fn is not None:
-                return self.sources_mix_norm_fn(*weights, *sources)
-            if self.stacked_mix_norm_fn is not None:
-                return self.stacked_mix_norm_fn(*weights, torch.stack(sources))
+            return self.sources_mix_norm_fn(*weights, *sources)
         if op in ("fused", *TRITON_BACKWARDS) and self.stacked_mix_fn is None:
             return self(sources, norm, shared)  # one source: ``forward`` norms it
         return norm(self(sources))

@@ -9,9 +9,9 @@ function as it is and make a step cheaper.
 * ``inductor_compile_threads``: inductor's compile workers, which ``import vllm`` pins to one;
 * ``kda_state_shapes`` / ``kda_state_dtypes``: a KDA layer's (or a stack of layers') per-sequence states in an
   engine's slots;
-* ``prepare_for_serving``: the first three, the AttnRes mixes over stacked sources, and eval mode without gradients, what the vLLM model
-  (``rollout.vllm_model``) and bench/moe_compile.py do to the learner's modules (the vLLM model sets the
-  compile workers when it compiles).
+* ``prepare_for_serving``: the first three, the AttnRes mixes over stacked sources (on CUDA one kernel over the
+  sources where they are), and eval mode without gradients, what the vLLM model (``rollout.vllm_model``) and
+  bench/moe_compile.py do to the learner's modules (the vLLM model sets the compile workers when it compiles).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 import torch
 from torch import nn
 
-from kernels.attnres import attn_res_mix_norm_sources_triton, attn_res_mix_norm_triton
+from kernels.attnres import attn_res_mix_norm_sources_triton
 from model.attnres import AttnResMix, attn_res_mix_stacked
 from model.layers import GLUMLP
 from model.moe import GroupedExperts, MoEGate, SparseMoE
@@ -126,7 +126,7 @@ def prepare_for_serving(model: nn.Module, max_step_tokens: int) -> None:
     (``attn_res_mix_stacked``: one compiled graph whatever the number of sources); on CUDA each mix and the
     sub-layer's norm after it are one Triton kernel reading the sources where they are
     (``kernels.attnres.attn_res_mix_norm_sources_triton``: 1 launch a mix where the compiled mix and the norm made
-    5, and the stacked kernel 2; no compile of the mix at the engine's start), and a decode step's top-k is one
+    5, and the stacked sources' kernel 2; no compile of the mix at the engine's start), and a decode step's top-k is one
     launch (``route_decode_steps_in_single_launches``)."""
     model.eval()
     model.requires_grad_(False)
@@ -134,7 +134,6 @@ def prepare_for_serving(model: nn.Module, max_step_tokens: int) -> None:
     for m in model.modules():
         if isinstance(m, AttnResMix):  # sources stacked before the mix: one compiled graph for every count
             m.stacked_mix_fn = attn_res_mix_stacked
-            m.stacked_mix_norm_fn = attn_res_mix_norm_triton if on_cuda else None
             m.sources_mix_norm_fn = attn_res_mix_norm_sources_triton if on_cuda else None
     shared = {id(m.shared_experts) for m in model.modules() if isinstance(m, SparseMoE)}
     for m in list(model.modules()):

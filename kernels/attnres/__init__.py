@@ -10,9 +10,9 @@ One program per token row reads the row of every source once: the keys' RMS norm
 the query, an online softmax over the sources, the weighted sum in fp32 rounded to the sources' dtype (as the
 reference rounds the mix), then the sub-layer's RMSNorm. No backward: the engine's mixes only, where the
 compiled stacked mix and the norm after it were four to five kernels a mix and a compile of their own at the
-engine's start. ``model.serving.prepare_for_serving`` picks the sources' form on CUDA: the stacking was one more
-copy kernel a mix (31 a gpu_1b decode step), and the engine's mixes then run the learner's own kernel. The reference stays in
-``model.attnres``; tests/kernels/test_attnres_mix_norm.py holds the kernel to it under TRITON_INTERPRET=1.
+engine's start. ``model.serving.prepare_for_serving`` picks the sources' form on CUDA: stacking was one more copy
+kernel a mix (31 a gpu_1b decode step), and the engine's mixes run the learner's own kernel. The reference stays
+in ``model.attnres``; tests/kernels/test_attnres_mix_norm.py holds the kernel to it under TRITON_INTERPRET=1.
 Import-light: the Triton module loads on first use.
 """
 
@@ -34,8 +34,8 @@ def attn_res_mix_norm_sources_triton(
     query: torch.Tensor, key_weight: torch.Tensor, eps: float, out_weight: torch.Tensor, out_eps: float,
     *sources: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
-    from kernels.attnres.triton import MAX_SOURCES, mix_norm_forward, mix_norm_rows
+    from kernels.attnres.triton import MAX_SOURCES, mix_norm_forward
 
     if len(sources) <= MAX_SOURCES:
         return mix_norm_forward(query, key_weight, eps, out_weight, out_eps, *sources)
-    return mix_norm_rows(query, key_weight, eps, out_weight, out_eps, torch.stack(sources))
+    return attn_res_mix_norm_triton(query, key_weight, eps, out_weight, out_eps, torch.stack(sources))

@@ -58,4 +58,5 @@ def conv_state_steps_(xs_NC, states_PCW, slots_N, ws_CK, silu: bool) -> tuple[to
         from kernels.conv.triton import conv_state_steps_triton_
 
         return conv_state_steps_triton_(xs_NC, states_PCW, slots_N, ws_CK, silu)
-    return tuple(conv_state_step_naive_(x, st, slots_N, w, silu) for x, st, w in zip(xs_NC, states_PCW, ws_CK, strict=True))
+    parts = zip(xs_NC, states_PCW, ws_CK, strict=True)
+    return tuple(conv_state_step_naive_(x, st, slots_N, w, silu) for x, st, w in parts)

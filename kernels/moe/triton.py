@@ -330,8 +330,8 @@ def route_tensors_engine(
 @route_tensors_engine.register_fake
 def _(experts_TK, num_experts, align, counting_max):
     S = experts_TK.numel()
-    return (experts_TK.new_empty(S + num_experts * (align - 1), dtype=torch.long),
-            experts_TK.new_empty(S, dtype=torch.long), experts_TK.new_empty(num_experts, dtype=torch.int32))  # fmt: skip
+    rows = experts_TK.new_empty(S + num_experts * (align - 1), dtype=torch.long)
+    return rows, experts_TK.new_empty(S, dtype=torch.long), experts_TK.new_empty(num_experts, dtype=torch.int32)
 
 
 # experts up to which ``top_experts_engine`` selects a decode step's top-k in one Triton launch (a row a program)

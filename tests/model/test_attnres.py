@@ -162,15 +162,15 @@ def test_mix_norm_node_in_bf16_is_as_accurate_as_autograd():
 
 
 def _served_tiny_model(seed: int):
-    """A tiny model prepared for serving on the CPU (its mixes on neither CUDA kernel: the compiled stacked mix, then
-    the norm) with learned-looking queries, a batch of ids and its logits: (model, mixes, ids, logits)."""
+    """A tiny model prepared for serving on the CPU (its mixes on no CUDA kernel: the compiled stacked mix, then the
+    norm) with learned-looking queries, a batch of ids and its logits: (model, mixes, ids, logits)."""
     from model.serving import prepare_for_serving
 
     torch.manual_seed(seed)
     model = HybridForCausalLM(tiny_config(num_hidden_layers=6, attn_res_block_size=2, routed_expert_hidden_size=32))
     prepare_for_serving(model, 64)
     mixes = [m for m in model.modules() if isinstance(m, AttnResMix)]
-    assert mixes and all(m.stacked_mix_norm_fn is None and m.sources_mix_norm_fn is None for m in mixes)
+    assert mixes and all(m.sources_mix_norm_fn is None for m in mixes)
     with torch.no_grad():
         for m in mixes:
             m.query.copy_(torch.randn_like(m.query))
@@ -179,9 +179,9 @@ def _served_tiny_model(seed: int):
 
 
 def test_served_mixes_on_the_engine_kernel_give_the_model_logits(monkeypatch):
-    """An engine's mixes (``prepare_for_serving``) with ``stacked_mix_norm_fn``, the one-kernel mix and norm that
-    CUDA engines get (here the Triton kernel interpreted on the CPU), give the logits of the stacked mix and the
-    norm one after the other (fp32, learned queries); ``model.fast``'s reference choice turns the kernel off."""
+    """An engine's mixes (``prepare_for_serving``) with ``sources_mix_norm_fn`` on the stacked sources' one-kernel mix
+    and norm (here the Triton kernel interpreted on the CPU) give the logits of the stacked mix and the norm one
+    after the other (fp32, learned queries); ``model.fast``'s reference choice turns the kernel off."""
     import pytest
 
     pytest.importorskip("triton")
@@ -194,7 +194,7 @@ def test_served_mixes_on_the_engine_kernel_give_the_model_logits(monkeypatch):
     with torch.no_grad():
         calls = []
         for m in mixes:
-            m.stacked_mix_norm_fn = lambda *a: calls.append(a[-1].shape[0]) or kernel(*a)
+            m.sources_mix_norm_fn = lambda *a: calls.append(len(a) - 5) or kernel(*a[:5], torch.stack(a[5:]))
         got = model(ids).logits
         assert len(calls) >= len(mixes) and max(calls) >= 3  # every mix of 2+ sources took the kernel
         calls.clear()
@@ -205,10 +205,9 @@ def test_served_mixes_on_the_engine_kernel_give_the_model_logits(monkeypatch):
 
 
 def test_served_mixes_read_their_sources_where_they_are(monkeypatch):
-    """An engine's mixes with ``sources_mix_norm_fn`` (what CUDA engines take first: the learner's forward kernel
-    over the unstacked sources, here interpreted on the CPU) give the logits of the stacked mix and the norm one
-    after the other (fp32), taken before the stacked kernel; past ``MAX_SOURCES`` sources the function stacks them
-    for the stacked kernel, equal to the same."""
+    """An engine's mixes with ``sources_mix_norm_fn`` as CUDA engines get it (the learner's forward kernel over the
+    unstacked sources, here interpreted on the CPU) give the logits of the stacked mix and the norm one after the
+    other (fp32); past ``MAX_SOURCES`` sources the function stacks them for the stacked kernel, equal to it."""
     import pytest
 
     pytest.importorskip("triton")
@@ -219,12 +218,11 @@ def test_served_mixes_read_their_sources_where_they_are(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     model, mixes, ids, want = _served_tiny_model(seed=1)
     with torch.no_grad():
-        calls, stacked = [], []
+        calls = []
         for m in mixes:
             m.sources_mix_norm_fn = lambda *a: calls.append(len(a) - 5) or attn_res_mix_norm_sources_triton(*a)
-            m.stacked_mix_norm_fn = lambda *a: stacked.append(1) or interp.mix_norm_rows(*a)
         got = model(ids).logits
-    assert len(calls) >= len(mixes) and max(calls) >= 3 and not stacked  # every mix of 2+ sources, unstacked
+    assert len(calls) >= len(mixes) and max(calls) >= 3  # every mix of 2+ sources, unstacked
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     weights = (torch.randn(16), torch.rand(16) + 0.5, 1e-5, torch.rand(16) + 0.5, 1e-5)
     many = [torch.randn(5, 16) for _ in range(interp.MAX_SOURCES + 1)]
