@@ -356,12 +356,19 @@ def _top_small(x_ptr, vals_ptr, idx_ptr, E, sx, N: tl.constexpr, BE: tl.constexp
         taken = taken | (e == j)
 
 
+def top_small_takes(biased_TE: torch.Tensor, n: int) -> bool:
+    """Whether ``top_experts_small`` takes these scores: fp32 [T <= TOP_SMALL_MAX_ROWS, E <= TOP_SMALL_MAX_EXPERTS],
+    1 <= n <= E."""
+    T, E = biased_TE.shape
+    return biased_TE.dtype == torch.float32 and 1 <= n <= E <= TOP_SMALL_MAX_EXPERTS and T <= TOP_SMALL_MAX_ROWS
+
+
 def top_experts_small(biased_TE: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``model.moe.top_experts`` (the same values, experts and order) in one launch, a program a row, for up to
     ``TOP_SMALL_MAX_ROWS`` rows of up to ``TOP_SMALL_MAX_EXPERTS`` fp32 scores: a decode step's, where the sort
     took a single-block radix sort a MoE layer. No NaN scores (a sort would order them first)."""
     T, E = biased_TE.shape
-    if biased_TE.dtype != torch.float32 or not 1 <= n <= E <= TOP_SMALL_MAX_EXPERTS or T > TOP_SMALL_MAX_ROWS:
+    if not top_small_takes(biased_TE, n):
         raise ValueError(f"top_experts_small: fp32 scores [T <= {TOP_SMALL_MAX_ROWS}, E <= {TOP_SMALL_MAX_EXPERTS}] "
                          f"and 1 <= n <= E, got {biased_TE.dtype} {tuple(biased_TE.shape)} and n = {n}")  # fmt: skip
     vals = torch.empty(T, n, dtype=torch.float32, device=biased_TE.device)
@@ -379,9 +386,7 @@ def top_experts_engine(biased_TE: torch.Tensor, n: int) -> tuple[torch.Tensor, t
     rule on the row count is made when it runs, not a guard in the compiled MoE block."""
     from model.moe import top_experts
 
-    T, E = biased_TE.shape
-    fits = biased_TE.is_cuda and biased_TE.dtype == torch.float32 and T <= TOP_SMALL_MAX_ROWS
-    if fits and n <= E <= TOP_SMALL_MAX_EXPERTS:
+    if biased_TE.is_cuda and top_small_takes(biased_TE, n):
         return top_experts_small(biased_TE, n)
     vals, idx = top_experts(biased_TE, n)
     return vals.contiguous(), idx.contiguous()
