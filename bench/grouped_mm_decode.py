@@ -56,12 +56,16 @@ SWEEP_WARPS_STAGES = [(4, 2), (4, 3), (4, 4), (8, 3)]
 L2_BYTES = 60 << 20  # more than an H100's or H200's L2 (50 MB)
 
 
+def random_routes(tokens: int, dev: torch.device) -> torch.Tensor:
+    """[tokens, TOP_K] distinct random experts a token."""
+    return torch.stack([torch.randperm(EXPERTS, device=dev)[:TOP_K] for _ in range(tokens)])
+
+
 def problem(tokens: int, n: int, k: int):
     """gpu_1b's expert product at a decode batch: rows laid out from random top-8 routes, bf16 weights, and
     torch's CUTLASS product of them (the reference)."""
     dev = torch.device("cuda")
-    experts = torch.stack([torch.randperm(EXPERTS, device=dev)[:TOP_K] for _ in range(tokens)])
-    lay = route_layout(experts, EXPERTS, grouped_mm_alignment(dev, torch.bfloat16))
+    lay = route_layout(random_routes(tokens, dev), EXPERTS, grouped_mm_alignment(dev, torch.bfloat16))
     x = torch.randn(lay.rows, k, device=dev, dtype=torch.bfloat16)
     w = torch.randn(EXPERTS, n, k, device=dev, dtype=torch.bfloat16) * k**-0.5
     return lay, x, w, lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=lay.offs_E)
@@ -119,7 +123,7 @@ def layout(tokens: int) -> dict:
     """The route layout of ``tokens`` random top-8 routes: the one-launch kernel against the compiled
     ``route_tensors`` (counting ranks, as the engine's compiled block traced it), equal integers, us a call."""
     dev = torch.device("cuda")
-    experts = torch.stack([torch.randperm(EXPERTS, device=dev)[:TOP_K] for _ in range(tokens)])
+    experts = random_routes(tokens, dev)
     align = grouped_mm_alignment(dev, torch.bfloat16)
     compiled = torch.compile(route_tensors, dynamic=False)
     traced = lambda: compiled(experts, EXPERTS, align, 1 << 25)
