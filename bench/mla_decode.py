@@ -7,23 +7,28 @@ vLLM 0.26's Triton backend lays them out, pages in a shuffled order. Three ways,
 * ``vllm``: vLLM's ``unified_attention`` as vLLM calls it (V read from the V pages);
 * ``vllm_v_from_k``: the same kernel handed the K pages as V (what the engine runs off decode steps:
   ``rollout.vllm_layers.read_values_from_keys``, on unless ``LONGHORIZON_MLA_VALUES_FROM_KEYS=0``);
-* ``ours``: ``kernels.mla.latent_decode_triton`` (what it runs for decode-only steps).
+* ``ours``: ``kernels.mla.latent_decode_triton`` (what it runs for decode-only steps), at each launch of
+  ``--launches`` (tile x warps, optionally x pipeline stages x splits a sequence; the first is the default).
 
 Per batch (sequences x context): the largest error of each against the fp32 reference
 (``kernels.mla.latent_decode_naive``) on the output's first 256 columns, and each kernel's microseconds a call
 inside a replayed CUDA graph (vLLM's engine replays decode steps as graphs), with the cache bytes a call must read
-(the K half of each token's row: 640 bytes) over that time. CUDA and vLLM only.
+(the K half of each token's row: 640 bytes) over that time. CUDA only; without vLLM (``--no-vllm``, or vLLM not
+importable) our launches only, the first the baseline.
 
     python3 bench/mla_decode.py [--out DIR]   # DIR/mla_decode.json
+    python3 bench/mla_decode.py --no-vllm --launches 32x4,32x4x2,32x4x4,32x4x3x8,32x4x3x32
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import os
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -31,7 +36,7 @@ import triton
 from grouped_mm_decode import graph_us
 
 from kernels.mla import latent_decode_naive, latent_decode_triton
-from kernels.mla.triton import TILE, WARPS
+from kernels.mla.triton import SPLITS, TILE, WARPS
 
 H, RANK, ROPE, D = 8, 256, 64, 320  # gpu_1b (configs/model/gpu_1b.yaml), rollout.vllm_plugin.latent_head_size
 
@@ -78,20 +83,41 @@ def vllm_call(b: dict, out: torch.Tensor, v_from_k: bool):
     )  # fmt: skip
 
 
-def one_batch(seqs: int, context: int, block: int, launches: list[tuple[int, int]]) -> dict:
+@dataclass(frozen=True)
+class Launch:
+    """A launch of our kernel (``latent_decode_triton``'s keywords); spelled TILExWARPS[xSTAGES[xSPLITS]]."""
+
+    tile: int = TILE
+    warps: int = WARPS
+    stages: int | None = None
+    splits: int = SPLITS
+
+    @classmethod
+    def parse(cls, spec: str) -> Launch:
+        parts = [int(x) for x in spec.split("x")]
+        if not 2 <= len(parts) <= 4:
+            raise ValueError(f"a launch is TILExWARPS[xSTAGES[xSPLITS]], got {spec!r}")
+        return cls(*parts)
+
+    @property
+    def name(self) -> str:
+        stages = "" if self.stages is None else f"s{self.stages}"
+        splits = "" if self.splits == SPLITS else f"p{self.splits}"
+        return f"ours_t{self.tile}w{self.warps}{stages}{splits}"
+
+
+def one_batch(seqs: int, context: int, block: int, launches: list[Launch], with_vllm: bool = True) -> dict:
     dev = torch.device("cuda")
     b = paged_batch(seqs, context, block, dev)
     ref = torch.zeros(seqs, H, D, device=dev)
     latent_decode_naive(b["q"].float(), b["k"].float(), ref, b["starts"], b["used"], b["table"], D**-0.5, RANK, ROPE)
-    names = ["vllm", "vllm_v_from_k", *(f"ours_t{t}w{w}" for t, w in launches)]
+    names = [*(("vllm", "vllm_v_from_k") if with_vllm else ()), *(launch.name for launch in launches)]
     outs = {name: torch.zeros(seqs, H, D, device=dev, dtype=torch.bfloat16) for name in names}
-    calls = {"vllm": vllm_call(b, outs["vllm"], v_from_k=False),
-             "vllm_v_from_k": vllm_call(b, outs["vllm_v_from_k"], v_from_k=True)}  # fmt: skip
-    for t, w in launches:
-        out = outs[f"ours_t{t}w{w}"]
-        calls[f"ours_t{t}w{w}"] = functools.partial(
-            latent_decode_triton, b["q"], b["k"], out, b["starts"], b["used"], b["table"], D**-0.5, RANK, ROPE,
-            tile=t, warps=w,
+    calls = {name: vllm_call(b, outs[name], v_from_k=name == "vllm_v_from_k") for name in names[: 2 * with_vllm]}
+    for launch in launches:
+        calls[launch.name] = functools.partial(
+            latent_decode_triton, b["q"], b["k"], outs[launch.name], b["starts"], b["used"], b["table"], D**-0.5,
+            RANK, ROPE, **asdict(launch),
         )  # fmt: skip
     row = dict(seqs=seqs, context=context, block=block, tokens=int(b["used"].sum()))
     gb = row["tokens"] * (RANK + ROPE) * 2 / 1e9
@@ -101,10 +127,20 @@ def one_batch(seqs: int, context: int, block: int, launches: list[tuple[int, int
         row[f"{name}_max_err"] = (outs[name][..., :RANK].float() - ref[..., :RANK]).abs().max().item()
         us = graph_us(fn)
         row[f"{name}_us"], row[f"{name}_tb_s"] = us, gb / us * 1e3
-    row["ours"] = f"ours_t{launches[0][0]}w{launches[0][1]}"  # the default launch shape comes first
-    row["ours_vs_vllm"] = row["vllm_us"] / row[f"{row['ours']}_us"]
+    row["ours"] = launches[0].name  # the default launch shape comes first
+    if with_vllm:
+        row["ours_vs_vllm"] = row["vllm_us"] / row[f"{row['ours']}_us"]
     row["best"] = min(calls, key=lambda name: row[f"{name}_us"])
     return row
+
+
+def summary(r: dict, block: int) -> str:
+    ours = r["ours"]
+    times = ", ".join(f"{key[:-3]} {value:.1f}" for key, value in r.items() if key.endswith("_us"))
+    errs = ", ".join(f"{key[:-8]} {value:.2e}" for key, value in r.items() if key.endswith("_max_err"))
+    vs = f" -> {r['ours_vs_vllm']:.2f}x vllm" if "ours_vs_vllm" in r else ""
+    return (f"{r['seqs']} x {r['context']} (block {block}): {ours} {r[ours + '_us']:.1f} us "
+            f"({r[ours + '_tb_s']:.2f} TB/s){vs}; best {r['best']}; us: {times}; max err: {errs}")  # fmt: skip
 
 
 def main() -> None:
@@ -114,22 +150,22 @@ def main() -> None:
                    help="sequences x mean context, comma-separated")  # fmt: skip
     p.add_argument("--block", type=int, default=16, help="tokens a page (the engine's attention block size)")
     p.add_argument("--launches", default=f"{TILE}x{WARPS},16x4,64x4,64x8,32x8",
-                   help="our kernel's tile x warps to time, comma-separated (the first is the one compared)")  # fmt: skip
+                   help="our kernel's launches to time, TILExWARPS[xSTAGES[xSPLITS]] comma-separated (the first is "
+                        "the one compared)")  # fmt: skip
+    p.add_argument("--no-vllm", action="store_true", help="time our launches only (also when vLLM is missing)")
     args = p.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("mla_decode: needs a CUDA GPU and vLLM (its Triton attention kernel is the baseline)")
+        raise SystemExit("mla_decode: needs a CUDA GPU (and vLLM for its Triton attention kernel as the baseline)")
+    with_vllm = not args.no_vllm and importlib.util.find_spec("vllm") is not None
+    if not with_vllm:
+        print("mla_decode: without vLLM's kernel (--no-vllm or vLLM not installed): our launches only", flush=True)
     torch.manual_seed(0)
-    launches = [tuple(int(x) for x in spec.split("x")) for spec in args.launches.split(",")]
+    launches = [Launch.parse(spec) for spec in args.launches.split(",")]
     rows = []
     for spec in args.batches.split(","):
         seqs, context = (int(x) for x in spec.split("x"))
-        rows.append(one_batch(seqs, context, args.block, launches))
-        r = rows[-1]
-        ours = r["ours"]
-        times = ", ".join(f"{key[:-3]} {value:.1f}" for key, value in r.items() if key.endswith("_us"))
-        print(f"{seqs} x {context} (block {args.block}): {ours} {r[ours + '_us']:.1f} us ({r[ours + '_tb_s']:.2f} TB/s)"
-              f" -> {r['ours_vs_vllm']:.2f}x vllm; best {r['best']}; us: {times}; max err vllm "
-              f"{r['vllm_max_err']:.2e}, {ours} {r[ours + '_max_err']:.2e}", flush=True)  # fmt: skip
+        rows.append(one_batch(seqs, context, args.block, launches, with_vllm))
+        print(summary(rows[-1], args.block), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     (args.out / "mla_decode.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

@@ -14,8 +14,8 @@ Why not vLLM's Triton kernel: it pads the head to a power of two (320 -> 512 col
 256 + 64), multiplies the padding, and streams the V pages beside the K pages. Here the columns are
 split at ``rank`` and only the K pages are read: 640 bytes a token and layer in bf16 at gpu_1b.
 
-Split count fixed per call (``SPLITS``), each split's length derived in the kernel from ``seqused_k``, so a
-captured CUDA graph replays for any context lengths. fp32 inputs multiply in IEEE fp32, half inputs
+Split count fixed per call (``SPLITS`` by default), each split's length derived in the kernel from ``seqused_k``,
+so a captured CUDA graph replays for any context lengths. fp32 inputs multiply in IEEE fp32, half inputs
 on the tensor cores with fp32 accumulation.
 """
 
@@ -109,12 +109,13 @@ def _pow2(n: int, least: int = 16) -> int:
 def latent_decode_triton(
     q_THD: torch.Tensor, k_cache_BNKD: torch.Tensor, out_THD: torch.Tensor, cu_seqlens_q: torch.Tensor,
     seqused_k: torch.Tensor, block_table: torch.Tensor, scale: float, rank: int, rope: int, tile: int = TILE,
-    warps: int = WARPS,
+    warps: int = WARPS, stages: int | None = None, splits: int = SPLITS,
 ) -> torch.Tensor:  # fmt: skip
     """``latent_decode_naive`` in two launches, nothing read back to the host (safe in a captured CUDA graph).
     q, out: [T, H, D] with a contiguous last dim; the cache [blocks, block size, 1, D'] with any row strides
     (vLLM's K half of an interleaved K|V page); at most one query token a sequence. ``tile`` (tokens a step of the
-    split's loop) and ``warps`` are the split kernel's launch shape (``bench/mla_decode.py`` sweeps them)."""
+    split's loop), ``warps``, ``stages`` (software pipelining; None: Triton's default) and ``splits`` (programs a
+    sequence, a power of two) are the launch shape (``bench/mla_decode.py`` sweeps them)."""
     H, D = q_THD.shape[1:]
     S = seqused_k.shape[0]
     if k_cache_BNKD.ndim != 4 or k_cache_BNKD.shape[2] != 1 or rank + rope > min(D, k_cache_BNKD.shape[3]):
@@ -125,21 +126,24 @@ def latent_decode_triton(
     if tuple(cu_seqlens_q.shape) != (S + 1,) or block_table.shape[0] < S:
         raise ValueError(f"latent decode: {S} sequences, cu_seqlens_q {tuple(cu_seqlens_q.shape)}, "
                          f"block table {tuple(block_table.shape)}")  # fmt: skip
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"latent decode: splits must be a power of two, got {splits}")
     if S == 0:
         return out_THD
     RP = _pow2(rank)
-    acc = torch.empty(S, SPLITS, H, RP, device=q_THD.device, dtype=torch.float32)
-    m = torch.empty(S, SPLITS, H, device=q_THD.device, dtype=torch.float32)
+    acc = torch.empty(S, splits, H, RP, device=q_THD.device, dtype=torch.float32)
+    m = torch.empty(S, splits, H, device=q_THD.device, dtype=torch.float32)
     l_ = torch.empty_like(m)
     prec = "ieee" if q_THD.dtype == torch.float32 else "tf32"  # tf32 is ignored for half inputs
-    _latent_split[(S, SPLITS)](
+    pipelining = {} if stages is None else {"num_stages": stages}
+    _latent_split[(S, splits)](
         q_THD, k_cache_BNKD, cu_seqlens_q, seqused_k, block_table, acc, m, l_, H, q_THD.stride(0),
         q_THD.stride(1), k_cache_BNKD.stride(0), k_cache_BNKD.stride(1), block_table.stride(0), scale * LOG2E,
         RANK=rank, ROPE=rope, RP=RP, EP=_pow2(rope), HP=_pow2(H), BLOCK=k_cache_BNKD.shape[1], TILE=tile,
-        SPLITS=SPLITS, PREC=prec, num_warps=warps,
+        SPLITS=splits, PREC=prec, num_warps=warps, **pipelining,
     )  # fmt: skip
     _latent_combine[(S, H)](
         acc, m, l_, cu_seqlens_q, seqused_k, out_THD, H, D, out_THD.stride(0), out_THD.stride(1), RANK=rank,
-        RP=RP, ZP=_pow2(max(D - rank, 1), 1), SPLITS=SPLITS,
+        RP=RP, ZP=_pow2(max(D - rank, 1), 1), SPLITS=splits,
     )  # fmt: skip
     return out_THD

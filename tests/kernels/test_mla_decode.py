@@ -74,6 +74,18 @@ def test_triton_matches_reference_fp32(H, rank, rope, D):
     assert torch.equal(got[:, :, rank:], torch.zeros_like(got[:, :, rank:]))
 
 
+@pytest.mark.parametrize("splits, stages", [(1, None), (4, 2), (32, 4)])
+def test_every_launch_shape_computes_the_same(splits, stages):
+    """The launch knobs bench/mla_decode.py sweeps (splits a sequence, pipeline stages): one split takes a whole
+    300-token context, 32 splits leave most of them empty."""
+    H, rank, rope, D = 8, 32, 16, 48
+    q, k_cache, out, starts, used, table = paged_case(H, rank, rope, D)
+    want = latent_decode_naive(q, k_cache, out.clone(), starts, used, table, 0.25, rank, rope)
+    got = MLA.latent_decode_triton(q, k_cache, out, starts, used, table, 0.25, rank, rope, splits=splits,
+                                   stages=stages)  # fmt: skip
+    assert_close("out", want, got, 1e-6)
+
+
 def test_triton_matches_reference_bf16():
     H, rank, rope, D = 8, 32, 16, 48
     q, k_cache, out, starts, used, table = paged_case(H, rank, rope, D, torch.bfloat16, seed=1)
@@ -104,3 +116,5 @@ def test_bad_shapes_are_named():
         MLA.latent_decode_triton(q, k_cache, out, starts, used, table, 0.25, 40, 8)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         MLA.latent_decode_triton(q, k_cache, out, starts[:-1], used, table, 0.25, 24, 8)
+    with pytest.raises(ValueError, match="splits must be a power of two"):
+        MLA.latent_decode_triton(q, k_cache, out, starts, used, table, 0.25, 24, 8, splits=12)

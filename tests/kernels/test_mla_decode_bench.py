@@ -41,6 +41,15 @@ def test_the_bench_batch_is_the_engine_layout_and_the_kernel_agrees(bench_path, 
     assert_close("out", ref, out.float(), 1e-2)
 
 
+def test_launch_specs_parse_and_name_themselves(bench_path, bench):
+    assert bench.Launch.parse("32x4") == bench.Launch(32, 4)
+    assert bench.Launch.parse("32x4x2x8") == bench.Launch(32, 4, 2, 8)
+    assert bench.Launch.parse("32x4").name == "ours_t32w4"
+    assert bench.Launch.parse("64x8x3x32").name == "ours_t64w8s3p32"
+    with pytest.raises(ValueError, match="TILExWARPS"):
+        bench.Launch.parse("32")
+
+
 def test_without_a_gpu_it_says_so(bench_path, bench, monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(sys, "argv", ["mla_decode.py", "--out", str(tmp_path)])
