@@ -8,12 +8,14 @@ replayed CUDA graph (10 calls a graph; a decode step runs its GEMMs in one), wit
 over that time. ``--sweep``: our kernel's launch (``SmallTiles``: tile rows, columns and k, warps, pipeline stages)
 over a grid at the decode sizes, each checked against CUTLASS, the fastest listed beside the default. ``--layout``:
 the route layout before the GEMMs, the engine's one-launch ``route_tensors_small`` against ``route_tensors`` compiled
-(what the engine's MoE block ran before it), and the router's top-k, ``top_experts_small`` against the sort. CUDA
-only.
+(what the engine's MoE block ran before it), and the router's top-k, ``top_experts_small`` against the sort.
+``--situ``: the permute, the gate/up product and the SiTU activation in one launch (``permute_situ_small``) against
+the three steps. CUDA only.
 
     python3 bench/grouped_mm_decode.py [--out DIR]           # DIR/grouped_mm_decode.json
     python3 bench/grouped_mm_decode.py --sweep --tokens 64   # DIR/grouped_mm_decode_sweep.json
     python3 bench/grouped_mm_decode.py --layout              # DIR/grouped_mm_decode_layout.json
+    python3 bench/grouped_mm_decode.py --situ --tokens 8,64,128  # DIR/grouped_mm_decode_situ.json
 """
 
 from __future__ import annotations
@@ -29,12 +31,15 @@ from pathlib import Path
 import torch
 from moe_compile import time_graph_replays
 
+from kernels.glu import situ_glu_reference
 from kernels.moe import grouped_mm_alignment, route_layout, route_tensors
 from kernels.moe.triton import (
     ROUTE_SMALL_MAX,
     SmallTiles,
     grouped_mm_small,
+    permute_situ_small,
     route_tensors_small,
+    situ_tiles,
     small_tiles,
     top_experts_small,
 )
@@ -139,6 +144,39 @@ def layout(tokens: int) -> dict:
                 top_equal=top_equal, sort_us=us_sort, top_us=us_top, top_speedup=us_sort / us_top)  # fmt: skip
 
 
+# the fused SiTU kernel's launches ``--situ`` tries beside its default (``situ_tiles``)
+SITU_LAUNCHES = [SmallTiles(bn=16), SmallTiles(bn=32, stages=2), SmallTiles(bn=64), SmallTiles(bn=32, bk=128),
+                 SmallTiles(bm=32, bn=32)]  # fmt: skip
+
+
+def situ(tokens: int) -> dict:
+    """The experts up to the down product: ``permute_situ_small`` (one launch) against the three steps it replaces
+    as the engine's compiled block ran them (the permute compiled, our grouped GEMM, the activation compiled), on
+    gpu_1b's gate/up weights cycled over copies larger than L2; the error of each launch against the three steps,
+    us a call."""
+    dev = torch.device("cuda")
+    lay = route_layout(random_routes(tokens, dev), EXPERTS, grouped_mm_alignment(dev, torch.bfloat16))
+    z = torch.randn(tokens, Z, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(EXPERTS, 2 * I, Z, device=dev, dtype=torch.bfloat16) * Z**-0.5
+    copies = [w] + [w.clone() for _ in range(max(1, -(-L2_BYTES // (w.numel() * w.element_size()))))]
+    gather = torch.compile(lambda z_, src: torch.nn.functional.pad(z_, (0, 0, 0, 1)).index_select(0, src))
+    act = torch.compile(lambda gu: situ_glu_reference(*gu.chunk(2, dim=-1)))
+
+    def three(w_):
+        return act(grouped_mm_small(gather(z, lay.src_row_P), w_, lay.offs_E))
+
+    used = int(lay.offs_E[-1])
+    ref = three(w)[:used]
+    row = dict(tokens=tokens, rows=lay.rows, three_us=graph_us(over_copies(copies, three)), launches=[])
+    for tiles in [situ_tiles(lay.rows), *SITU_LAUNCHES]:
+        fused = lambda w_, t=tiles: permute_situ_small(z, lay.src_row_P, lay.offs_E, w_, 4.0, 25.0, t)
+        err = rel_err(ref, fused(w)[:used])
+        row["launches"].append(dict(**asdict(tiles), us=graph_us(over_copies(copies, fused)), rel_err=err))
+    row["default_us"] = row["launches"][0]["us"]
+    row["speedup"] = row["three_us"] / row["default_us"]
+    return row
+
+
 def over_copies(copies: list[torch.Tensor], call):
     """A function calling ``call`` with the next of ``copies`` each time (the weights of successive layers)."""
     ws = itertools.cycle(copies)
@@ -160,6 +198,7 @@ def main() -> None:
     p.add_argument("--tokens", default="8,64,128,256,512", help="decode batch sizes, comma-separated")
     p.add_argument("--sweep", action="store_true", help="time our kernel's launches over a grid (module docstring)")
     p.add_argument("--layout", action="store_true", help="time the decode route layout's kernel (module docstring)")
+    p.add_argument("--situ", action="store_true", help="time the fused permute + gate/up + SiTU (module docstring)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("grouped_mm_decode: needs a CUDA GPU (the kernels are compared in CUDA graphs)")
@@ -176,6 +215,17 @@ def main() -> None:
                   f"{r['top_equal']}: sort {r['sort_us']:.1f}, one launch {r['top_us']:.1f}: {r['top_speedup']:.2f}x",
                   flush=True)  # fmt: skip
         (args.out / "grouped_mm_decode_layout.json").write_text(json.dumps(dict(env=env, sizes=res), indent=1))
+        return
+    if args.situ:
+        res = []
+        for t in (int(v) for v in args.tokens.split(",")):
+            res.append(situ(t))
+            r = res[-1]
+            best = min(r["launches"], key=lambda x: x["us"])
+            print(f"T={t} rows={r['rows']}: three steps {r['three_us']:.1f} us, one launch {r['default_us']:.1f} us "
+                  f"({r['speedup']:.2f}x, rel err {r['launches'][0]['rel_err']:.1e}); best launch {best}",
+                  flush=True)  # fmt: skip
+        (args.out / "grouped_mm_decode_situ.json").write_text(json.dumps(dict(env=env, sizes=res), indent=1))
         return
     if args.sweep:
         res = []

@@ -329,6 +329,10 @@ class GroupedExperts(GatedActivation, nn.Module):
         # slots x experts up to which the route layout ranks slots by counting, not sorting (None:
         # kernels.moe.COUNTING_LAYOUT_MAX; the engine raises it over its largest step: one path, one compile)
         self.counting_layout_max: int | None = None
+        # inference: the permute, gate/up product and SiTU activation as one function of (z, src rows, group ends,
+        # gate/up weight, betas) giving h (a CUDA engine's ``kernels.moe.triton.permute_situ_engine``, set by
+        # ``model.serving``); None: the three apart
+        self.permute_glu_fn: Callable | None = None
         # None: this module computes every expert; expert parallelism (kernels.moe.ep.ExpertParallel,
         # attached by rl/parallel.py) sends the slots to the ranks holding their experts instead
         self.dispatch: Callable | None = None
@@ -378,11 +382,20 @@ class GroupedExperts(GatedActivation, nn.Module):
         so it equals the loop up to the GEMMs' own rounding. Two autograd nodes (``kernels.moe``): the
         permute with the gate/up GEMM (keeps z, not its k-times larger permuted rows), and the activation,
         the down GEMM and the weighted sum (keep the gate/up rows only; h is recomputed in backward)."""
-        from kernels.moe import glu_grouped_mm_combine, grouped_mm_alignment, permute_grouped_mm, route_layout
+        from kernels.moe import (
+            glu_grouped_mm_combine,
+            grouped_mm_alignment,
+            grouped_mm_combine,
+            permute_grouped_mm,
+            route_layout,
+        )
 
         dt = compute_dtype(z_TZ)
         align = grouped_mm_alignment(z_TZ.device, dt)
         layout = route_layout(route.experts_TK, self.num_experts, align, self.route_fn, self.counting_layout_max)
+        if self.permute_glu_fn is not None and self.act == "situ" and not torch.is_grad_enabled():
+            h_PI = self.permute_glu_fn(z_TZ.to(dt), layout.src_row_P, layout.offs_E, w_gu.to(dt), *self.situ_betas)
+            return grouped_mm_combine(h_PI, layout, w_down, route.weights_TK, z_TZ.dtype)
         # the weights go in as read (fp32 masters): cast inside, and again in backward rather than kept
         gu_PI2 = permute_grouped_mm(z_TZ.to(dt), layout, w_gu)
         glu = self._glu_rows(z_TZ)

@@ -158,13 +158,16 @@ def route_decode_steps_in_single_launches(model: nn.Module) -> None:
     (bench/grouped_mm_decode.py --layout). Inside a MoE block compiled whole (the engine's scope on CUDA) the block's
     graph calls the ops; a scope that compiles the layout as a region of its own (``model.compile``'s "regions")
     swaps that back to the compiled ``route_tensors``."""
-    from kernels.moe.triton import route_tensors_engine, top_experts_engine
+    from kernels.moe.triton import permute_situ_engine, route_tensors_engine, top_experts_engine
 
     layout = os.environ.get("LONGHORIZON_DECODE_ROUTE_LAYOUT", "compiled")
     if layout not in DECODE_ROUTE_LAYOUTS:
         raise ValueError(f"LONGHORIZON_DECODE_ROUTE_LAYOUT must be one of {DECODE_ROUTE_LAYOUTS}, got {layout!r}")
     for m in model.modules():
-        if isinstance(m, GroupedExperts) and layout == "triton":
-            m.route_fn = route_tensors_engine
+        if isinstance(m, GroupedExperts):
+            if layout == "triton":
+                m.route_fn = route_tensors_engine
+            if m.act == "situ":
+                m.permute_glu_fn = permute_situ_engine
         elif isinstance(m, MoEGate):
             m.top_fn = top_experts_engine

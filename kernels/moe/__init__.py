@@ -55,8 +55,8 @@ from kernels.moe.naive import grouped_mm_naive, grouped_mm_naive_dw
 if TYPE_CHECKING:
     from kernels.glu import GluActivation
 
-__all__ = ["GROUPED_MM_BACKENDS", "RouteLayout", "combine", "combine_reference", "glu_grouped_mm_combine", "grouped_mm", "grouped_mm_alignment",
-           "grouped_mm_backend", "grouped_mm_dw", "grouped_mm_dx", "permute", "permute_grouped_mm", "permute_reference",
+__all__ = ["GROUPED_MM_BACKENDS", "RouteLayout", "combine", "combine_reference", "glu_grouped_mm_combine", "grouped_mm",
+           "grouped_mm_alignment", "grouped_mm_backend", "grouped_mm_combine", "grouped_mm_dw", "grouped_mm_dx", "permute", "permute_grouped_mm", "permute_reference",
            "route_layout", "route_tensors", "unpermute"]  # fmt: skip
 
 
@@ -201,11 +201,8 @@ def combine(
     the fp32 [T, k, N] product. Backward: dy rows = w g (written to their rows once, an index_copy),
     dw = <y rows, g> in fp32. Same math as ``combine_reference`` (the unpermute, upcast, multiply, sum
     of autograd), so it agrees to fp32 rounding."""
-    if weights_TK.shape != (layout.tokens, layout.top_k):
-        raise ValueError(
-            f"weights must be [T, k] = [{layout.tokens}, {layout.top_k}], got {tuple(weights_TK.shape)}"
-        )
-    w_TK = weights_TK if weights_TK.dtype in (torch.float32, torch.float64) else weights_TK.float()
+    _check_weights(weights_TK, layout)
+    w_TK = _f32_weights(weights_TK)
     return _Combine.apply(y_PN, layout, w_TK, dtype or y_PN.dtype)
 
 
@@ -421,20 +418,39 @@ def glu_grouped_mm_combine(
     dq = g_rows W[e] gives dw_j = <h_j, dq_j> (fp32) and dh = w_j dq_j, and dW[e] = sum_rows (w_j g)^T h_j as
     ``combine`` + ``grouped_mm`` give it. Against them only rounding differs: dh rounds the product before the
     weight, not after, and the activation's gradient is its closed form."""
-    if weights_TK.shape != (layout.tokens, layout.top_k):
-        raise ValueError(
-            f"weights must be [T, k] = [{layout.tokens}, {layout.top_k}], got {tuple(weights_TK.shape)}"
-        )
+    _check_weights(weights_TK, layout)
     if gu_PI2.shape[1] != 2 * w_GNI.shape[2]:
         raise ValueError(
             f"gate/up rows must be [P, 2I] for w [G, N, I], got {tuple(gu_PI2.shape)} and {tuple(w_GNI.shape)}"
         )
-    w_TK = weights_TK if weights_TK.dtype in (torch.float32, torch.float64) else weights_TK.float()
+    w_TK = _f32_weights(weights_TK)
     if torch.is_grad_enabled() and (gu_PI2.requires_grad or w_GNI.requires_grad or w_TK.requires_grad):
         return _GluGroupedMMCombine.apply(gu_PI2, layout, w_GNI, w_TK, glu, dtype or gu_PI2.dtype)
     # no gradient wanted (the engine, no-grad logprob passes): the node's forward math without the node
     h_PI = glu.values(*gu_PI2.chunk(2, dim=-1))
     return _grouped_mm_combine(h_PI, layout, w_GNI, w_TK, dtype or gu_PI2.dtype)[0]
+
+
+def grouped_mm_combine(
+    h_PI: torch.Tensor, layout: RouteLayout, w_GNI: torch.Tensor, weights_TK: torch.Tensor,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``glu_grouped_mm_combine`` from the activation rows h instead of the gate/up rows, without gradient: the
+    down product and the weighted slot sum (the engine's path where one kernel gave h: ``kernels.moe.triton.
+    permute_situ_engine``)."""
+    _check_weights(weights_TK, layout)
+    return _grouped_mm_combine(h_PI, layout, w_GNI, _f32_weights(weights_TK), dtype or h_PI.dtype)[0]
+
+
+def _check_weights(weights_TK: torch.Tensor, layout: RouteLayout) -> None:
+    if weights_TK.shape != (layout.tokens, layout.top_k):
+        raise ValueError(
+            f"weights must be [T, k] = [{layout.tokens}, {layout.top_k}], got {tuple(weights_TK.shape)}"
+        )
+
+
+def _f32_weights(weights_TK: torch.Tensor) -> torch.Tensor:
+    return weights_TK if weights_TK.dtype in (torch.float32, torch.float64) else weights_TK.float()
 
 
 def _grouped_mm_combine(h_PI, layout: RouteLayout, w_GNI, w_TK, dtype) -> tuple[torch.Tensor, str]:

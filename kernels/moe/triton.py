@@ -11,12 +11,13 @@ with fp32 accumulation. Tested under TRITON_INTERPRET=1 against ``naive.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.glu.triton import _tanh
 from kernels.op_names import op_name
 
 BM, BN, BK = 64, 64, 32
@@ -249,6 +250,102 @@ def scale_rows_triton_(x_PN: torch.Tensor, w_P: torch.Tensor) -> torch.Tensor:
         grid = (triton.cdiv(P, br), triton.cdiv(N, bn))
         _scale_rows[grid](x_PN, w_P.contiguous(), P, N=N, sx=x_PN.stride(0), BR=br, BN=bn)
     return x_PN
+
+
+@triton.jit
+def _situ_gmm_groups(z_ptr, src_ptr, w_ptr, h_ptr, offs_ptr, T, I, K, szt, szk, swg, swn, swk, shm,
+                     beta, inv_beta, lb, inv_lb, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr):  # fmt: skip
+    """h[rows of g, cols] = SiTU-GLU(g, u) for program (g, column tile), where [g | u] = z[src rows] @ w[g]^T: the
+    rows gathered from z as they are read (``src_row`` T: padding, zeros), the gate's columns and the up's (I
+    further down w) in two accumulators, each rounded to h's dtype as the unfused product writes it, then the
+    activation of ``kernels.glu`` in fp32."""
+    g = tl.program_id(0)
+    row_end = tl.load(offs_ptr + g)
+    row_start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cm = cols < I
+    w_g = w_ptr + g.to(tl.int64) * swg
+    for r0 in range(row_start, row_end, BM):
+        rows = r0 + tl.arange(0, BM)
+        rm = rows < row_end
+        src = tl.load(src_ptr + rows, mask=rm, other=T)
+        live = rm & (src < T)
+        acc_g = tl.full([BM, BN], 0.0, dtype=tl.float32)
+        acc_u = tl.full([BM, BN], 0.0, dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            km = ks < K
+            a = tl.load(z_ptr + src.to(tl.int64)[:, None] * szt + ks[None, :] * szk,
+                        mask=live[:, None] & km[None, :], other=0.0)  # fmt: skip
+            wm = km[:, None] & cm[None, :]
+            b_g = tl.load(w_g + cols[None, :] * swn + ks[:, None] * swk, mask=wm, other=0.0)
+            b_u = tl.load(w_g + (cols + I)[None, :] * swn + ks[:, None] * swk, mask=wm, other=0.0)
+            acc_g += tl.dot(a, b_g, input_precision=PREC)
+            acc_u += tl.dot(a, b_u, input_precision=PREC)
+        gate = acc_g.to(h_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_u.to(h_ptr.dtype.element_ty).to(tl.float32)
+        h = beta * _tanh(gate * inv_beta) * (1.0 / (1.0 + tl.exp(-gate))) * (lb * _tanh(up * inv_lb))
+        tl.store(h_ptr + rows.to(tl.int64)[:, None] * shm + cols[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=rm[:, None] & cm[None, :])  # fmt: skip
+
+
+def situ_tiles(rows: int) -> SmallTiles:
+    """The launch ``permute_situ_small`` takes: ``small_tiles``' with half its columns, as each program holds the
+    gate's and the up's (the same weight bytes a program as the plain product's)."""
+    t = small_tiles(rows)
+    return replace(t, bn=max(16, t.bn // 2))
+
+
+def permute_situ_small(
+    z_TZ: torch.Tensor, src_row_P: torch.Tensor, offs_E: torch.Tensor, w_GNZ: torch.Tensor, beta: float,
+    linear_beta: float, tiles: SmallTiles | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """h [P, I] = SiTU-GLU of ``grouped_mm(z[src_row], w, offs)``'s gate and up halves (``kernels.glu``'s
+    activation, betas ``beta``, ``linear_beta``), in one launch: the permute (``kernels.moe.permute``: src_row T
+    reads zeros), the gate/up product and the activation of a decode step's experts, where they were three
+    kernels. w: [G, 2I, Z] (gate rows, then up rows); offs: int32 group ends; rows past offs[-1] are left
+    unwritten. ``tiles``: the launch (default ``situ_tiles(P)``)."""
+    (T, Z), (P,), (G, N2, _) = z_TZ.shape, src_row_P.shape, w_GNZ.shape
+    if w_GNZ.shape[2] != Z or N2 % 2 or offs_E.shape != (G,) or z_TZ.dtype != w_GNZ.dtype:
+        raise ValueError(f"permute_situ: z [T, Z], w [G, 2I, Z] of z's dtype, offs [G]; got z {tuple(z_TZ.shape)} "
+                         f"{z_TZ.dtype}, w {tuple(w_GNZ.shape)} {w_GNZ.dtype}, offs {tuple(offs_E.shape)}")  # fmt: skip
+    t = tiles or situ_tiles(P)
+    h = torch.empty(P, N2 // 2, device=z_TZ.device, dtype=z_TZ.dtype)
+    if P and N2 and G:
+        _situ_gmm_groups[(G, triton.cdiv(N2 // 2, t.bn))](
+            z_TZ, src_row_P, w_GNZ, h, offs_E, T, N2 // 2, Z, z_TZ.stride(0), z_TZ.stride(1), *w_GNZ.stride(),
+            h.stride(0), beta, 1.0 / beta, linear_beta, 1.0 / linear_beta, PREC=_prec(z_TZ.dtype), BM=t.bm,
+            BN=t.bn, BK=t.bk, num_warps=t.warps, num_stages=t.stages,
+        )  # fmt: skip
+    return h
+
+
+@torch.library.custom_op(op_name("permute_situ_engine"), mutates_args=())
+def permute_situ_engine(
+    z_TZ: torch.Tensor, src_row_P: torch.Tensor, offs_E: torch.Tensor, w_GNZ: torch.Tensor, beta: float,
+    linear_beta: float,
+) -> torch.Tensor:  # fmt: skip
+    """The rollout engine's SiTU experts up to the down projection (``model.serving.prepare_for_serving`` on CUDA):
+    a decode step's rows (up to ``SMALL_ROWS_MAX``) in ``permute_situ_small``'s one launch, a larger step (or any
+    off CUDA) as the permute, ``kernels.moe``'s grouped product and ``kernels.glu``'s activation (its kernel on
+    CUDA). A custom op: the rule on the row count
+    is made when it runs, not a guard in the compiled MoE block."""
+    if z_TZ.is_cuda and src_row_P.shape[0] <= SMALL_ROWS_MAX:
+        return permute_situ_small(z_TZ, src_row_P, offs_E.to(torch.int32), w_GNZ, beta, linear_beta)
+    from kernels.glu import situ_glu_reference
+    from kernels.glu.triton import situ_glu_values
+    from kernels.moe import _grouped_mm_forward, grouped_mm_backend
+
+    x_PZ = torch.nn.functional.pad(z_TZ, (0, 0, 0, 1)).index_select(0, src_row_P)
+    g_PI, u_PI = _grouped_mm_forward(x_PZ, w_GNZ, offs_E, grouped_mm_backend(x_PZ, w_GNZ)).chunk(2, dim=-1)
+    glu = situ_glu_values if z_TZ.is_cuda else situ_glu_reference
+    return glu(g_PI, u_PI, beta, linear_beta)
+
+
+@permute_situ_engine.register_fake
+def _(z_TZ, src_row_P, offs_E, w_GNZ, beta, linear_beta):
+    return z_TZ.new_empty(src_row_P.shape[0], w_GNZ.shape[1] // 2)
 
 
 _sum_combine = tl.standard._sum_combine  # tl.sum / tl.cumsum are jit functions the interpreter cannot call here

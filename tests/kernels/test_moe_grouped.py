@@ -131,7 +131,7 @@ def test_unaligned_or_float64_take_the_loop_and_bad_shapes_are_named():
 
 def _interpreted_triton_module():
     pytest.importorskip("triton")
-    return import_interpreted("kernels.moe.triton")[0]
+    return import_interpreted("kernels.glu.triton", "kernels.moe.triton")[1]  # its SiTU epilogue is glu's
 
 
 @pytest.mark.parametrize("N, K", [(64, 32), (40, 24)])  # one tile; partial tiles in both dims
@@ -418,3 +418,64 @@ def test_top_experts_small_refuses_what_it_does_not_take_and_the_engine_op_sorts
     got, want = mod.top_experts_engine(scores, 3), top_experts(scores, 3)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     torch.library.opcheck(mod.top_experts_engine, (scores, 3))
+
+
+def _situ_reference(z_TZ, layout, w_GNZ, beta, lb):
+    """The three steps the engine's fused kernel replaces: the permute, the grouped gate/up product, SiTU-GLU."""
+    x_PZ = moe_kernels.permute_reference(z_TZ, layout)
+    g_PI, u_PI = grouped_mm_naive(x_PZ, w_GNZ, layout.offs_E).chunk(2, dim=-1)
+    return situ_glu_reference(g_PI, u_PI, beta, lb)
+
+
+# half precision as fp16: the interpreter multiplies bf16 tiles as their raw bits (Triton 3.9's interpreter
+# converts only 8-bit floats before its matmul)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("tiles", [None, (16, 16, 32), (32, 64, 16)])  # by rows; narrower and wider than I = 40
+def test_permute_situ_small_equals_permute_product_and_activation(monkeypatch, dtype, tol, tiles):
+    """The decode step's permute + gate/up product + SiTU in one kernel, under TRITON_INTERPRET=1, against the three
+    steps: 30 tokens at top-3 over 6 experts with groups padded to 8 rows (padding rows read zeros), one expert
+    unused, one with more rows than a row tile, the weight a strided view, I = 40 (a partial column tile); rows
+    past offs[-1] never written, rows inside every group equal (padding rows' h is SiTU(0, 0) = 0)."""
+    mod = _interpreted_triton_module()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(3)
+    T, k, E, Z, I = 30, 3, 6, 24, 40
+    experts = torch.stack([torch.randperm(E - 1)[:k] for _ in range(T)])  # expert 5 unused
+    experts[:20, 0] = 2  # expert 2 on 20+ rows
+    layout = moe_kernels.route_layout(experts, E, align=8)
+    z = torch.randn(T, Z).to(dtype)
+    w = (torch.randn(E, Z, 2 * I) / Z**0.5).to(dtype).transpose(1, 2)  # [E, 2I, Z], not contiguous
+    want = _situ_reference(z, layout, w, 4.0, 25.0)
+    got = mod.permute_situ_small(z, layout.src_row_P, layout.offs_E, w, 4.0, 25.0,
+                                 None if tiles is None else mod.SmallTiles(*tiles))  # fmt: skip
+    end = int(layout.offs_E[-1])
+    assert got.shape == (layout.rows, I) and got.dtype == dtype
+    assert_close("h", want[:end].float(), got[:end].float(), tol)
+    padding = layout.src_row_P[:end] == T
+    assert padding.any() and torch.equal(got[:end][padding], torch.zeros_like(got[:end][padding]))
+
+
+def test_permute_situ_launch_and_bad_input():
+    """Half the plain product's columns a program (two accumulators), never under 16; mismatched operands named."""
+    mod = _interpreted_triton_module()
+    assert mod.situ_tiles(512) == mod.SmallTiles(bn=32)
+    assert mod.situ_tiles(3000).bn == mod.small_tiles(3000).bn // 2
+    z, src, offs = torch.randn(4, 8), torch.zeros(6, dtype=torch.long), torch.tensor([6, 6], dtype=torch.int32)
+    for w in (torch.randn(2, 10, 6), torch.randn(2, 9, 8), torch.randn(2, 10, 8).double()):
+        with pytest.raises(ValueError, match="permute_situ"):
+            mod.permute_situ_small(z, src, offs, w, 4.0, 25.0)
+
+
+def test_permute_situ_engine_off_cuda_takes_the_three_steps(monkeypatch):
+    """The engine's op off CUDA (and on CUDA past SMALL_ROWS_MAX rows): the permute, the grouped product and the
+    activation, equal to the three steps, the kernel not called; its fake agrees under ``torch.library.opcheck``
+    (schema, fake, dynamic shapes: what a compiled MoE block does with it)."""
+    mod = _interpreted_triton_module()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(4)
+    layout = moe_kernels.route_layout(torch.randint(0, 4, (10, 2)), 4, align=1)
+    z, w = torch.randn(10, 16), torch.randn(4, 32, 16) / 4
+    monkeypatch.setattr(mod, "permute_situ_small", None)  # a call would raise
+    args = (z, layout.src_row_P, layout.offs_E, w, 4.0, 25.0)
+    assert_close("off CUDA", _situ_reference(z, layout, w, 4.0, 25.0), mod.permute_situ_engine(*args), 1e-6)
+    torch.library.opcheck(mod.permute_situ_engine, args)

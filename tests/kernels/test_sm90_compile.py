@@ -42,7 +42,7 @@ def _import_for_gpu(name: str, *deps: str):
 
 def _kernels():
     conv = _import_for_gpu("kernels.conv.triton")
-    moe = _import_for_gpu("kernels.moe.triton")
+    moe = _import_for_gpu("kernels.moe.triton", "kernels.glu.triton")
     decode = _import_for_gpu("kernels.kda.triton.decode", "kernels.kda.triton.common")
     attnres = _import_for_gpu("kernels.attnres.triton")
 
@@ -72,6 +72,13 @@ def _kernels():
           **{s: "i64" for s in ("sxm", "sxk", "swg", "swn", "swk", "sym", "syn")}, "PREC": "constexpr",
           "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"},
          {"PREC": "tf32", "BM": moe.SMALL_BM, "BN": moe.SMALL_BN, "BK": moe.SMALL_BK}),
+        # the engine's decode experts up to the down product: permute, gate/up product and SiTU in one launch
+        (moe._situ_gmm_groups,
+         {"z_ptr": "*bf16", "src_ptr": "*i64", "w_ptr": "*bf16", "h_ptr": "*bf16", "offs_ptr": "*i32", "T": "i32",
+          "I": "i32", "K": "i32", **{s: "i64" for s in ("szt", "szk", "swg", "swn", "swk", "shm")},
+          **{n: "fp32" for n in ("beta", "inv_beta", "lb", "inv_lb")}, "PREC": "constexpr", "BM": "constexpr",
+          "BN": "constexpr", "BK": "constexpr"},
+         {"PREC": "tf32", "BM": moe.SMALL_BM, "BN": moe.SMALL_BN // 2, "BK": moe.SMALL_BK}),
         # the engine's decode route layout in one program
         (moe._route_small,
          {"experts_ptr": "*i64", "src_row_ptr": "*i64", "row_of_slot_ptr": "*i64", "offs_ptr": "*i32",
@@ -103,7 +110,7 @@ def _kernels():
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("index", range(11))
+@pytest.mark.parametrize("index", range(12))
 def test_kernel_compiles_for_sm90(index):
     fn, signature, constexprs = _kernels()[index]
     # keyword order is the kernel's own: the signature must name every parameter
