@@ -151,11 +151,17 @@ class GatedMLA(nn.Module):
         return _scatter_rows(outs, (*q_nope.shape[:3], self.v_dim), q_nope)
 
     def absorbed_weights(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK [H, nope, R] and W_UV [H, v_dim, R] (dtype/device of ``like``): kv_b_proj's effective
-        weight, read by applying the module to an identity so wrappers (LoRA) stay exact."""
+        """W_UK [H, nope, R] and W_UV [H, v_dim, R] (dtype/device of ``like``): kv_b_proj's effective weight.
+        A plain nn.Linear's weight is viewed as it is (no copy: in-place updates show at once, and a decode step
+        launches nothing for it); a wrapped one (LoRA) is read by applying the module to an identity, so the
+        wrapper stays exact."""
         R, H = self.kv_lora_rank, self.num_heads
-        eye_RR = torch.eye(R, device=like.device, dtype=like.dtype)
-        w_HXR = self.kv_b_proj(eye_RR).transpose(0, 1).reshape(H, self.nope + self.v_dim, R)
+        proj = self.kv_b_proj
+        if type(proj) is nn.Linear and proj.bias is None:
+            w_XR = proj.weight if proj.weight.dtype == like.dtype else proj.weight.to(like.dtype)
+        else:
+            w_XR = proj(torch.eye(R, device=like.device, dtype=like.dtype)).transpose(0, 1)
+        w_HXR = w_XR.reshape(H, self.nope + self.v_dim, R)
         return w_HXR[:, : self.nope], w_HXR[:, self.nope :]
 
     def _attend_absorbed(self, q_nope, q_pe, c_kv, k_pe, layout: SeqLayout, past: int) -> torch.Tensor:

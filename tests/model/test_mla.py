@@ -67,3 +67,31 @@ def test_causal_and_gated():
     ungated = make_layer(mla_use_output_gate=False)
     ungated.load_state_dict({k: v for k, v in layer.state_dict().items() if not k.startswith("g_proj")})
     torch.testing.assert_close(run(layer, x)[0], 0.5 * run(ungated, x)[0])
+
+
+def test_absorbed_weights_view_a_plain_projection_and_read_a_wrapped_one_through_it():
+    """W_UK / W_UV of a plain kv_b_proj are views of its weight (nothing computed a decode step; an in-place update
+    shows at once) equal to reading the module through an identity; under a LoRA wrapper the identity read, which
+    includes the adapter's update."""
+    from peft import LoraConfig, get_peft_model
+
+    layer = make_layer()
+    R, H = layer.kv_lora_rank, layer.num_heads
+    like = torch.zeros((), dtype=torch.float64)
+    w_uk, w_uv = layer.absorbed_weights(like)
+    via_eye = layer.kv_b_proj(torch.eye(R, dtype=torch.float64)).T.reshape(H, layer.nope + layer.v_dim, R)
+    assert torch.equal(w_uk, via_eye[:, : layer.nope]) and torch.equal(w_uv, via_eye[:, layer.nope :])
+    assert w_uk.untyped_storage().data_ptr() == layer.kv_b_proj.weight.untyped_storage().data_ptr()
+    with torch.no_grad():
+        layer.kv_b_proj.weight.mul_(2)
+    assert torch.equal(w_uk, 2 * via_eye[:, : layer.nope])
+
+    wrapped = get_peft_model(torch.nn.Sequential(layer), LoraConfig(r=2, target_modules=["kv_b_proj"]))
+    for name, p in wrapped.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)  # a non-zero adapter update
+    inner = wrapped.base_model.model[0]
+    got_uk, _ = inner.absorbed_weights(like)
+    want = inner.kv_b_proj(torch.eye(R, dtype=torch.float64)).T.reshape(H, layer.nope + layer.v_dim, R)
+    assert torch.equal(got_uk, want[:, : layer.nope])
+    assert not torch.allclose(got_uk, 2 * via_eye[:, : layer.nope])  # the adapter counts
