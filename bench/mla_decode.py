@@ -148,7 +148,9 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/mla_decode")))
     p.add_argument("--batches", default="8x2048,64x1024,64x3584,128x3584,64x8192",
                    help="sequences x mean context, comma-separated")  # fmt: skip
-    p.add_argument("--block", type=int, default=16, help="tokens a page (the engine's attention block size)")
+    p.add_argument("--block", type=int, default=1280,
+                   help="tokens a page: the engine's attention block size, 1280 for gpu_1b on vLLM 0.26 (it sizes the "
+                        "attention page up to the KDA state page; runs before 2026-12-07 used 16)")  # fmt: skip
     p.add_argument("--launches", default=f"{TILE}x{WARPS},16x4,64x4,64x8,32x8",
                    help="our kernel's launches to time, TILExWARPS[xSTAGES[xSPLITS]] comma-separated (the first is "
                         "the one compared)")  # fmt: skip
