@@ -102,20 +102,24 @@ class StepTimer:
     steps (scheduling, the forward, sampling, output processing) and the worker's own work around them
     (starting and finishing turns, the routing records)."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, profile_steps: int = 0) -> None:
         self.engine, self.ms = engine, []
         self.alloc0 = allocator_counts()
         self.jit0 = JIT_COMPILES.snapshot()
+        self.profile_steps, self.host_top = profile_steps, []
 
     def __enter__(self) -> StepTimer:
         inner = self.engine.step
 
         def timed():
+            prof = host_profiler() if len(self.ms) < self.profile_steps else None
             t0 = time.perf_counter()
             try:
-                return inner()
+                return inner() if prof is None else prof.runcall(inner)
             finally:
                 self.ms.append((time.perf_counter() - t0) * 1e3)
+                if prof is not None:
+                    self.host_top.append(host_top(prof))
 
         self.engine.step = timed
         return self
@@ -130,7 +134,32 @@ class StepTimer:
                 "median_ms": round(ms[len(ms) // 2], 3) if ms else None, "max_ms": round(ms[-1], 3) if ms else None,
                 # in order: a turn's prefill is its first step or two (one more with async scheduling)
                 "first_ms": [round(x, 3) for x in self.ms[:FIRST_STEPS]],
+                **({"host_top": self.host_top} if self.host_top else {}),
                 **allocator_delta(self.alloc0, allocator_counts()), **JIT_COMPILES.since(self.jit0)}  # fmt: skip
+
+
+HOST_TOP = 15  # functions a profiled step lists
+
+
+def host_profiler():
+    import cProfile
+
+    return cProfile.Profile()
+
+
+def host_top(prof) -> list[str]:
+    """A cProfile'd step's ``HOST_TOP`` functions by time spent inside them and their callees, as
+    "cumulative ms / own ms / calls  file:line(function)" (the profiler's overhead included)."""
+    import pstats
+
+    stats = pstats.Stats(prof).strip_dirs().sort_stats("cumulative")
+    rows = []
+    for func in stats.fcn_list[: HOST_TOP + 2]:
+        _, calls, own, cum, _ = stats.stats[func]
+        if func[2] in ("runcall", "timed"):  # the wrappers around the step
+            continue
+        rows.append(f"{cum * 1e3:.1f} / {own * 1e3:.1f} ms / {calls}  {func[0]}:{func[1]}({func[2]})")
+    return rows[:HOST_TOP]
 
 
 class JitCompiles:
@@ -258,7 +287,8 @@ class ModeRun:
             self.TurnRequest(s, self.chunks[i][t], max_tokens=self.args.gen, temperature=0.0)
             for i, s in enumerate(self.sids)
         ]
-        with StepTimer(self.worker.engine) as steps:
+        profiled = getattr(self.args, "profile_host_steps", 0) if len(self.reps) == 1 and t >= 2 else 0
+        with StepTimer(self.worker.engine, profiled) as steps:
             t0 = time.perf_counter()
             outs = self.worker.generate(reqs)
             dt = time.perf_counter() - t0

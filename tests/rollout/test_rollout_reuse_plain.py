@@ -134,3 +134,25 @@ def test_jit_compiles_are_counted_by_kernel_through_tritons_hooks(bench, monkeyp
     assert got["compiles"] == 3 and got["kernels"] == {"_conv_fwd_state": 2, "kernel_unified_attention": 1}
     assert got["ms"] >= 0 and calls == ["pre", "post"] * 3
     assert jit.since(jit.snapshot()) == {}  # nothing compiled since
+
+
+def test_step_timer_profiles_the_first_steps_it_is_asked_to(bench):
+    """``StepTimer(engine, profile_steps=2)`` (``--profile-host-steps``): the first two of three steps run under
+    cProfile, each listed by its slowest functions with their cumulative and own ms; the third is only timed."""
+    import time
+
+    class Engine:
+        def step(self):
+            time.sleep(0.01)
+            return []
+
+    engine = Engine()
+    with bench.StepTimer(engine, profile_steps=2) as steps:
+        for _ in range(3):
+            engine.step()
+    summary = steps.summary(0.05)
+    assert summary["count"] == 3 and len(summary["host_top"]) == 2
+    top = summary["host_top"][0]
+    assert 0 < len(top) <= bench.HOST_TOP and any("(step)" in row for row in top)
+    assert not any("(runcall)" in row for row in top)
+    assert "host_top" not in bench.StepTimer(engine).summary(0.0)
