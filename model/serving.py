@@ -4,8 +4,8 @@ function as it is and make a step cheaper.
 * ``fuse_feed_forward_inputs``: the projections that read the same input as one GEMM (``fuse_linears``);
 * ``counting_layout_over``: every grouped MoE ranks its route layout's slots one way for every step the
   engine can form, so a compiled MoE block compiles once;
-* ``route_decode_steps_in_single_launches``: on CUDA, a decode step's top-k as one Triton launch (and, chosen by
-  ``LONGHORIZON_DECODE_ROUTE_LAYOUT``, its route layout);
+* ``route_decode_steps_in_single_launches``: on CUDA, a decode step's top-k as one Triton launch, its SiTU experts up
+  to the down product as one (and, chosen by ``LONGHORIZON_DECODE_ROUTE_LAYOUT``, its route layout);
 * ``inductor_compile_threads``: inductor's compile workers, which ``import vllm`` pins to one;
 * ``kda_state_shapes`` / ``kda_state_dtypes``: a KDA layer's (or a stack of layers') per-sequence states in an
   engine's slots;
@@ -151,7 +151,9 @@ DECODE_ROUTE_LAYOUTS = ("compiled", "triton")
 
 def route_decode_steps_in_single_launches(model: nn.Module) -> None:
     """Every router of ``model`` selects its top-k with ``kernels.moe.triton.top_experts_engine`` (a decode step's
-    in one Triton launch, where the sort was a single-block radix sort a layer; larger steps sort). With
+    in one Triton launch, where the sort was a single-block radix sort a layer; larger steps sort), and every grouped
+    MoE of SiTU experts runs the permute, the gate/up product and the activation with
+    ``kernels.moe.triton.permute_situ_engine`` (a decode step's in one launch, where they were three kernels). With
     ``LONGHORIZON_DECODE_ROUTE_LAYOUT=triton`` every grouped MoE also lays out its routes with
     ``kernels.moe.triton.route_tensors_engine`` (one program, where the compiled layout is about six kernels a MoE
     layer); the default, "compiled", keeps the compiled layout until the one-program kernel is timed on a GPU
