@@ -8,7 +8,8 @@ replayed CUDA graph (10 calls a graph; a decode step runs its GEMMs in one), wit
 over that time. ``--sweep``: our kernel's launch (``SmallTiles``: tile rows, columns and k, warps, pipeline stages)
 over a grid at the decode sizes, each checked against CUTLASS, the fastest listed beside the default. ``--layout``:
 the route layout before the GEMMs, the engine's one-launch ``route_tensors_small`` against ``route_tensors`` compiled
-(what the engine's MoE block ran before it), and the router's top-k, ``top_experts_small`` against the sort.
+(what the engine's MoE block ran before it), the router's top-k, ``top_experts_small`` against the sort, and its
+whole selection from the logits, ``select_experts_small`` against the gate's steps compiled.
 ``--situ``: the permute, the gate/up product and the SiTU activation in one launch (``permute_situ_small``) against
 the three steps. CUDA only.
 
@@ -39,11 +40,12 @@ from kernels.moe.triton import (
     grouped_mm_small,
     permute_situ_small,
     route_tensors_small,
+    select_experts_small,
     situ_tiles,
     small_tiles,
     top_experts_small,
 )
-from model.moe import top_experts
+from model.moe import routing_weights, top_experts
 
 EXPERTS, TOP_K, Z, I = 128, 8, 512, 256  # gpu_1b (configs/model/gpu_1b.yaml)
 
@@ -140,8 +142,23 @@ def layout(tokens: int) -> dict:
     sort, top = lambda: top_experts(scores, TOP_K), lambda: top_experts_small(scores, TOP_K)
     top_equal = all(torch.equal(a, b) for a, b in zip(sort(), top(), strict=True))
     us_sort, us_top = graph_us(sort), graph_us(top)
+    # the whole selection from the logits: the gate's sigmoid, sort and weights compiled, against the one launch
+    logits, bias = 3 * torch.randn(tokens, EXPERTS, device=dev), 0.1 * torch.randn(EXPERTS, device=dev)
+    steps = torch.compile(gate_selection, dynamic=False)
+    gate, select = lambda: steps(logits, bias), lambda: select_experts_small(logits, bias, TOP_K, True, 1.0)
+    select_equal = torch.equal(gate()[0], select()[0])
+    us_gate, us_select = graph_us(gate), graph_us(select)
     return dict(tokens=tokens, slots=tokens * TOP_K, equal=equal, compiled_us=us_c, small_us=us_s, speedup=us_c / us_s,
-                top_equal=top_equal, sort_us=us_sort, top_us=us_top, top_speedup=us_sort / us_top)  # fmt: skip
+                top_equal=top_equal, sort_us=us_sort, top_us=us_top, top_speedup=us_sort / us_top,
+                select_equal=select_equal, gate_us=us_gate, select_us=us_select,
+                select_speedup=us_gate / us_select)  # fmt: skip
+
+
+def gate_selection(logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``MoEGate.forward``'s steps from the logits (gpu_1b: renormalised, scaling 1)."""
+    scores = torch.sigmoid(logits)
+    experts = top_experts(scores + bias, TOP_K)[1]
+    return experts, routing_weights(scores, experts, True, 1.0)
 
 
 # the fused SiTU kernel's launches ``--situ`` tries beside its default (``situ_tiles``)
@@ -212,8 +229,9 @@ def main() -> None:
             r = res[-1]
             print(f"T={t} ({r['slots']} slots): equal {r['equal']}; us a call in a graph: compiled route_tensors "
                   f"{r['compiled_us']:.1f}, one launch {r['small_us']:.1f}: {r['speedup']:.2f}x; top-{TOP_K} equal "
-                  f"{r['top_equal']}: sort {r['sort_us']:.1f}, one launch {r['top_us']:.1f}: {r['top_speedup']:.2f}x",
-                  flush=True)  # fmt: skip
+                  f"{r['top_equal']}: sort {r['sort_us']:.1f}, one launch {r['top_us']:.1f}: {r['top_speedup']:.2f}x; "
+                  f"selection equal {r['select_equal']}: compiled steps {r['gate_us']:.1f}, one launch "
+                  f"{r['select_us']:.1f}: {r['select_speedup']:.2f}x", flush=True)  # fmt: skip
         (args.out / "grouped_mm_decode_layout.json").write_text(json.dumps(dict(env=env, sizes=res), indent=1))
         return
     if args.situ:

@@ -157,6 +157,10 @@ class MoEGate(nn.Module):
         self.weights_fn: Callable = routing_weights
         # the top-k selection (``top_experts``; a CUDA engine's ``kernels.moe.triton.top_experts_engine``)
         self.top_fn: Callable = top_experts
+        # inference without replayed routes or groups: the whole selection from the logits as one function of
+        # (logits, bias, k, renormalize, scaling) -> (experts, weights) (a CUDA engine's
+        # ``kernels.moe.triton.select_experts_engine``, set by ``model.serving``); None: the steps in ``forward``
+        self.select_fn: Callable | None = None
         nn.init.normal_(self.weight, std=config.initializer_range)
 
     def _apply(self, fn, recurse=True):
@@ -190,9 +194,6 @@ class MoEGate(nn.Module):
     ) -> RouterOutput:
         """``replay_checked``: the caller already validated the replayed ids (HybridModel does so
         once per forward, so that no MoE layer reads them on the host)."""
-        with torch.autocast(x_TD.device.type, enabled=False):  # fp32 even under autocast (its bias is fp32)
-            scores_TE = torch.sigmoid(router_logits(x_TD, self.weight))
-        biased_TE = scores_TE.detach() + self.e_score_correction_bias.to(scores_TE.dtype)
         # only gradient-carrying training forwards count: no-grad passes (old logprobs, replay
         # lookups) would add their tokens a second time
         collect = (
@@ -201,6 +202,14 @@ class MoEGate(nn.Module):
             and self.balancing_mode != "frozen"
             and torch.is_grad_enabled()
         )
+        with torch.autocast(x_TD.device.type, enabled=False):  # fp32 even under autocast (its bias is fp32)
+            logits_TE = router_logits(x_TD, self.weight)
+            if self.select_fn is not None and replay_TK is None and self.num_groups <= 1 and not collect:
+                bias = self.e_score_correction_bias
+                args = (logits_TE, bias, self.top_k, bool(self.renormalize), float(self.scaling))
+                return RouterOutput(*self.select_fn(*args))
+            scores_TE = torch.sigmoid(logits_TE)
+        biased_TE = scores_TE.detach() + self.e_score_correction_bias.to(scores_TE.dtype)
         if self.num_groups > 1:
             biased_TE = self._limit_to_groups(biased_TE)
         needs_cutoff = collect and self.balancing_mode.startswith("quantile")  # alpha_i = (k+1)-th value

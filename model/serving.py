@@ -4,8 +4,8 @@ function as it is and make a step cheaper.
 * ``fuse_feed_forward_inputs``: the projections that read the same input as one GEMM (``fuse_linears``);
 * ``counting_layout_over``: every grouped MoE ranks its route layout's slots one way for every step the
   engine can form, so a compiled MoE block compiles once;
-* ``route_decode_steps_in_single_launches``: on CUDA, a decode step's top-k as one Triton launch, its SiTU experts up
-  to the down product as one (and, chosen by ``LONGHORIZON_DECODE_ROUTE_LAYOUT``, its route layout);
+* ``route_decode_steps_in_single_launches``: on CUDA, a decode step's expert selection as one Triton launch, its
+  SiTU experts up to the down product as one (and, chosen by ``LONGHORIZON_DECODE_ROUTE_LAYOUT``, its route layout);
 * ``inductor_compile_threads``: inductor's compile workers, which ``import vllm`` pins to one;
 * ``kda_state_shapes`` / ``kda_state_dtypes``: a KDA layer's (or a stack of layers') per-sequence states in an
   engine's slots;
@@ -150,8 +150,11 @@ DECODE_ROUTE_LAYOUTS = ("compiled", "triton")
 
 
 def route_decode_steps_in_single_launches(model: nn.Module) -> None:
-    """Every router of ``model`` selects its top-k with ``kernels.moe.triton.top_experts_engine`` (a decode step's
-    in one Triton launch, where the sort was a single-block radix sort a layer; larger steps sort), and every grouped
+    """Every router of ``model`` selects its experts and weights from its logits with
+    ``kernels.moe.triton.select_experts_engine`` (a decode step's sigmoid, top-k and weights in one Triton launch,
+    where the compiled block ran the sigmoid, a single-block radix sort and the weights' gather as three kernels;
+    larger steps as the gate computes them), its top-k with ``top_experts_engine`` where routes are replayed, and
+    every grouped
     MoE of SiTU experts runs the permute, the gate/up product and the activation with
     ``kernels.moe.triton.permute_situ_engine`` (a decode step's in one launch, where they were three kernels). With
     ``LONGHORIZON_DECODE_ROUTE_LAYOUT=triton`` every grouped MoE also lays out its routes with
@@ -160,7 +163,12 @@ def route_decode_steps_in_single_launches(model: nn.Module) -> None:
     (bench/grouped_mm_decode.py --layout). Inside a MoE block compiled whole (the engine's scope on CUDA) the block's
     graph calls the ops; a scope that compiles the layout as a region of its own (``model.compile``'s "regions")
     swaps that back to the compiled ``route_tensors``."""
-    from kernels.moe.triton import permute_situ_engine, route_tensors_engine, top_experts_engine
+    from kernels.moe.triton import (
+        permute_situ_engine,
+        route_tensors_engine,
+        select_experts_engine,
+        top_experts_engine,
+    )
 
     layout = os.environ.get("LONGHORIZON_DECODE_ROUTE_LAYOUT", "compiled")
     if layout not in DECODE_ROUTE_LAYOUTS:
@@ -172,4 +180,4 @@ def route_decode_steps_in_single_launches(model: nn.Module) -> None:
             if m.act == "situ":
                 m.permute_glu_fn = permute_situ_engine
         elif isinstance(m, MoEGate):
-            m.top_fn = top_experts_engine
+            m.top_fn, m.select_fn = top_experts_engine, select_experts_engine

@@ -476,6 +476,76 @@ def top_experts_small(biased_TE: torch.Tensor, n: int) -> tuple[torch.Tensor, to
     return vals, idx
 
 
+@triton.jit
+def _select_small(x_ptr, bias_ptr, idx_ptr, w_ptr, E, sx, scaling, N: tl.constexpr, NP: tl.constexpr,
+                  BE: tl.constexpr, RENORM: tl.constexpr):  # fmt: skip
+    """Row ``program_id`` of ``MoEGate``'s selection from its logits: scores sigmoid(x), the N largest of scores +
+    bias taken as ``_top_small`` takes them (ties to the lower expert), and their unbiased scores as the weights,
+    renormalised over the N (``RENORM``) and scaled (``model.moe.routing_weights``)."""
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BE)
+    em = e < E
+    x = tl.load(x_ptr + row * sx + e, mask=em, other=0.0).to(tl.float32)
+    score = 1.0 / (1.0 + tl.exp(-x))
+    biased = tl.where(em, score + tl.load(bias_ptr + e, mask=em, other=0.0), -float("inf"))
+    taken = e >= E
+    n = tl.arange(0, NP)
+    w = tl.full([NP], 0.0, dtype=tl.float32)
+    for i in tl.static_range(N):
+        m = tl.reduce(tl.where(taken, -float("inf"), biased), 0, tl.standard._elementwise_max)
+        j = tl.reduce(tl.where(~taken & (biased == m), e, BE), 0, tl.standard._elementwise_min)
+        w = tl.where(n == i, tl.reduce(tl.where(e == j, score, 0.0), 0, _sum_combine), w)
+        tl.store(idx_ptr + row * N + i, j.to(tl.int64))
+        taken = taken | (e == j)
+    if RENORM:
+        w = w / tl.maximum(tl.reduce(w, 0, _sum_combine), 1e-20)
+    tl.store(w_ptr + row * N + n, w * scaling, mask=n < N)
+
+
+def select_experts_small(
+    logits_TE: torch.Tensor, bias_E: torch.Tensor, n: int, renormalize: bool, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(experts [T, n], weights [T, n] fp32) of ``MoEGate``'s selection from fp32 router logits (sigmoid scores,
+    the top n of scores + bias, the chosen unbiased scores renormalised and scaled) in one launch, a program a row:
+    a decode step's, where the compiled block ran the sigmoid, the top-k and the weights as three kernels. The
+    shapes ``top_small_takes`` takes; no NaN logits."""
+    T, E = logits_TE.shape
+    if not top_small_takes(logits_TE, n) or bias_E.shape != (E,):
+        raise ValueError(f"select_experts_small: fp32 logits [T <= {TOP_SMALL_MAX_ROWS}, E <= {TOP_SMALL_MAX_EXPERTS}]"
+                         f", bias [E] and 1 <= n <= E, got {logits_TE.dtype} {tuple(logits_TE.shape)}, bias "
+                         f"{tuple(bias_E.shape)} and n = {n}")  # fmt: skip
+    idx = torch.empty(T, n, dtype=torch.long, device=logits_TE.device)
+    w = torch.empty(T, n, dtype=torch.float32, device=logits_TE.device)
+    if T:
+        x = logits_TE if logits_TE.stride(-1) == 1 else logits_TE.contiguous()
+        _select_small[(T,)](x, bias_E.float().contiguous(), idx, w, E, x.stride(0), float(scaling), N=n,
+                            NP=triton.next_power_of_2(n), BE=triton.next_power_of_2(E), RENORM=renormalize,
+                            num_warps=4)  # fmt: skip
+    return idx, w
+
+
+@torch.library.custom_op(op_name("select_experts_engine"), mutates_args=())
+def select_experts_engine(
+    logits_TE: torch.Tensor, bias_E: torch.Tensor, n: int, renormalize: bool, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``MoEGate``'s selection from its logits for the rollout engine's routers (``model.serving`` on CUDA): a
+    decode step's rows in ``select_experts_small``'s one launch, larger steps as the gate computes them (sigmoid,
+    the sort, ``routing_weights``). A custom op: the rule on the row count is made when it runs."""
+    if logits_TE.is_cuda and top_small_takes(logits_TE, n):
+        return select_experts_small(logits_TE, bias_E, n, renormalize, scaling)
+    from model.moe import routing_weights, top_experts
+
+    scores_TE = torch.sigmoid(logits_TE)
+    experts_TK = top_experts(scores_TE + bias_E.to(scores_TE.dtype), n)[1].contiguous()
+    return experts_TK, routing_weights(scores_TE, experts_TK, renormalize, scaling).contiguous()
+
+
+@select_experts_engine.register_fake
+def _(logits_TE, bias_E, n, renormalize, scaling):
+    T = logits_TE.shape[0]
+    return logits_TE.new_empty(T, n, dtype=torch.long), logits_TE.new_empty(T, n, dtype=torch.float32)
+
+
 @torch.library.custom_op(op_name("top_experts_engine"), mutates_args=())
 def top_experts_engine(biased_TE: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``model.moe.top_experts`` for the rollout engine's routers (``model.serving.prepare_for_serving`` on CUDA):

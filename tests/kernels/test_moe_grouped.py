@@ -479,3 +479,45 @@ def test_permute_situ_engine_off_cuda_takes_the_three_steps(monkeypatch):
     args = (z, layout.src_row_P, layout.offs_E, w, 4.0, 25.0)
     assert_close("off CUDA", _situ_reference(z, layout, w, 4.0, 25.0), mod.permute_situ_engine(*args), 1e-6)
     torch.library.opcheck(mod.permute_situ_engine, args)
+
+
+def _gate_selection(logits, bias, n, renormalize, scaling):
+    """``MoEGate.forward``'s steps: sigmoid scores, the top n of scores + bias, the weights of the chosen."""
+    from model.moe import routing_weights, top_experts
+
+    scores = torch.sigmoid(logits)
+    experts = top_experts(scores + bias, n)[1]
+    return experts, routing_weights(scores, experts, renormalize, scaling)
+
+
+@pytest.mark.parametrize("T, E, n, renormalize, scaling", [(64, 128, 8, True, 1.0), (5, 20, 3, False, 2.5),
+                                                           (3, 7, 7, True, 0.5)])  # fmt: skip
+def test_select_experts_small_equals_the_gates_steps(monkeypatch, T, E, n, renormalize, scaling):
+    """The engine's one-launch selection under TRITON_INTERPRET=1 against the gate's sigmoid, sort and weights: the
+    same experts in the same order (ties in scores + bias to the lower expert), weights to fp32 rounding; E not a
+    power of two, n = E, rows strided."""
+    mod = _interpreted_triton_module()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(T + E)
+    logits = (3 * torch.randn(T, E + 2))[:, :E]  # rows strided
+    logits[0, : E // 2] = 0.25  # half a row tied
+    bias = 0.1 * torch.randn(E)
+    bias[: E // 2] = 0.0
+    want_i, want_w = _gate_selection(logits, bias, n, renormalize, scaling)
+    got_i, got_w = mod.select_experts_small(logits, bias, n, renormalize, scaling)
+    assert torch.equal(got_i, want_i)
+    assert got_w.dtype == torch.float32 and torch.allclose(got_w, want_w, rtol=1e-6, atol=0)
+
+
+def test_select_experts_refuses_what_it_does_not_take_and_the_engine_op_takes_the_gates_steps(monkeypatch):
+    """bf16 logits, a bias of the wrong size or n past E are a ValueError; the engine's op off CUDA (and for rows
+    the kernel does not take) is the gate's steps, exactly; its fake agrees under ``torch.library.opcheck``."""
+    mod = _interpreted_triton_module()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    logits, bias = torch.randn(4, 16), torch.randn(16)
+    for bad_logits, bad_bias, n in ((logits.bfloat16(), bias, 2), (logits, bias[:8], 2), (logits, bias, 17)):
+        with pytest.raises(ValueError, match="select_experts_small"):
+            mod.select_experts_small(bad_logits, bad_bias, n, True, 1.0)
+    got, want = mod.select_experts_engine(logits, bias, 3, True, 1.0), _gate_selection(logits, bias, 3, True, 1.0)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    torch.library.opcheck(mod.select_experts_engine, (logits, bias, 3, True, 1.0))

@@ -85,6 +85,11 @@ def _kernels():
           **{n: "i32" for n in ("S", "T", "k", "P", "align", "E")}, "BE": "constexpr", "BS": "constexpr",
           "BP": "constexpr"},
          {"BE": 128, "BS": 64, "BP": 1024}),
+        # the engine's decode expert selection from the router logits, a row a program
+        (moe._select_small,
+         {"x_ptr": "*fp32", "bias_ptr": "*fp32", "idx_ptr": "*i64", "w_ptr": "*fp32", "E": "i32", "sx": "i32",
+          "scaling": "fp32", "N": "constexpr", "NP": "constexpr", "BE": "constexpr", "RENORM": "constexpr"},
+         {"N": 8, "NP": 8, "BE": 128, "RENORM": True}),
         # the engine's decode top-k, a row a program
         (moe._top_small, {"x_ptr": "*fp32", "vals_ptr": "*fp32", "idx_ptr": "*i64", "E": "i32", "sx": "i32",
                           "N": "constexpr", "BE": "constexpr"}, {"N": 8, "BE": 128}),
@@ -110,7 +115,7 @@ def _kernels():
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("index", range(12))
+@pytest.mark.parametrize("index", range(13))
 def test_kernel_compiles_for_sm90(index):
     fn, signature, constexprs = _kernels()[index]
     # keyword order is the kernel's own: the signature must name every parameter

@@ -33,6 +33,35 @@ def test_no_renormalize_keeps_raw_scores():
     torch.testing.assert_close(route.experts_TK, scores.topk(2, -1).indices)
 
 
+def test_a_set_select_fn_gives_the_gates_routes_and_is_left_out_where_it_cannot_apply():
+    """``MoEGate.select_fn`` (the CUDA engine's one-launch selection; here its op off CUDA, the gate's own steps):
+    the same experts and weights as without it; not called with replayed routes, group-limited routing or while
+    training statistics are collected (those need the scores the function does not return)."""
+    from kernels.moe.triton import select_experts_engine
+
+    config = tiny_config(num_experts=8, num_experts_per_token=2, routed_scaling_factor=2.5)
+    gate = MoEGate(config).eval()
+    x = torch.randn(10, 64)
+    with torch.no_grad():
+        want = gate(x)
+        calls = []
+        gate.select_fn = lambda *a: calls.append(a) or select_experts_engine(*a)
+        got = gate(x)
+        assert len(calls) == 1 and calls[0][2:] == (2, True, 2.5)
+        assert torch.equal(got.experts_TK, want.experts_TK) and torch.equal(got.weights_TK, want.weights_TK)
+        gate.select_fn = None
+        replayed = gate(x, replay_TK=torch.zeros(10, 2, dtype=torch.long) + torch.tensor([0, 1]))
+        gate.select_fn = lambda *a: pytest.fail("select_fn with replayed routes")
+        assert torch.equal(gate(x, replay_TK=replayed.experts_TK).experts_TK, replayed.experts_TK)
+        gate.num_groups, gate.topk_groups = 2, 1
+        gate(x)  # group-limited: the steps
+        gate.num_groups = 1
+    gate.train()
+    gate.set_balancing("quantile", 16)  # collecting statistics
+    gate(x)
+    assert gate.pop_stats() is not None
+
+
 @pytest.mark.parametrize("T, E, n", [(1, 4, 1), (64, 128, 8), (300, 16, 3), (5, 128, 9)])
 def test_top_experts_is_topk_with_ties_to_the_lower_expert(T, E, n):
     scores = torch.rand(T, E, generator=torch.Generator().manual_seed(T + E))

@@ -150,10 +150,10 @@ def test_one_route_path_compiles_the_moe_block_once(monkeypatch):
 
 def test_the_engines_routing_ops_trace_in_a_compiled_moe_block_and_change_nothing(monkeypatch):
     """``route_decode_steps_in_single_launches`` (what the engine does on CUDA): a MoE block compiled whole calls the
-    top-k, layout and SiTU experts' ops (custom ops: their size rules are no guards, so one compile across step
+    selection, layout and SiTU experts' ops (custom ops: their size rules are no guards, so one compile across step
     sizes) and computes the same logits as the block with the traced sort, layout and activation, bit for bit (the
     same experts and integers, the same bf16 products). On CPU the ops take their torch paths; their Triton paths
-    are held to ``top_experts``, ``route_tensors`` and the permuted product's SiTU in
+    are held to the gate's steps, ``route_tensors`` and the permuted product's SiTU in
     tests/kernels/test_moe_grouped.py. The layout op as ``LONGHORIZON_DECODE_ROUTE_LAYOUT=triton`` picks it (the
     default keeps the compiled layout; another value is a ValueError). bf16: the grouped GEMM traces on the CPU only
     in bf16."""
@@ -169,7 +169,12 @@ def test_the_engines_routing_ops_trace_in_a_compiled_moe_block_and_change_nothin
     torch.manual_seed(0)
     plain = HybridForCausalLM(config).eval().to(torch.bfloat16)
     engine = copy.deepcopy(plain)
-    from kernels.moe.triton import permute_situ_engine, route_tensors_engine, top_experts_engine
+    from kernels.moe.triton import (
+        permute_situ_engine,
+        route_tensors_engine,
+        select_experts_engine,
+        top_experts_engine,
+    )
 
     default = copy.deepcopy(plain)
     route_decode_steps_in_single_launches(default)
@@ -181,7 +186,8 @@ def test_the_engines_routing_ops_trace_in_a_compiled_moe_block_and_change_nothin
     route_decode_steps_in_single_launches(engine)
 
     assert all(m.route_fn is route_tensors_engine for m in engine.modules() if isinstance(m, GroupedExperts))
-    assert all(m.top_fn is top_experts_engine for m in engine.modules() if isinstance(m, MoEGate))
+    gates = [m for m in engine.modules() if isinstance(m, MoEGate)]
+    assert gates and all(m.top_fn is top_experts_engine and m.select_fn is select_experts_engine for m in gates)
     experts = [m for m in engine.modules() if isinstance(m, GroupedExperts)]
     assert experts and all(m.act == "situ" and m.permute_glu_fn is permute_situ_engine for m in experts)
     steps = [torch.randint(0, config.vocab_size, (1, T)) for T in (160, 8)]  # a prefill-sized step, a decode one
