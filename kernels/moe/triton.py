@@ -444,6 +444,7 @@ def _top_small(x_ptr, vals_ptr, idx_ptr, E, sx, N: tl.constexpr, BE: tl.constexp
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BE)
     x = tl.load(x_ptr + row * sx + e, mask=e < E, other=-float("inf")).to(tl.float32)
+    x = tl.where(x == x, x, -float("inf"))  # NaN (a CUDA graph's padding rows) as -inf: an expert id all the same
     taken = e >= E
     for i in tl.static_range(N):
         m = tl.reduce(tl.where(taken, -float("inf"), x), 0, tl.standard._elementwise_max)
@@ -463,7 +464,8 @@ def top_small_takes(biased_TE: torch.Tensor, n: int) -> bool:
 def top_experts_small(biased_TE: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``model.moe.top_experts`` (the same values, experts and order) in one launch, a program a row, for up to
     ``TOP_SMALL_MAX_ROWS`` rows of up to ``TOP_SMALL_MAX_EXPERTS`` fp32 scores: a decode step's, where the sort
-    took a single-block radix sort a MoE layer. No NaN scores (a sort would order them first)."""
+    took a single-block radix sort a MoE layer. A NaN score counts as -inf (a sort would order it first): a CUDA
+    graph's padding rows, whose values nothing reads, still get expert ids in range."""
     T, E = biased_TE.shape
     if not top_small_takes(biased_TE, n):
         raise ValueError(f"top_experts_small: fp32 scores [T <= {TOP_SMALL_MAX_ROWS}, E <= {TOP_SMALL_MAX_EXPERTS}] "
@@ -487,7 +489,8 @@ def _select_small(x_ptr, bias_ptr, idx_ptr, w_ptr, E, sx, scaling, N: tl.constex
     em = e < E
     x = tl.load(x_ptr + row * sx + e, mask=em, other=0.0).to(tl.float32)
     score = 1.0 / (1.0 + tl.exp(-x))
-    biased = tl.where(em, score + tl.load(bias_ptr + e, mask=em, other=0.0), -float("inf"))
+    biased = score + tl.load(bias_ptr + e, mask=em, other=0.0)
+    biased = tl.where(em & (biased == biased), biased, -float("inf"))  # NaN (padding rows) as -inf, as in _top_small
     taken = e >= E
     n = tl.arange(0, NP)
     w = tl.full([NP], 0.0, dtype=tl.float32)
@@ -508,7 +511,7 @@ def select_experts_small(
     """(experts [T, n], weights [T, n] fp32) of ``MoEGate``'s selection from fp32 router logits (sigmoid scores,
     the top n of scores + bias, the chosen unbiased scores renormalised and scaled) in one launch, a program a row:
     a decode step's, where the compiled block ran the sigmoid, the top-k and the weights as three kernels. The
-    shapes ``top_small_takes`` takes; no NaN logits."""
+    shapes ``top_small_takes`` takes; a NaN logit's expert counts as -inf (``top_experts_small``)."""
     T, E = logits_TE.shape
     if not top_small_takes(logits_TE, n) or bias_E.shape != (E,):
         raise ValueError(f"select_experts_small: fp32 logits [T <= {TOP_SMALL_MAX_ROWS}, E <= {TOP_SMALL_MAX_EXPERTS}]"

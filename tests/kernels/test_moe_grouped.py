@@ -521,3 +521,19 @@ def test_select_experts_refuses_what_it_does_not_take_and_the_engine_op_takes_th
     got, want = mod.select_experts_engine(logits, bias, 3, True, 1.0), _gate_selection(logits, bias, 3, True, 1.0)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     torch.library.opcheck(mod.select_experts_engine, (logits, bias, 3, True, 1.0))
+
+
+def test_one_launch_selections_give_expert_ids_in_range_for_nan_rows(monkeypatch):
+    """A CUDA graph's padding rows may hold NaN (nothing reads their results): the one-launch top-k and selection
+    still give every row distinct expert ids in [0, E) (a NaN counts as -inf), where an out-of-range id would fault
+    the layout after them; finite rows as before."""
+    mod = _interpreted_triton_module()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    logits = torch.randn(4, 16)
+    logits[1] = float("nan")
+    logits[2, ::2] = float("nan")
+    for idx in (mod.top_experts_small(logits, 4)[1], mod.select_experts_small(logits, torch.zeros(16), 4, True, 1.0)[0]):
+        assert int(idx.min()) >= 0 and int(idx.max()) < 16
+        assert all(len(set(row.tolist())) == 4 for row in idx)
+        assert torch.equal(idx[1], torch.arange(4))  # all NaN: the lowest experts
+        assert bool((idx[2] % 2 == 1).all())  # the finite (odd) experts first
