@@ -20,26 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.glu.jit import situ, tanh
 from kernels.op_names import op_name
 
 BLOCK_C = 256
 BLOCK_R = 8  # rows per program: 2048 elements, enough work per program for a memory-bound kernel
 
 
-@triton.jit
-def _tanh(x):
-    """tanh in fp32 to a few ulp without libdevice (the interpreter has none): an odd series below
-    |x| = 0.2 (where 1 - exp(-2|x|) would cancel), (1 - e) / (1 + e) with e = exp(-2|x|) above."""
-    ax = tl.abs(x)
-    e = tl.exp(-2.0 * ax)
-    big = (1.0 - e) / (1.0 + e)
-    x2 = x * x
-    small = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
-    t = tl.where(ax < 0.2, small, big)
-    return tl.where(x < 0, -t, t)
-
-
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # one compile for every row count (an engine's prefill steps vary)
 def _situ_fwd(g_ptr, u_ptr, h_ptr, R, C, g_stride, u_stride, beta, inv_beta, lb, inv_lb,
               BR: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row0 = tl.program_id(0).to(tl.int64) * BR  # the program's first row in 64 bits, offsets inside it in 32
@@ -48,13 +36,11 @@ def _situ_fwd(g_ptr, u_ptr, h_ptr, R, C, g_stride, u_stride, beta, inv_beta, lb,
     m = (row0 + rows < R) & (cols < C)
     g = tl.load(g_ptr + row0 * g_stride + (rows * g_stride + cols), mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row0 * u_stride + (rows * u_stride + cols), mask=m, other=0.0).to(tl.float32)
-    a = beta * _tanh(g * inv_beta)
-    s = 1.0 / (1.0 + tl.exp(-g))  # not tl.sigmoid: the interpreter cannot run it
-    b = lb * _tanh(u * inv_lb)
-    tl.store(h_ptr + row0 * C + (rows * C + cols), (a * s * b).to(h_ptr.dtype.element_ty), mask=m)
+    h = situ(g, u, beta, inv_beta, lb, inv_lb)
+    tl.store(h_ptr + row0 * C + (rows * C + cols), h.to(h_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _situ_bwd(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, R, C, g_stride, u_stride, dh_stride, beta, inv_beta, lb, inv_lb,
               BR: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row0 = tl.program_id(0).to(tl.int64) * BR
@@ -64,10 +50,10 @@ def _situ_bwd(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, R, C, g_stride, u_stride, dh
     g = tl.load(g_ptr + row0 * g_stride + (rows * g_stride + cols), mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row0 * u_stride + (rows * u_stride + cols), mask=m, other=0.0).to(tl.float32)
     dh = tl.load(dh_ptr + row0 * dh_stride + (rows * dh_stride + cols), mask=m, other=0.0).to(tl.float32)
-    t1 = _tanh(g * inv_beta)
+    t1 = tanh(g * inv_beta)
     a = beta * t1
     s = 1.0 / (1.0 + tl.exp(-g))  # not tl.sigmoid: the interpreter cannot run it
-    t2 = _tanh(u * inv_lb)
+    t2 = tanh(u * inv_lb)
     b = lb * t2
     dg = dh * b * (s * (1.0 - t1 * t1) + a * s * (1.0 - s))
     du = dh * a * s * (1.0 - t2 * t2)

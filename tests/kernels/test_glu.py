@@ -16,7 +16,7 @@ from model.layers import situ_glu
 
 triton = pytest.importorskip("triton")
 
-(GLU,) = import_interpreted("kernels.glu.triton")
+_, GLU = import_interpreted("kernels.glu.jit", "kernels.glu.triton")
 
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")

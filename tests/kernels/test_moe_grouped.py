@@ -131,7 +131,7 @@ def test_unaligned_or_float64_take_the_loop_and_bad_shapes_are_named():
 
 def _interpreted_triton_module():
     pytest.importorskip("triton")
-    return import_interpreted("kernels.glu.triton", "kernels.moe.triton")[1]  # its SiTU epilogue is glu's
+    return import_interpreted("kernels.glu.jit", "kernels.moe.triton")[1]  # its SiTU epilogue is glu's
 
 
 @pytest.mark.parametrize("N, K", [(64, 32), (40, 24)])  # one tile; partial tiles in both dims
@@ -456,10 +456,11 @@ def test_permute_situ_small_equals_permute_product_and_activation(monkeypatch, d
 
 
 def test_permute_situ_launch_and_bad_input():
-    """Half the plain product's columns a program (two accumulators), never under 16; mismatched operands named."""
+    """Half the plain product's columns a program (two accumulators), 128-wide k tiles from 1,024 rows (the --situ
+    sweep's table); mismatched operands named."""
     mod = _interpreted_triton_module()
-    assert mod.situ_tiles(512) == mod.SmallTiles(bn=32)
-    assert mod.situ_tiles(3000).bn == mod.small_tiles(3000).bn // 2
+    assert mod.situ_tiles(960) == mod.SmallTiles(bn=32)
+    assert mod.situ_tiles(1024) == mod.situ_tiles(3000) == mod.SmallTiles(bn=32, bk=128)
     z, src, offs = torch.randn(4, 8), torch.zeros(6, dtype=torch.long), torch.tensor([6, 6], dtype=torch.int32)
     for w in (torch.randn(2, 10, 6), torch.randn(2, 9, 8), torch.randn(2, 10, 8).double()):
         with pytest.raises(ValueError, match="permute_situ"):

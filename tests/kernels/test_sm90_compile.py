@@ -42,7 +42,7 @@ def _import_for_gpu(name: str, *deps: str):
 
 def _kernels():
     conv = _import_for_gpu("kernels.conv.triton")
-    moe = _import_for_gpu("kernels.moe.triton", "kernels.glu.triton")
+    moe = _import_for_gpu("kernels.moe.triton", "kernels.glu.jit")
     decode = _import_for_gpu("kernels.kda.triton.decode", "kernels.kda.triton.common")
     attnres = _import_for_gpu("kernels.attnres.triton")
 
