@@ -355,46 +355,65 @@ def _(z_TZ, src_row_P, offs_E, w_GNZ, beta, linear_beta):
 
 _sum_combine = tl.standard._sum_combine  # tl.sum / tl.cumsum are jit functions the interpreter cannot call here
 
-# slots (tokens x top-k) up to which ``route_tensors_engine`` lays a routing out in one launch: a decode step of up
+# slots (tokens x top-k) up to which ``route_tensors_engine`` lays a routing out in two launches: a decode step of up
 # to 128 sequences at top-8
 ROUTE_SMALL_MAX = 1024
 
 
+@triton.jit(do_not_specialize=["S"])
+def _route_ranks(experts_ptr, rank_ptr, counts_ptr, S, BS: tl.constexpr):
+    """Each slot's rank among its expert's slots, from atomic adds on the expert counts (in any order)."""
+    s = tl.program_id(0) * BS + tl.arange(0, BS)
+    sm = s < S
+    ex = tl.load(experts_ptr + s, mask=sm, other=0).to(tl.int32)
+    tl.store(rank_ptr + s, tl.atomic_add(counts_ptr + ex, 1, mask=sm).to(tl.int64), mask=sm)
+
+
 @triton.jit(do_not_specialize=["S", "T", "P"])  # one compile for every decode batch size
-def _route_small(experts_ptr, src_row_ptr, row_of_slot_ptr, offs_ptr, S, T, k, P, align, E,
-                 BE: tl.constexpr, BS: tl.constexpr, BP: tl.constexpr):  # fmt: skip
-    """``kernels.moe.route_tensors`` in one program: the slots' expert counts, the padded groups' ends, then each
-    slot's row (its group's start plus the slots of its expert before it: a running count and a prefix sum over
-    one-hot [E, BS] tiles) and the token feeding each row (T for padding and tail rows)."""
+def _route_rows(experts_ptr, src_row_ptr, row_of_slot_ptr, offs_ptr, counts_ptr, start_ptr, S, T, k, P, align, E,
+                BE: tl.constexpr, BS: tl.constexpr, BP: tl.constexpr):  # fmt: skip
+    """The layout from the counts and ranks ``_route_ranks`` left (the ranks in ``row_of_slot``), in one program:
+    the padded groups' ends, T in every row, each slot's row (its group's start plus its rank) and the token feeding
+    it; the counts reset to zero for the next step."""
     e = tl.arange(0, BE)
-    counts = tl.full([BE], 0, tl.int32)
-    for s0 in range(0, S, BS):
-        s = s0 + tl.arange(0, BS)
-        ex = tl.load(experts_ptr + s, mask=s < S, other=-1).to(tl.int32)
-        counts += tl.reduce((ex[None, :] == e[:, None]).to(tl.int32), 1, _sum_combine)
+    counts = tl.load(counts_ptr + e, mask=e < E, other=0)
+    tl.store(counts_ptr + e, tl.full([BE], 0, tl.int32), mask=e < E)
     padded = (counts + align - 1) // align * align
     ends = tl.associative_scan(padded, 0, _sum_combine)
     tl.store(offs_ptr + e, ends, mask=e < E)
+    tl.store(start_ptr + e, ends - padded, mask=e < E)
     for p0 in range(0, P, BP):
         p = p0 + tl.arange(0, BP)
         tl.store(src_row_ptr + p, tl.full([BP], 0, tl.int64) + T, mask=p < P)
-    tl.debug_barrier()  # the tail rows' T written before any slot's token overwrites its row
-    running = ends - padded  # the next free row of each group
+    tl.debug_barrier()  # the starts and the tail rows' T stored before they are read or overwritten
     for s0 in range(0, S, BS):
-        s = s0 + tl.arange(0, BS)
-        sm = s < S
-        ex = tl.load(experts_ptr + s, mask=sm, other=-1).to(tl.int32)
-        onehot = (ex[None, :] == e[:, None]).to(tl.int32)  # [BE, BS]
-        seen = tl.associative_scan(onehot, 1, _sum_combine)  # slots of e up to and including s, within the tile
-        row = tl.reduce(onehot * (running[:, None] + seen - 1), 0, _sum_combine)
-        tl.store(row_of_slot_ptr + s, row.to(tl.int64), mask=sm)
-        tl.store(src_row_ptr + row, (s // k).to(tl.int64), mask=sm)
-        running += tl.reduce(onehot, 1, _sum_combine)
+        t = s0 + tl.arange(0, BS)
+        tm = t < S
+        ex = tl.load(experts_ptr + t, mask=tm, other=0).to(tl.int32)
+        row = tl.load(start_ptr + ex, mask=tm, other=0) + tl.load(row_of_slot_ptr + t, mask=tm, other=0)
+        tl.store(row_of_slot_ptr + t, row.to(tl.int64), mask=tm)
+        tl.store(src_row_ptr + row, (t // k).to(tl.int64), mask=tm)
+
+
+_ROUTE_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _route_scratch(device: torch.device, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counts [E], starts [E]) int32 of the layout kernels on ``device``, made once (zeros: every layout leaves
+    the counts at zero), so a captured CUDA graph replays with the same buffers."""
+    key = (device, num_experts)
+    if key not in _ROUTE_SCRATCH:
+        z = torch.zeros(2 * num_experts, dtype=torch.int32, device=device)
+        _ROUTE_SCRATCH[key] = (z[:num_experts], z[num_experts:])
+    return _ROUTE_SCRATCH[key]
 
 
 def route_tensors_small(experts_TK: torch.Tensor, num_experts: int, align: int) -> tuple[torch.Tensor, ...]:
-    """``kernels.moe.route_tensors`` (the same integers and dtypes) in one launch of one program, for up to
-    ``ROUTE_SMALL_MAX`` slots: a decode step's layout, where the compiled one ran about six small kernels."""
+    """``kernels.moe.route_tensors`` in two launches for up to ``ROUTE_SMALL_MAX`` slots (a decode step's layout,
+    where the compiled one ran about eight kernels, ~12 us a MoE layer on an H100): the slots' ranks by atomic adds
+    (``_route_ranks``), then the rows in one program (``_route_rows``). The same groups, group ends, padding rows
+    and dtypes, each slot in its expert's group, but the rows inside a group in any order, which changes no
+    product: each row of the grouped GEMMs is computed alone, and the combine reads every slot's row where it is."""
     T, k = experts_TK.shape
     S = T * k
     if S > ROUTE_SMALL_MAX or num_experts < 1 or align < 1:
@@ -405,9 +424,13 @@ def route_tensors_small(experts_TK: torch.Tensor, num_experts: int, align: int) 
     src_row_P = torch.empty(P, dtype=torch.long, device=dev)
     row_of_slot_S = torch.empty(S, dtype=torch.long, device=dev)
     offs_E = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    _route_small[(1,)](
-        experts_TK.reshape(-1), src_row_P, row_of_slot_S, offs_E, S, T, max(k, 1), P, align, num_experts,
-        BE=triton.next_power_of_2(num_experts), BS=64, BP=1024, num_warps=4,
+    counts, starts = _route_scratch(dev, num_experts)
+    flat = experts_TK.reshape(-1)
+    if S:
+        _route_ranks[(triton.cdiv(S, 128),)](flat, row_of_slot_S, counts, S, BS=128, num_warps=4)
+    _route_rows[(1,)](
+        flat, src_row_P, row_of_slot_S, offs_E, counts, starts, S, T, max(k, 1), P, align, num_experts,
+        BE=triton.next_power_of_2(num_experts), BS=128, BP=1024, num_warps=4,
     )  # fmt: skip
     return src_row_P, row_of_slot_S, offs_E
 

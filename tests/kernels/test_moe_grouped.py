@@ -356,9 +356,11 @@ def test_expert_nodes_on_the_triton_grouped_mm_equal_the_loop(monkeypatch):
      (65, 8, 16, 16, True),  # one expert takes most slots (ranks past a tile), groups padded to 16
      (1, 1, 4, 4, False)],  # one slot
 )  # fmt: skip
-def test_route_tensors_small_equal_the_torch_layout(monkeypatch, T, k, E, align, skew):
-    """The engine's one-launch route layout under TRITON_INTERPRET=1: the same integers and dtypes as
-    ``route_tensors`` (rows by expert, stable in slot order, groups padded to ``align``, T in the padding rows)."""
+def test_route_tensors_small_equal_the_torch_layout_up_to_the_order_inside_groups(monkeypatch, T, k, E, align, skew):
+    """The engine's two-launch route layout under TRITON_INTERPRET=1 against ``route_tensors``: the same dtypes,
+    group ends and padding rows (T), every slot in its expert's group on a row that reads its token, each group the
+    same tokens (its rows in any order: the ranks come from atomic adds); twice in a row (the counts left at zero);
+    and the grouped product and combine through it equal to theirs through ``route_tensors``, bit for bit."""
     mod = _interpreted_triton_module()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     torch.manual_seed(T * 31 + E)
@@ -366,9 +368,24 @@ def test_route_tensors_small_equal_the_torch_layout(monkeypatch, T, k, E, align,
     if skew:
         experts[:, 0] = 3  # every token's first slot on expert 3: 65 ranks of one expert
     want = moe_kernels.route_tensors(experts, E, align)
-    got = mod.route_tensors_small(experts, E, align)
-    for name, w, g in zip(("src_row_P", "row_of_slot_S", "offs_E"), want, got, strict=True):
-        assert g.dtype == w.dtype and torch.equal(g, w), name
+    for _ in range(2):
+        got = mod.route_tensors_small(experts, E, align)
+        assert all(g.dtype == w.dtype and g.shape == w.shape for g, w in zip(got, want, strict=True))
+        (src, rows, offs), (want_src, _, want_offs) = got, want
+        assert torch.equal(offs, want_offs)
+        starts = torch.cat([offs.new_zeros(1), offs[:-1]]).long()
+        slot_ex = experts.reshape(-1)
+        assert bool(((rows >= starts[slot_ex]) & (rows < offs.long()[slot_ex])).all())  # in its expert's group
+        assert torch.equal(src[rows], torch.arange(T * k) // k)  # the row reads its slot's token
+        for e in range(E):
+            group = slice(int(starts[e]), int(offs[e]))
+            assert torch.equal(src[group].sort().values, want_src[group].sort().values)
+        assert bool((src[int(offs[-1]) :] == T).all())
+    z, w = torch.randn(T, 16), torch.randn(E, 8, 16)
+    lay = lambda t: moe_kernels.RouteLayout(*t, T, k)
+    ys = [moe_kernels.combine(grouped_mm_naive(moe_kernels.permute(z, lay(t)), w, t[2]), lay(t), torch.ones(T, k))
+          for t in (want, got)]  # fmt: skip
+    assert torch.equal(*ys)
 
 
 def test_route_tensors_small_refuses_a_prefill_size_and_the_engine_op_takes_torch_there(monkeypatch):

@@ -79,12 +79,14 @@ def _kernels():
           **{n: "fp32" for n in ("beta", "inv_beta", "lb", "inv_lb")}, "PREC": "constexpr", "BM": "constexpr",
           "BN": "constexpr", "BK": "constexpr"},
          {"PREC": "tf32", "BM": moe.SMALL_BM, "BN": moe.SMALL_BN // 2, "BK": moe.SMALL_BK}),
-        # the engine's decode route layout in one program
-        (moe._route_small,
+        # the engine's decode route layout in two launches
+        (moe._route_ranks, {"experts_ptr": "*i64", "rank_ptr": "*i64", "counts_ptr": "*i32", "S": "i32",
+                            "BS": "constexpr"}, {"BS": 128}),
+        (moe._route_rows,
          {"experts_ptr": "*i64", "src_row_ptr": "*i64", "row_of_slot_ptr": "*i64", "offs_ptr": "*i32",
-          **{n: "i32" for n in ("S", "T", "k", "P", "align", "E")}, "BE": "constexpr", "BS": "constexpr",
-          "BP": "constexpr"},
-         {"BE": 128, "BS": 64, "BP": 1024}),
+          "counts_ptr": "*i32", "start_ptr": "*i32", **{n: "i32" for n in ("S", "T", "k", "P", "align", "E")},
+          "BE": "constexpr", "BS": "constexpr", "BP": "constexpr"},
+         {"BE": 128, "BS": 128, "BP": 1024}),
         # the engine's decode expert selection from the router logits, a row a program
         (moe._select_small,
          {"x_ptr": "*fp32", "bias_ptr": "*fp32", "idx_ptr": "*i64", "w_ptr": "*fp32", "E": "i32", "sx": "i32",
@@ -115,7 +117,7 @@ def _kernels():
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("index", range(13))
+@pytest.mark.parametrize("index", range(14))
 def test_kernel_compiles_for_sm90(index):
     fn, signature, constexprs = _kernels()[index]
     # keyword order is the kernel's own: the signature must name every parameter
