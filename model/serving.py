@@ -126,8 +126,8 @@ def prepare_for_serving(model: nn.Module, max_step_tokens: int) -> None:
     (``attn_res_mix_stacked``: one compiled graph whatever the number of sources); on CUDA each mix and the
     sub-layer's norm after it are one Triton kernel reading the sources where they are
     (``kernels.attnres.attn_res_mix_norm_sources_triton``: 1 launch a mix where the compiled mix and the norm made
-    5, and the stacked sources' kernel 2; no compile of the mix at the engine's start), and a decode step's top-k is one
-    launch (``route_decode_steps_in_single_launches``)."""
+    5, and the stacked sources' kernel 2; no compile of the mix at the engine's start), and a decode step's expert
+    selection and SiTU experts are one launch each (``route_decode_steps_in_single_launches``)."""
     model.eval()
     model.requires_grad_(False)
     on_cuda = any(p.is_cuda for p in model.parameters())
@@ -154,13 +154,12 @@ def route_decode_steps_in_single_launches(model: nn.Module) -> None:
     ``kernels.moe.triton.select_experts_engine`` (a decode step's sigmoid, top-k and weights in one Triton launch,
     where the compiled block ran the sigmoid, a single-block radix sort and the weights' gather as three kernels;
     larger steps as the gate computes them), its top-k with ``top_experts_engine`` where routes are replayed, and
-    every grouped
-    MoE of SiTU experts runs the permute, the gate/up product and the activation with
+    every grouped MoE of SiTU experts runs the permute, the gate/up product and the activation with
     ``kernels.moe.triton.permute_situ_engine`` (a decode step's in one launch, where they were three kernels). With
     ``LONGHORIZON_DECODE_ROUTE_LAYOUT=triton`` every grouped MoE also lays out its routes with
-    ``kernels.moe.triton.route_tensors_engine`` (one program, where the compiled layout is about six kernels a MoE
-    layer); the default, "compiled", keeps the compiled layout until the one-program kernel is timed on a GPU
-    (bench/grouped_mm_decode.py --layout). Inside a MoE block compiled whole (the engine's scope on CUDA) the block's
+    ``kernels.moe.triton.route_tensors_engine`` (two launches, where the compiled layout is about eight kernels a
+    MoE layer); the default, "compiled", keeps the compiled layout until the two launches are timed in an engine
+    (bench/grouped_mm_decode.py --layout times them alone). Inside a MoE block compiled whole (the engine's scope on CUDA) the block's
     graph calls the ops; a scope that compiles the layout as a region of its own (``model.compile``'s "regions")
     swaps that back to the compiled ``route_tensors``."""
     from kernels.moe.triton import (

@@ -340,9 +340,9 @@ def permute_situ_engine(
         return permute_situ_small(z_TZ, src_row_P, offs_E.to(torch.int32), w_GNZ, beta, linear_beta)
     from kernels.glu import situ_glu_reference
     from kernels.glu.triton import situ_glu_values
-    from kernels.moe import _grouped_mm_forward, grouped_mm_backend
+    from kernels.moe import _grouped_mm_forward, _with_zero_row, grouped_mm_backend
 
-    x_PZ = torch.nn.functional.pad(z_TZ, (0, 0, 0, 1)).index_select(0, src_row_P)
+    x_PZ = _with_zero_row(z_TZ).index_select(0, src_row_P)  # the permute (``kernels.moe.permute_reference``)
     g_PI, u_PI = _grouped_mm_forward(x_PZ, w_GNZ, offs_E, grouped_mm_backend(x_PZ, w_GNZ)).chunk(2, dim=-1)
     glu = situ_glu_values if z_TZ.is_cuda else situ_glu_reference
     return glu(g_PI, u_PI, beta, linear_beta)
@@ -465,21 +465,27 @@ TOP_SMALL_MAX_ROWS = 1024
 
 
 @triton.jit
+def _take_largest(x, taken, e, BE: tl.constexpr):
+    """One round of the one-launch top-k: the largest of ``x`` not yet ``taken`` (a -inf included) at its lowest
+    index ``e``, as a stable descending sort orders ties. Returns (value, index, taken with it)."""
+    m = tl.reduce(tl.where(taken, -float("inf"), x), 0, tl.standard._elementwise_max)
+    j = tl.reduce(tl.where(~taken & (x == m), e, BE), 0, tl.standard._elementwise_min)
+    return m, j, taken | (e == j)
+
+
+@triton.jit
 def _top_small(x_ptr, vals_ptr, idx_ptr, E, sx, N: tl.constexpr, BE: tl.constexpr):
     """Row ``program_id`` of ``top_experts``: the N largest scores and their experts in descending order, ties to
-    the lower expert, as a stable descending sort's first N: N rounds each taking the largest score not yet taken
-    (a -inf score included) at its lowest index."""
+    the lower expert, as a stable descending sort's first N: N rounds of ``_take_largest``."""
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BE)
     x = tl.load(x_ptr + row * sx + e, mask=e < E, other=-float("inf")).to(tl.float32)
     x = tl.where(x == x, x, -float("inf"))  # NaN (a CUDA graph's padding rows) as -inf: an expert id all the same
     taken = e >= E
     for i in tl.static_range(N):
-        m = tl.reduce(tl.where(taken, -float("inf"), x), 0, tl.standard._elementwise_max)
-        j = tl.reduce(tl.where(~taken & (x == m), e, BE), 0, tl.standard._elementwise_min)
+        m, j, taken = _take_largest(x, taken, e, BE)
         tl.store(vals_ptr + row * N + i, m)
         tl.store(idx_ptr + row * N + i, j.to(tl.int64))
-        taken = taken | (e == j)
 
 
 def top_small_takes(biased_TE: torch.Tensor, n: int) -> bool:
@@ -523,11 +529,9 @@ def _select_small(x_ptr, bias_ptr, idx_ptr, w_ptr, E, sx, scaling, N: tl.constex
     n = tl.arange(0, NP)
     w = tl.full([NP], 0.0, dtype=tl.float32)
     for i in tl.static_range(N):
-        m = tl.reduce(tl.where(taken, -float("inf"), biased), 0, tl.standard._elementwise_max)
-        j = tl.reduce(tl.where(~taken & (biased == m), e, BE), 0, tl.standard._elementwise_min)
+        _, j, taken = _take_largest(biased, taken, e, BE)
         w = tl.where(n == i, tl.reduce(tl.where(e == j, score, 0.0), 0, _sum_combine), w)
         tl.store(idx_ptr + row * N + i, j.to(tl.int64))
-        taken = taken | (e == j)
     if RENORM:
         w = w / tl.maximum(tl.reduce(w, 0, _sum_combine), 1e-20)
     tl.store(w_ptr + row * N + n, w * scaling, mask=n < N)
