@@ -45,7 +45,7 @@ from kernels.moe.triton import (
     small_tiles,
     top_experts_small,
 )
-from model.moe import routing_weights, top_experts
+from model.moe import select_experts, top_experts
 
 EXPERTS, TOP_K, Z, I = 128, 8, 512, 256  # gpu_1b (configs/model/gpu_1b.yaml)
 
@@ -101,8 +101,7 @@ def sweep(tokens: int, n: int, k: int) -> dict:
     used = int(lay.offs_E[-1])
     ref = cutlass()[:used]
     gb = w.numel() * w.element_size() / 1e9
-    # the timed calls cycle through copies of the weights larger than L2 together, as a step's layers do
-    copies = [w] + [w.clone() for _ in range(max(1, -(-L2_BYTES // (w.numel() * w.element_size()))))]
+    copies = weight_copies(w)
     rows, failed = [], []
     for (bm, bn, bk), (warps, stages) in itertools.product(SWEEP_TILES, SWEEP_WARPS_STAGES):
         tiles = SmallTiles(bm, bn, bk, warps, stages)
@@ -144,8 +143,9 @@ def layout(tokens: int) -> dict:
     us_sort, us_top = graph_us(sort), graph_us(top)
     # the whole selection from the logits: the gate's sigmoid, sort and weights compiled, against the one launch
     logits, bias = 3 * torch.randn(tokens, EXPERTS, device=dev), 0.1 * torch.randn(EXPERTS, device=dev)
-    steps = torch.compile(gate_selection, dynamic=False)
-    gate, select = lambda: steps(logits, bias), lambda: select_experts_small(logits, bias, TOP_K, True, 1.0)
+    steps = torch.compile(select_experts, dynamic=False)  # gpu_1b: renormalised, scaling 1
+    gate = lambda: steps(logits, bias, TOP_K, True, 1.0)
+    select = lambda: select_experts_small(logits, bias, TOP_K, True, 1.0)
     select_equal = torch.equal(gate()[0], select()[0])
     us_gate, us_select = graph_us(gate), graph_us(select)
     return dict(tokens=tokens, slots=tokens * TOP_K, equal=equal, compiled_us=us_c, small_us=us_s, speedup=us_c / us_s,
@@ -159,15 +159,8 @@ def same_groups(want: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...]) -
     (src_w, _, offs_w), (src_g, rows_g, offs_g) = want, got
     if not torch.equal(offs_w, offs_g) or not torch.equal(src_g[rows_g], src_w[want[1]]):
         return False
-    starts = [0, *offs_w.tolist()[:-1]]
-    return all(torch.equal(src_w[a:b].sort().values, src_g[a:b].sort().values) for a, b in zip(starts, offs_w.tolist()))
-
-
-def gate_selection(logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``MoEGate.forward``'s steps from the logits (gpu_1b: renormalised, scaling 1)."""
-    scores = torch.sigmoid(logits)
-    experts = top_experts(scores + bias, TOP_K)[1]
-    return experts, routing_weights(scores, experts, True, 1.0)
+    ends = offs_w.tolist()
+    return all(torch.equal(src_w[a:b].sort().values, src_g[a:b].sort().values) for a, b in zip([0, *ends], ends))
 
 
 # the fused SiTU kernel's launches ``--situ`` tries beside its default (``situ_tiles``)
@@ -184,7 +177,7 @@ def situ(tokens: int) -> dict:
     lay = route_layout(random_routes(tokens, dev), EXPERTS, grouped_mm_alignment(dev, torch.bfloat16))
     z = torch.randn(tokens, Z, device=dev, dtype=torch.bfloat16)
     w = torch.randn(EXPERTS, 2 * I, Z, device=dev, dtype=torch.bfloat16) * Z**-0.5
-    copies = [w] + [w.clone() for _ in range(max(1, -(-L2_BYTES // (w.numel() * w.element_size()))))]
+    copies = weight_copies(w)
     gather = torch.compile(lambda z_, src: torch.nn.functional.pad(z_, (0, 0, 0, 1)).index_select(0, src))
     act = torch.compile(lambda gu: situ_glu_reference(*gu.chunk(2, dim=-1)))
 
@@ -201,6 +194,12 @@ def situ(tokens: int) -> dict:
     row["default_us"] = row["launches"][0]["us"]
     row["speedup"] = row["three_us"] / row["default_us"]
     return row
+
+
+def weight_copies(w: torch.Tensor) -> list[torch.Tensor]:
+    """``w`` and clones of it, more bytes together than L2: timed calls cycle through them (``over_copies``), as a
+    step's layers read weights the cache does not hold."""
+    return [w] + [w.clone() for _ in range(max(1, -(-L2_BYTES // (w.numel() * w.element_size()))))]
 
 
 def over_copies(copies: list[torch.Tensor], call):

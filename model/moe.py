@@ -66,6 +66,18 @@ def routing_weights(
     return weights_TK
 
 
+def select_experts(
+    logits_TE: torch.Tensor, bias_E: torch.Tensor, n: int, renormalize: bool, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(experts [T, n], weights [T, n]) from router logits as ``MoEGate.forward`` selects them without groups,
+    replayed routes or statistics: sigmoid scores, the top n of scores + bias (``top_experts``), the chosen
+    unbiased scores through ``routing_weights``. The reference of the engine's one-launch selection
+    (``kernels.moe.triton.select_experts_engine``)."""
+    scores_TE = torch.sigmoid(logits_TE)
+    experts_TK = top_experts(scores_TE + bias_E.to(scores_TE.dtype), n)[1]
+    return experts_TK, routing_weights(scores_TE, experts_TK, renormalize, scaling)
+
+
 def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
     """W_r x in fp32. When x and W are both bf16 on CUDA (the engine's model) the product runs on the tensor
     cores with fp32 accumulation and an fp32 result (``aten::mm.dtype``): each product of two bf16 values is

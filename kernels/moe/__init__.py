@@ -56,8 +56,8 @@ if TYPE_CHECKING:
     from kernels.glu import GluActivation
 
 __all__ = ["GROUPED_MM_BACKENDS", "RouteLayout", "combine", "combine_reference", "glu_grouped_mm_combine", "grouped_mm",
-           "grouped_mm_alignment", "grouped_mm_backend", "grouped_mm_combine", "grouped_mm_dw", "grouped_mm_dx", "permute", "permute_grouped_mm", "permute_reference",
-           "route_layout", "route_tensors", "unpermute"]  # fmt: skip
+           "grouped_mm_alignment", "grouped_mm_backend", "grouped_mm_combine", "grouped_mm_dw", "grouped_mm_dx",
+           "permute", "permute_grouped_mm", "permute_reference", "route_layout", "route_tensors", "unpermute"]  # fmt: skip
 
 
 @dataclass

@@ -564,15 +564,14 @@ def select_experts_engine(
     logits_TE: torch.Tensor, bias_E: torch.Tensor, n: int, renormalize: bool, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``MoEGate``'s selection from its logits for the rollout engine's routers (``model.serving`` on CUDA): a
-    decode step's rows in ``select_experts_small``'s one launch, larger steps as the gate computes them (sigmoid,
-    the sort, ``routing_weights``). A custom op: the rule on the row count is made when it runs."""
+    decode step's rows in ``select_experts_small``'s one launch, larger steps as the gate computes them
+    (``model.moe.select_experts``). A custom op: the rule on the row count is made when it runs."""
     if logits_TE.is_cuda and top_small_takes(logits_TE, n):
         return select_experts_small(logits_TE, bias_E, n, renormalize, scaling)
-    from model.moe import routing_weights, top_experts
+    from model.moe import select_experts
 
-    scores_TE = torch.sigmoid(logits_TE)
-    experts_TK = top_experts(scores_TE + bias_E.to(scores_TE.dtype), n)[1].contiguous()
-    return experts_TK, routing_weights(scores_TE, experts_TK, renormalize, scaling).contiguous()
+    experts_TK, weights_TK = select_experts(logits_TE, bias_E, n, renormalize, scaling)
+    return experts_TK.contiguous(), weights_TK.contiguous()
 
 
 @select_experts_engine.register_fake

@@ -22,6 +22,7 @@ from kernels.moe import (
 )
 from kernels.moe.naive import grouped_mm_naive
 from kernels.testing import assert_close, assert_within_ulps, error_ratio, import_interpreted
+from model.moe import select_experts
 
 
 def _routing(T, k, E, seed=0, skip=()):
@@ -499,15 +500,6 @@ def test_permute_situ_engine_off_cuda_takes_the_three_steps(monkeypatch):
     torch.library.opcheck(mod.permute_situ_engine, args)
 
 
-def _gate_selection(logits, bias, n, renormalize, scaling):
-    """``MoEGate.forward``'s steps: sigmoid scores, the top n of scores + bias, the weights of the chosen."""
-    from model.moe import routing_weights, top_experts
-
-    scores = torch.sigmoid(logits)
-    experts = top_experts(scores + bias, n)[1]
-    return experts, routing_weights(scores, experts, renormalize, scaling)
-
-
 @pytest.mark.parametrize("T, E, n, renormalize, scaling", [(64, 128, 8, True, 1.0), (5, 20, 3, False, 2.5),
                                                            (3, 7, 7, True, 0.5)])  # fmt: skip
 def test_select_experts_small_equals_the_gates_steps(monkeypatch, T, E, n, renormalize, scaling):
@@ -521,7 +513,7 @@ def test_select_experts_small_equals_the_gates_steps(monkeypatch, T, E, n, renor
     logits[0, : E // 2] = 0.25  # half a row tied
     bias = 0.1 * torch.randn(E)
     bias[: E // 2] = 0.0
-    want_i, want_w = _gate_selection(logits, bias, n, renormalize, scaling)
+    want_i, want_w = select_experts(logits, bias, n, renormalize, scaling)
     got_i, got_w = mod.select_experts_small(logits, bias, n, renormalize, scaling)
     assert torch.equal(got_i, want_i)
     assert got_w.dtype == torch.float32 and torch.allclose(got_w, want_w, rtol=1e-6, atol=0)
@@ -536,7 +528,7 @@ def test_select_experts_refuses_what_it_does_not_take_and_the_engine_op_takes_th
     for bad_logits, bad_bias, n in ((logits.bfloat16(), bias, 2), (logits, bias[:8], 2), (logits, bias, 17)):
         with pytest.raises(ValueError, match="select_experts_small"):
             mod.select_experts_small(bad_logits, bad_bias, n, True, 1.0)
-    got, want = mod.select_experts_engine(logits, bias, 3, True, 1.0), _gate_selection(logits, bias, 3, True, 1.0)
+    got, want = mod.select_experts_engine(logits, bias, 3, True, 1.0), select_experts(logits, bias, 3, True, 1.0)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     torch.library.opcheck(mod.select_experts_engine, (logits, bias, 3, True, 1.0))
 
