@@ -691,7 +691,7 @@ def part_reuse(run: Run) -> None:
     cfg = SimpleNamespace(
         episodes=a.episodes, turns=a.turns, prompt=a.prompt, obs=a.obs, obs_min=a.obs_min, gen=a.gen,
         max_model_len=a.max_model_len, kv_mib=a.kv_mib, block_size=None, repeats=a.repeats,
-        profile_host_steps=a.profile_host_steps,
+        profile_host_steps=a.profile_host_steps, host_phases=a.host_phases,
         engine=dict(dtype="bfloat16", max_resident_sessions=a.episodes, in_process=a.engine_process == "in",
                     enforce_eager=not (a.cuda_graphs and run.cuda), max_num_batched_tokens=a.max_batched_tokens,
                     mla_cache_form=a.mla_form, kda_state_depth=a.kda_state_depth,
@@ -1549,6 +1549,10 @@ def main() -> None:
     p.add_argument("--profile-host-steps", type=int, default=0, metavar="N",
                    help="reuse part: the first N engine steps of turns 3-8 in the first repeat under cProfile, their "
                         "top functions in the turn's steps.host_top (the first repeat's slow reused turns)")
+    p.add_argument("--host-phases", action="store_true",
+                   help="reuse part: each turn's decode steps split into the engine's host phases (scheduling, input "
+                        "preparation, launch, waiting for the sampled tokens, output processing), medians in the "
+                        "turn's steps.phases_ms (an in-process engine core)")
     p.add_argument("--trace", action="store_true",
                    help="with --profile-turn: the profiled prefill's timeline as a gzipped Chrome trace under --out")
     p.add_argument("--profile-top", type=int, default=40, metavar="N",

@@ -22,8 +22,10 @@ tokens. Each turn's row also splits its seconds into the engine's steps and the 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -100,13 +102,15 @@ FIRST_STEPS = 4  # StepTimer.summary lists the first steps of a turn in order
 class StepTimer:
     """Times every ``step()`` of a ``SessionEngine`` while in use: a turn's seconds split into the engine's
     steps (scheduling, the forward, sampling, output processing) and the worker's own work around them
-    (starting and finishing turns, the routing records)."""
+    (starting and finishing turns, the routing records). ``phases``: each step also split into the engine's
+    host phases (``HostPhases``)."""
 
-    def __init__(self, engine, profile_steps: int = 0) -> None:
+    def __init__(self, engine, profile_steps: int = 0, phases: bool = False) -> None:
         self.engine, self.ms = engine, []
         self.alloc0 = allocator_counts()
         self.jit0 = JIT_COMPILES.snapshot()
         self.profile_steps, self.host_top = profile_steps, []
+        self.phases = HostPhases(engine.engine) if phases else None
 
     def __enter__(self) -> StepTimer:
         inner = self.engine.step
@@ -120,12 +124,18 @@ class StepTimer:
                 self.ms.append((time.perf_counter() - t0) * 1e3)
                 if prof is not None:
                     self.host_top.append(host_top(prof))
+                if self.phases is not None:
+                    self.phases.end_step()
 
         self.engine.step = timed
+        if self.phases is not None:
+            self.phases.install()
         return self
 
     def __exit__(self, *exc) -> None:
         del self.engine.step  # the class's method again
+        if self.phases is not None:
+            self.phases.remove()
 
     def summary(self, seconds: float) -> dict:
         ms = sorted(self.ms)
@@ -135,7 +145,113 @@ class StepTimer:
                 # in order: a turn's prefill is its first step or two (one more with async scheduling)
                 "first_ms": [round(x, 3) for x in self.ms[:FIRST_STEPS]],
                 **({"host_top": self.host_top} if self.host_top else {}),
+                **({"phases_ms": self.phases.summary(FIRST_STEPS)} if self.phases is not None else {}),
                 **allocator_delta(self.alloc0, allocator_counts()), **JIT_COMPILES.since(self.jit0)}  # fmt: skip
+
+
+# An engine step's host phases (vLLM 0.26 / 0.32 v1, an in-process engine core): label, the owner's path from the
+# ``LLMEngine``, the method. Under async scheduling one ``step()`` schedules and launches step N + 1, then waits
+# for step N's sampled tokens (``wait_tokens``: the sampler's device -> host copy, and the lists made of it) and
+# hands them to the scheduler and the output processor; ``model_forward`` only launches on a GPU.
+_CORE = "engine_core.engine_core"
+_RUNNER = f"{_CORE}.model_executor.driver_worker.worker.model_runner"
+HOST_PHASES = (
+    ("core_step", _CORE, "step_fn"),
+    ("schedule", f"{_CORE}.scheduler", "schedule"),
+    ("execute_model", f"{_CORE}.model_executor", "execute_model"),
+    ("update_states", _RUNNER, "_update_states"),
+    ("prepare_inputs", _RUNNER, "_prepare_inputs"),
+    ("model_forward", _RUNNER, "_model_forward"),
+    ("sample_tokens", f"{_CORE}.model_executor", "sample_tokens"),
+    ("sample", _RUNNER, "_sample"),
+    ("bookkeeping", _RUNNER, "_bookkeeping_sync"),
+    ("wait_tokens", None, "get_output"),  # the runner's async output class (``_async_output_class``)
+    ("update_from_output", f"{_CORE}.scheduler", "update_from_output"),
+    ("process_outputs", "output_processor", "process_outputs"),
+)
+
+
+def _resolve(root, path: str | None):
+    obj = root
+    for name in path.split(".") if path else ():
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _async_output_class(llm_engine):
+    """The class of the runner's asynchronous outputs (its ``get_output`` waits for the sampled tokens)."""
+    runner = _resolve(llm_engine, _RUNNER)
+    module = sys.modules.get(type(runner).__module__) if runner is not None else None
+    for mod in (module, sys.modules.get("vllm.v1.worker.gpu_model_runner")):
+        cls = getattr(mod, "AsyncGPUModelRunnerOutput", None)
+        if cls is not None:
+            return cls
+    return None
+
+
+class HostPhases:
+    """Wall milliseconds of an engine step's host phases (``HOST_PHASES``), step by step: each phase's method
+    wrapped with a timer while installed (instance attributes put back on ``remove``; the async output's class
+    method likewise). A phase whose owner this engine lacks (an engine core in its own process, another vLLM)
+    is listed in ``missing``. Times are inclusive: ``execute_model`` holds ``update_states``, ``prepare_inputs``
+    and ``model_forward``."""
+
+    _MISSING = object()
+
+    def __init__(self, llm_engine) -> None:
+        self.engine = llm_engine
+        self.steps: list[dict[str, float]] = []
+        self.current: dict[str, float] = {}
+        self.saved: list[tuple[object, str, object]] = []
+        self.missing: list[str] = []
+
+    def _owner(self, path):
+        return _async_output_class(self.engine) if path is None else _resolve(self.engine, path)
+
+    def install(self) -> None:
+        for label, path, name in HOST_PHASES:
+            owner = self._owner(path)
+            method = getattr(owner, name, None) if owner is not None else None
+            if method is None:
+                self.missing.append(label)
+                continue
+            self.saved.append((owner, name, vars(owner).get(name, self._MISSING)))
+            setattr(owner, name, self._timed(label, method))
+
+    def _timed(self, label: str, method):
+        current = self
+
+        @functools.wraps(method)
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                current.current[label] = current.current.get(label, 0.0) + (time.perf_counter() - t0) * 1e3
+
+        return timed
+
+    def remove(self) -> None:
+        for owner, name, before in reversed(self.saved):
+            if before is self._MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, before)
+        self.saved = []
+
+    def end_step(self) -> None:
+        self.steps.append(self.current)
+        self.current = {}
+
+    def summary(self, skip: int) -> dict:
+        """Per phase the median ms a step over the steps after the first ``skip`` (a turn's prefill), zero where
+        a step did not enter it; ``missing`` the phases not found."""
+        steps = self.steps[skip:]
+        labels = [label for label, _, _ in HOST_PHASES if label not in self.missing]
+        out = {label: round(statistics.median(s.get(label, 0.0) for s in steps), 3) for label in labels} if steps else {}
+        return {**out, **({"missing": self.missing} if self.missing else {})}
 
 
 HOST_TOP = 15  # functions a profiled step lists
@@ -288,7 +404,7 @@ class ModeRun:
             for i, s in enumerate(self.sids)
         ]
         profiled = getattr(self.args, "profile_host_steps", 0) if len(self.reps) == 1 and t >= 2 else 0
-        with StepTimer(self.worker.engine, profiled) as steps:
+        with StepTimer(self.worker.engine, profiled, getattr(self.args, "host_phases", False)) as steps:
             t0 = time.perf_counter()
             outs = self.worker.generate(reqs)
             dt = time.perf_counter() - t0
@@ -475,6 +591,8 @@ def main() -> None:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--repeats", type=int, default=2, help="per-turn time = fastest repetition")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--host-phases", action="store_true",
+                   help="each turn's steps split into the engine's host phases (HostPhases), in its steps.phases_ms")
     args = p.parse_args()
     from rollout.renderer import ChatRenderer
 

@@ -154,8 +154,8 @@ def test_the_engines_routing_ops_trace_in_a_compiled_moe_block_and_change_nothin
     sizes) and computes the same logits as the block with the traced sort, layout and activation, bit for bit (the
     same experts and integers, the same bf16 products). On CPU the ops take their torch paths; their Triton paths
     are held to the gate's steps, ``route_tensors`` and the permuted product's SiTU in
-    tests/kernels/test_moe_grouped.py. The layout op as ``LONGHORIZON_DECODE_ROUTE_LAYOUT=triton`` picks it (the
-    default keeps the compiled layout; another value is a ValueError). bf16: the grouped GEMM traces on the CPU only
+    tests/kernels/test_moe_grouped.py. The layout op is the default (``LONGHORIZON_DECODE_ROUTE_LAYOUT=compiled``
+    keeps the compiled layout; another value is a ValueError). bf16: the grouped GEMM traces on the CPU only
     in bf16."""
     import copy
 
@@ -176,14 +176,15 @@ def test_the_engines_routing_ops_trace_in_a_compiled_moe_block_and_change_nothin
         top_experts_engine,
     )
 
-    default = copy.deepcopy(plain)
-    route_decode_steps_in_single_launches(default)
-    assert not any(m.route_fn is route_tensors_engine for m in default.modules() if isinstance(m, GroupedExperts))
+    compiled = copy.deepcopy(plain)
+    monkeypatch.setenv("LONGHORIZON_DECODE_ROUTE_LAYOUT", "compiled")
+    route_decode_steps_in_single_launches(compiled)
+    assert not any(m.route_fn is route_tensors_engine for m in compiled.modules() if isinstance(m, GroupedExperts))
     monkeypatch.setenv("LONGHORIZON_DECODE_ROUTE_LAYOUT", "sorted")
     with pytest.raises(ValueError, match="LONGHORIZON_DECODE_ROUTE_LAYOUT"):
-        route_decode_steps_in_single_launches(default)
-    monkeypatch.setenv("LONGHORIZON_DECODE_ROUTE_LAYOUT", "triton")
-    route_decode_steps_in_single_launches(engine)
+        route_decode_steps_in_single_launches(compiled)
+    monkeypatch.delenv("LONGHORIZON_DECODE_ROUTE_LAYOUT")
+    route_decode_steps_in_single_launches(engine)  # the default
 
     assert all(m.route_fn is route_tensors_engine for m in engine.modules() if isinstance(m, GroupedExperts))
     gates = [m for m in engine.modules() if isinstance(m, MoEGate)]

@@ -65,22 +65,38 @@ def test_warm_up_prompts_have_the_first_turns_lengths_and_not_its_prefixes(bench
 
 def test_mode_run_splits_each_turn_into_engine_steps_and_worker_time(bench, tiny_ckpt):
     """A session ``ModeRun`` times the engine's steps inside each turn (what bench/rollout_gpu.py logs to say
-    where a reused turn's seconds go) and leaves the engine's own ``step`` in place afterwards."""
+    where a reused turn's seconds go), with ``host_phases`` each step's host phases too, and leaves the engine's
+    own methods in place afterwards."""
     from rollout.renderer import ChatRenderer
     from rollout.sessions import SessionEngine
 
     path, model = tiny_ckpt
     args = SimpleNamespace(episodes=2, turns=2, prompt=96, obs=24, obs_min=None, gen=5, max_model_len=512,
-                           kv_mib=32, block_size=None)  # fmt: skip
+                           kv_mib=32, block_size=None, host_phases=True)  # fmt: skip
     run = bench.ModeRun("session", path, bench.episode_chunks(args, ChatRenderer()), args)
     try:
+        llm_engine = run.worker.engine.engine
+        timed = [(bench._resolve(llm_engine, path) if path else bench._async_output_class(llm_engine), name)
+                 for _, path, name in bench.HOST_PHASES]  # fmt: skip
+        before = [vars(owner).get(name) for owner, name in timed]  # None: the class's method
         run.start_repeat(0)
         for t in range(args.turns):
             run.turn(t)
         assert "step" not in vars(run.worker.engine)  # the timer removed itself
         assert type(run.worker.engine).step is SessionEngine.step
+        # and the phases' timers theirs: the class's methods, or the recorder's wrappers, are back
+        assert [vars(owner).get(name) for owner, name in timed] == before
+        assert before.count(None) < len(before)  # the recorder's wrapper (the runner's _model_forward) among them
     finally:
         run.shutdown()
+    for row in run.turns:
+        phases = row["steps"]["phases_ms"]
+        assert "missing" not in phases and set(phases) == {label for label, _, _ in bench.HOST_PHASES}
+        assert phases["model_forward"] > 0 and phases["schedule"] > 0 and phases["process_outputs"] > 0
+        # inclusive times: a step holds the scheduling, the forward and sampling; the forward its launch
+        assert phases["core_step"] >= max(phases["schedule"], phases["execute_model"], phases["update_from_output"])
+        assert phases["execute_model"] >= max(phases["prepare_inputs"], phases["model_forward"])
+        assert row["steps"]["median_ms"] >= phases["core_step"] * 0.9
     # each episode's history and last-turn logprobs (bench/rollout_gpu.py's parity check reads them): the learner's
     for i, sid in enumerate(run.sids):
         history, last = run.history(i), run.tokens[sid][-1]
