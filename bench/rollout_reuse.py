@@ -152,18 +152,27 @@ class StepTimer:
 # An engine step's host phases (vLLM 0.26 / 0.32 v1, an in-process engine core): label, the owner's path from the
 # ``LLMEngine``, the method. Under async scheduling one ``step()`` schedules and launches step N + 1, then waits
 # for step N's sampled tokens (``wait_tokens``: the sampler's device -> host copy, and the lists made of it) and
-# hands them to the scheduler and the output processor; ``model_forward`` only launches on a GPU.
+# hands them to the scheduler and the output processor; ``model_forward`` only launches on a GPU. Times are
+# inclusive (``execute_model`` holds the runner's phases from ``update_states`` to ``compute_logits``).
 _CORE = "engine_core.engine_core"
 _RUNNER = f"{_CORE}.model_executor.driver_worker.worker.model_runner"
 HOST_PHASES = (
     ("core_step", _CORE, "step_fn"),
     ("schedule", f"{_CORE}.scheduler", "schedule"),
+    ("allocate_slots", f"{_CORE}.scheduler.kv_cache_manager", "allocate_slots"),
     ("execute_model", f"{_CORE}.model_executor", "execute_model"),
     ("update_states", _RUNNER, "_update_states"),
     ("prepare_inputs", _RUNNER, "_prepare_inputs"),
+    ("batch_padding", _RUNNER, "_determine_batch_execution_and_padding"),
+    ("slot_mappings", _RUNNER, "_get_slot_mappings"),
+    ("attn_metadata", _RUNNER, "_build_attention_metadata"),
+    ("preprocess", _RUNNER, "_preprocess"),
     ("model_forward", _RUNNER, "_model_forward"),
+    ("record_step", f"{_RUNNER}._lh_recorder", "record"),  # ours: rollout.engine_hooks.StepRecorder
+    ("compute_logits", f"{_RUNNER}.model", "compute_logits"),
     ("sample_tokens", f"{_CORE}.model_executor", "sample_tokens"),
     ("sample", _RUNNER, "_sample"),
+    ("record_sampled", f"{_RUNNER}._lh_recorder", "record_sampled"),
     ("bookkeeping", _RUNNER, "_bookkeeping_sync"),
     ("wait_tokens", None, "get_output"),  # the runner's async output class (``_async_output_class``)
     ("update_from_output", f"{_CORE}.scheduler", "update_from_output"),
