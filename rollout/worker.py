@@ -109,7 +109,7 @@ class WorkerConfig:
     cudagraph_capture_sizes: list[int] | None = None
     # session workers under vLLM's async scheduler (its GPU default), the model's stale-step guard keeping each
     # parked session's recurrent state at its turn's end (``scheduling_kwargs``); off: synchronous scheduling.
-    # Needs the turns of one generate call to share their stop ids; not yet run on a GPU
+    # Needs the turns of one generate call to share their stop ids, and the engine core in this process (in_process)
     async_sessions: bool = False
 
     def __post_init__(self) -> None:
@@ -121,6 +121,11 @@ class WorkerConfig:
             raise ValueError(f"mla_cache_form must be one of {MLA_CACHE_FORM_CHOICES}, got {self.mla_cache_form!r}")
         if self.async_sessions and self.reuse != "session":
             raise ValueError(f"async_sessions applies to reuse='session' only, got reuse={self.reuse!r}")
+        if self.async_sessions and not self.in_process:
+            # a turn ends with one more engine step (``generate``: the step run past the stop); an engine core in its
+            # own process answers a step only with outputs, and that one has none: it waited forever on an H100
+            raise ValueError("async_sessions needs in_process=True (an engine core in its own process would leave "
+                             "the step after a turn's stop unanswered); set in_process=true or async_sessions=false")
         sizes = self.cudagraph_capture_sizes
         if sizes is not None and (not sizes or not all(isinstance(n, int) and n > 0 for n in sizes)):
             raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of positive ints, got {sizes!r}")

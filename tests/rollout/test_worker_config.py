@@ -145,6 +145,8 @@ def test_session_workers_schedule_synchronously(tmp_path, monkeypatch):
     assert kwargs["hf_overrides"] == {"mla_cache_form": "latent", "stale_step_guard": True}
     with pytest.raises(ValueError, match="async_sessions applies to reuse='session' only"):
         WorkerConfig(model_path=path, reuse="none", async_sessions=True)
+    with pytest.raises(ValueError, match="async_sessions needs in_process=True"):  # a separate core: a hang before
+        WorkerConfig(model_path=path, async_sessions=True, in_process=False)
     from rollout import vllm_compat
 
     monkeypatch.setattr(vllm_compat, "session_rollback", lambda: vllm_compat.MISSING)  # a vLLM without the rollback
