@@ -1586,6 +1586,8 @@ def main() -> None:
         p.error(f"unknown parts {unknown}; choose from {PARTS}")
     if args.profile_top < 1:
         p.error(f"--profile-top {args.profile_top}: list at least one kernel")
+    if args.async_sessions and args.engine_process == "separate":
+        p.error("--async-sessions needs --engine-process in (rollout.worker.WorkerConfig.async_sessions)")
     run = Run(args)
     log(f"env {json.dumps(run.results['env'])}")
     fns = {
