@@ -37,7 +37,9 @@ Parts (each a function; ``--parts`` picks a subset, in the order given):
   session reuse 3x faster than it). ``--engine-process separate`` gives every engine of the part (the peer
   too) its core in a process of its own, vLLM's default layout: the engine steps while this process
   handles the last step's outputs, where in this process (the default, as the rollout workers run) the two
-  alternate.
+  alternate (not with ``--async-sessions``, which needs the core in this process). ``--host-phases`` splits each
+  turn's decode steps into vLLM's host phases (scheduling, input preparation, the launch, the wait for the sampled
+  tokens, output processing; ``rollout_reuse.HostPhases``): where the wait is near zero the host sets the step.
 
 The router weights are scaled so that router logits have a std of about 3 (the rollout tests scale them
 too; a random init's are 0.2-0.6). That does not separate near-tied expert sets: the router runs in fp32
