@@ -226,8 +226,13 @@ class HostPhases:
             if method is None:
                 self.missing.append(label)
                 continue
-            self.saved.append((owner, name, vars(owner).get(name, self._MISSING)))
-            setattr(owner, name, self._timed(label, method))
+            before = getattr(owner, "__dict__", {}).get(name, self._MISSING)
+            try:
+                setattr(owner, name, self._timed(label, method))
+            except (AttributeError, TypeError):  # an owner that takes no new attributes (slots, a frozen type)
+                self.missing.append(label)
+                continue
+            self.saved.append((owner, name, before))
 
     def _timed(self, label: str, method):
         current = self

@@ -172,3 +172,46 @@ def test_step_timer_profiles_the_first_steps_it_is_asked_to(bench):
     assert 0 < len(top) <= bench.HOST_TOP and any("(step)" in row for row in top)
     assert not any("(runcall)" in row for row in top)
     assert "host_top" not in bench.StepTimer(engine).summary(0.0)
+
+
+def test_host_phases_time_what_they_find_and_put_every_method_back(bench):
+    """``HostPhases`` on an engine shaped as vLLM's (an in-process core): the phases it finds are timed step by step
+    (inclusive: the core's step holds the scheduling), the ones whose owner is absent or takes no attribute are
+    listed as missing, and ``remove`` leaves every owner as it was."""
+    import time
+
+    class Scheduler:
+        __slots__ = ()  # takes no timer: "schedule" is missing
+
+        def schedule(self):
+            time.sleep(0.002)
+
+    class Outputs:
+        def process_outputs(self):
+            time.sleep(0.001)
+
+    sched, outputs = Scheduler(), Outputs()
+
+    class Core:
+        scheduler = sched
+
+        def step_fn(self):
+            sched.schedule()
+            time.sleep(0.003)
+
+    core = Core()
+    engine = SimpleNamespace(engine_core=SimpleNamespace(engine_core=core), output_processor=outputs)
+    phases = bench.HostPhases(engine)
+    phases.install()
+    assert "step_fn" in vars(core) and "process_outputs" in vars(outputs)
+    for _ in range(3):
+        engine.engine_core.engine_core.step_fn()
+        engine.output_processor.process_outputs()
+        phases.end_step()
+    phases.remove()
+    assert "step_fn" not in vars(core) and "process_outputs" not in vars(outputs)
+    summary = phases.summary(1)
+    assert summary["core_step"] >= 5.0 and 1.0 <= summary["process_outputs"] < summary["core_step"]
+    assert {"schedule", "execute_model", "wait_tokens", "update_from_output"} <= set(summary["missing"])
+    assert "schedule" not in summary and "core_step" not in summary["missing"]
+    assert bench.HostPhases(engine).summary(0) == {}  # no step timed
