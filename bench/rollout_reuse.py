@@ -192,8 +192,9 @@ def _resolve(root, path: str | None):
 def _async_output_class(llm_engine):
     """The class of the runner's asynchronous outputs (its ``get_output`` waits for the sampled tokens)."""
     runner = _resolve(llm_engine, _RUNNER)
-    module = sys.modules.get(type(runner).__module__) if runner is not None else None
-    for mod in (module, sys.modules.get("vllm.v1.worker.gpu_model_runner")):
+    if runner is None:  # no runner in this process: nothing here would call it
+        return None
+    for mod in (sys.modules.get(type(runner).__module__), sys.modules.get("vllm.v1.worker.gpu_model_runner")):
         cls = getattr(mod, "AsyncGPUModelRunnerOutput", None)
         if cls is not None:
             return cls
