@@ -96,7 +96,6 @@ def test_mode_run_splits_each_turn_into_engine_steps_and_worker_time(bench, tiny
         # inclusive times: a step holds the scheduling, the forward and sampling; the forward its launch
         assert phases["core_step"] >= max(phases["schedule"], phases["execute_model"], phases["update_from_output"])
         assert phases["execute_model"] >= max(phases["prepare_inputs"], phases["model_forward"])
-        assert row["steps"]["median_ms"] >= phases["core_step"] * 0.9
     # each episode's history and last-turn logprobs (bench/rollout_gpu.py's parity check reads them): the learner's
     for i, sid in enumerate(run.sids):
         history, last = run.history(i), run.tokens[sid][-1]
