@@ -210,7 +210,7 @@ def test_host_phases_time_what_they_find_and_put_every_method_back(bench):
     phases.remove()
     assert "step_fn" not in vars(core) and "process_outputs" not in vars(outputs)
     summary = phases.summary(1)
-    assert summary["core_step"] >= 5.0 and 1.0 <= summary["process_outputs"] < summary["core_step"]
+    assert summary["core_step"] >= 5.0 and summary["process_outputs"] >= 1.0  # at least what they slept
     assert {"schedule", "execute_model", "wait_tokens", "update_from_output"} <= set(summary["missing"])
     assert "schedule" not in summary and "core_step" not in summary["missing"]
     assert bench.HostPhases(engine).summary(0) == {}  # no step timed
