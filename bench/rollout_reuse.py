@@ -236,15 +236,13 @@ class HostPhases:
             self.saved.append((owner, name, before))
 
     def _timed(self, label: str, method):
-        current = self
-
         @functools.wraps(method)
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
-                current.current[label] = current.current.get(label, 0.0) + (time.perf_counter() - t0) * 1e3
+                self.current[label] = self.current.get(label, 0.0) + (time.perf_counter() - t0) * 1e3
 
         return timed
 

@@ -334,8 +334,7 @@ def permute_situ_engine(
     """The rollout engine's SiTU experts up to the down projection (``model.serving.prepare_for_serving`` on CUDA):
     a decode step's rows (up to ``SMALL_ROWS_MAX``) in ``permute_situ_small``'s one launch, a larger step (or any
     off CUDA) as the permute, ``kernels.moe``'s grouped product and ``kernels.glu``'s activation (its kernel on
-    CUDA). A custom op: the rule on the row count
-    is made when it runs, not a guard in the compiled MoE block."""
+    CUDA). A custom op: the rule on the row count is made when it runs, not a guard in the compiled MoE block."""
     if z_TZ.is_cuda and src_row_P.shape[0] <= SMALL_ROWS_MAX:
         return permute_situ_small(z_TZ, src_row_P, offs_E.to(torch.int32), w_GNZ, beta, linear_beta)
     from kernels.glu import situ_glu_reference
