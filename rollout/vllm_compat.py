@@ -73,3 +73,116 @@ def backport_session_rollback() -> bool:
     if not getattr(Scheduler._handle_stopped_request, "rolls_back_sessions", False):
         Scheduler._handle_stopped_request = roll_back_stopped(Scheduler._handle_stopped_request)
     return True
+
+
+# --- a decode step's KV-cache slots ----------------------------------------------------------------------------
+# Every step the scheduler asks ``KVCacheManager.allocate_slots`` for each running request's slots; for a decode
+# token whose blocks already hold it that is a dozen calls per cache group that end in "nothing to allocate"
+# (8 us a request on an H100 host's CPU, 0.5 ms of a 64-sequence decode step: bench/RESULTS.md). The fast path
+# answers that case from the block tables alone and hands every other case to vLLM. It applies where nothing else
+# can happen in the call: prefix caching off (nothing to cache), a running request with no prefix hit, lookahead,
+# external or encoder tokens, every cache group a full-attention group or a recurrent-state group outside vLLM's
+# "align" mode with no speculative blocks, and no copy-on-write pending. A recurrent-state group frees no block
+# while the request's tokens fit its one block (vLLM keeps the last state only, and counts the tokens before it
+# as skipped: none of a block is skipped until the tokens pass its size).
+DECODE_ALLOC_ENV = "LONGHORIZON_DECODE_ALLOC"
+DECODE_ALLOC_MODES = ("fast", "off", "check")  # check: take the fast answer, run vLLM's too, and compare
+DECODE_ALLOC_COUNTS = {"fast": 0, "vllm": 0}
+
+
+def decode_alloc_mode() -> str:
+    import os
+
+    mode = os.environ.get(DECODE_ALLOC_ENV, "fast")
+    if mode not in DECODE_ALLOC_MODES:
+        raise ValueError(f"{DECODE_ALLOC_ENV} must be one of {DECODE_ALLOC_MODES}, got {mode!r}")
+    return mode
+
+
+def _decode_groups(manager) -> tuple | None:
+    """(group manager, the most tokens its block may hold and free nothing) per cache group when every group
+    is of a kind the fast path knows and prefix caching is off; else None."""
+    if manager.enable_caching:
+        return None
+    groups = []
+    for m in manager.coordinator.single_type_managers:
+        kind = type(m).__name__
+        if kind == "FullAttentionManager":
+            groups.append((m, float("inf")))
+        elif kind == "MambaManager" and m.mamba_cache_mode != "align" and not m.num_speculative_blocks:
+            groups.append((m, m.block_size))
+        else:
+            return None
+    return tuple(groups)
+
+
+def _has_slots(manager, request, num_new_tokens: int) -> bool:
+    """Whether the running ``request``'s blocks already hold ``num_new_tokens`` more tokens in every group, with
+    nothing for vLLM to free or copy (the conditions above)."""
+    groups = manager.__dict__.get("_decode_groups", False)
+    if groups is False:
+        groups = manager._decode_groups = _decode_groups(manager)
+    need = request.num_computed_tokens + num_new_tokens
+    if groups is None or need > manager.max_model_len or request.status != _RUNNING[0]:
+        return False
+    rid = request.request_id
+    for m, most in groups:
+        blocks = m.req_to_blocks.get(rid)
+        if not blocks or need > len(blocks) * m.block_size or need > most or rid in m._partial_hit_reqs:
+            return False
+    return True
+
+
+_RUNNING: list = []  # vLLM's RequestStatus.RUNNING, bound at install
+
+
+def fast_decode_allocate(allocate: Callable, mode: str = "fast") -> Callable:
+    """``KVCacheManager.allocate_slots`` wrapped with the fast path above (``mode`` "check": vLLM's answer is
+    computed too, and a different one, or a changed block table, raises)."""
+
+    def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
+        plain = not args and (not kwargs or (len(kwargs) == 1 and kwargs.get("num_lookahead_tokens", 1) == 0))
+        if not (plain and _has_slots(self, request, num_new_tokens)):
+            DECODE_ALLOC_COUNTS["vllm"] += 1
+            return allocate(self, request, num_new_tokens, *args, **kwargs)
+        DECODE_ALLOC_COUNTS["fast"] += 1
+        if mode == "check":
+            before = _table_lengths(self, request.request_id)
+            blocks = allocate(self, request, num_new_tokens, *args, **kwargs)
+            _check_same(request.request_id, blocks, before, _table_lengths(self, request.request_id))
+        return self.empty_kv_cache_blocks
+
+    allocate_slots.decode_fast_path = mode
+    return allocate_slots
+
+
+def _table_lengths(manager, rid: str) -> list[int]:
+    return [len(m.req_to_blocks.get(rid, ())) for m, _ in manager._decode_groups]
+
+
+def _check_same(rid: str, blocks, before: list[int], after: list[int]) -> None:
+    if blocks is None or any(blocks.blocks):
+        raise AssertionError(f"decode fast path: vLLM allocated {blocks} for {rid} where the fast path had none")
+    if before != after:
+        raise AssertionError(f"decode fast path: vLLM changed {rid}'s block tables {before} -> {after}")
+
+
+def install_decode_allocation(mode: str | None = None) -> str:
+    """Wrap this vLLM's ``KVCacheManager.allocate_slots`` with the decode fast path (once; ``mode`` None: the
+    ``LONGHORIZON_DECODE_ALLOC`` environment variable, "fast" by default). Returns the mode in place."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.request import RequestStatus
+
+    mode = decode_alloc_mode() if mode is None else mode
+    if mode not in DECODE_ALLOC_MODES:
+        raise ValueError(f"decode allocation mode must be one of {DECODE_ALLOC_MODES}, got {mode!r}")
+    current = KVCacheManager.allocate_slots
+    original = getattr(current, "__wrapped__", current)
+    _RUNNING[:] = [RequestStatus.RUNNING]
+    if mode == "off":
+        KVCacheManager.allocate_slots = original
+    else:
+        fast = fast_decode_allocate(original, mode)
+        fast.__wrapped__ = original
+        KVCacheManager.allocate_slots = fast
+    return mode
