@@ -116,14 +116,14 @@ def _decode_groups(manager) -> tuple | None:
     return tuple(groups)
 
 
-def _has_slots(manager, request, num_new_tokens: int) -> bool:
+def _has_slots(manager, request, num_new_tokens: int, running) -> bool:
     """Whether the running ``request``'s blocks already hold ``num_new_tokens`` more tokens in every group, with
     nothing for vLLM to free or copy (the conditions above)."""
     groups = manager.__dict__.get("_decode_groups", False)
     if groups is False:
         groups = manager._decode_groups = _decode_groups(manager)
     need = request.num_computed_tokens + num_new_tokens
-    if groups is None or need > manager.max_model_len or request.status != _RUNNING[0]:
+    if groups is None or need > manager.max_model_len or request.status != running:
         return False
     rid = request.request_id
     for m, most in groups:
@@ -133,16 +133,16 @@ def _has_slots(manager, request, num_new_tokens: int) -> bool:
     return True
 
 
-_RUNNING: list = []  # vLLM's RequestStatus.RUNNING, bound at install
-
-
 def fast_decode_allocate(allocate: Callable, mode: str = "fast") -> Callable:
     """``KVCacheManager.allocate_slots`` wrapped with the fast path above (``mode`` "check": vLLM's answer is
     computed too, and a different one, or a changed block table, raises)."""
+    from vllm.v1.request import RequestStatus
+
+    running = RequestStatus.RUNNING
 
     def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
         plain = not args and (not kwargs or (len(kwargs) == 1 and kwargs.get("num_lookahead_tokens", 1) == 0))
-        if not (plain and _has_slots(self, request, num_new_tokens)):
+        if not (plain and _has_slots(self, request, num_new_tokens, running)):
             DECODE_ALLOC_COUNTS["vllm"] += 1
             return allocate(self, request, num_new_tokens, *args, **kwargs)
         DECODE_ALLOC_COUNTS["fast"] += 1
@@ -171,14 +171,12 @@ def install_decode_allocation(mode: str | None = None) -> str:
     """Wrap this vLLM's ``KVCacheManager.allocate_slots`` with the decode fast path (once; ``mode`` None: the
     ``LONGHORIZON_DECODE_ALLOC`` environment variable, "fast" by default). Returns the mode in place."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.request import RequestStatus
 
     mode = decode_alloc_mode() if mode is None else mode
     if mode not in DECODE_ALLOC_MODES:
         raise ValueError(f"decode allocation mode must be one of {DECODE_ALLOC_MODES}, got {mode!r}")
     current = KVCacheManager.allocate_slots
     original = getattr(current, "__wrapped__", current)
-    _RUNNING[:] = [RequestStatus.RUNNING]
     if mode == "off":
         KVCacheManager.allocate_slots = original
     else:

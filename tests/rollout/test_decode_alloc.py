@@ -101,8 +101,7 @@ def _calls(manager, request, new: int = 1, mode: str = "fast", **kwargs):
     return seen[0] if seen and mode != "check" else ("fast" if out is manager.empty_kv_cache_blocks else "vllm")
 
 
-def test_a_decode_token_inside_its_blocks_is_answered_without_vllm(alloc_mode):
-    alloc_mode("fast")  # binds vLLM's RUNNING status
+def test_a_decode_token_inside_its_blocks_is_answered_without_vllm():
     m = _manager(_group("MambaManager", 1024, 1), _group("FullAttentionManager", 128, 4))
     assert _calls(m, _request(511)) == "fast"
     assert _calls(m, _request(511), num_lookahead_tokens=0) == "fast"
@@ -111,8 +110,7 @@ def test_a_decode_token_inside_its_blocks_is_answered_without_vllm(alloc_mode):
 @pytest.mark.parametrize("case", ["block full", "state block passed", "caching on", "other kind", "align mode",
                                   "speculative blocks", "copy-on-write pending", "waiting request", "lookahead",
                                   "prefix hit", "positional", "unknown request", "past max_model_len"])  # fmt: skip
-def test_every_other_case_goes_to_vllm(alloc_mode, case):
-    alloc_mode("fast")
+def test_every_other_case_goes_to_vllm(case):
     state = dict(mamba_cache_mode="align") if case == "align mode" else {}
     state |= dict(num_speculative_blocks=1) if case == "speculative blocks" else {}
     groups = [_group("MambaManager", 1024 if case != "state block passed" else 256, 1, **state),
@@ -132,8 +130,7 @@ def test_every_other_case_goes_to_vllm(alloc_mode, case):
         assert _calls(m, request, **kwargs) == "vllm"
 
 
-def test_check_mode_raises_where_vllm_would_allocate(alloc_mode):
-    alloc_mode("fast")
+def test_check_mode_raises_where_vllm_would_allocate():
     m = _manager(_group("FullAttentionManager", 128, 4))
     grown = fast_decode_allocate(lambda self, req, n: SimpleNamespace(blocks=([object()],)), "check")
     with pytest.raises(AssertionError, match="vLLM allocated"):
