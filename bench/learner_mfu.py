@@ -658,19 +658,21 @@ def device_busy(prof, kind=torch.autograd.DeviceType.CUDA) -> dict:
     against the span from the first launch to the last kernel's end. A busy fraction well under 1 means
     the host does not launch work fast enough (the step is host-bound); near 1, the kernels themselves
     are the time. Also the kernel count (device events, not the ops that launched them)."""
-    spans = sorted(
-        (ev.time_range.start, ev.time_range.end)
+    named = sorted(
+        (ev.time_range.start, ev.time_range.end, ev.name)
         for ev in prof.events()
         if ev.device_type == kind and ev.time_range.end > ev.time_range.start
     )
-    if not spans:
+    if not named:
         return {}
+    spans = [(a, b) for a, b, _ in named]
     busy = sum(b - a for a, b in _union(spans))
     host_events = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CPU]
     span = spans[-1][1] - min([spans[0][0], *(ev.time_range.start for ev in host_events)])
     host = [(ev.time_range.start, ev.time_range.end, ev.name, _root(ev).name) for ev in host_events]
     return {"device_kernels": len(spans), "device_busy_ms": busy / 1e3, "device_span_ms": span / 1e3,
-            "device_busy_frac": busy / span if span > 0 else None, "device_idle": device_idle(spans, host)}  # fmt: skip
+            "device_busy_frac": busy / span if span > 0 else None,
+            "device_idle": device_idle(spans, host, names=[n for *_, n in named])}  # fmt: skip
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -697,38 +699,61 @@ the op that made them."""
 
 
 def device_idle(
-    spans: list[tuple[float, float]], host: list[tuple[float, float, str, str]], min_gap_us: float = 20.0, top: int = 8
+    spans: list[tuple[float, float]], host: list[tuple[float, float, str, str]], min_gap_us: float = 20.0, top: int = 8,
+    names: list[str] | None = None,
 ) -> dict:
     """Where the GPU waited within a profiled step: its idle time between kernels (gaps of at least ``min_gap_us``,
     and the wait before the first kernel, from the first host event), each gap charged to the host op that was
     running when it ended (the innermost one that is not a runtime call: what the host was doing while the GPU had
     nothing queued). ``spans``: the kernels' (start, end) in us, sorted by start; ``host``: (start, end, name, the
-    name of its outermost op) of every host event. Returns the wait before the first kernel, the idle time in gaps
-    and their count, and the ``top`` host ops by idle time charged to them (ms, gaps, outermost op)."""
+    name of its outermost op) of every host event; ``names``: the kernels' names, in ``spans``' order. Returns the
+    wait before the first kernel, the idle time in gaps and their count, the ``top`` host ops by idle time charged
+    to them (ms, gaps, outermost op), and the ``top`` longest gaps, each with where it starts (ms from the first
+    host event), the host ops running as it began and as it ended (innermost / outermost), and the kernels around
+    it when ``names`` are given: where in the step each one sits."""
     gaps = [(b0, a1) for (_, b0), (a1, _) in itertools.pairwise(_union(spans)) if a1 - b0 >= min_gap_us]
-    ops = sorted(h for h in host if not h[2].startswith(RUNTIME_CALLS))
+    ops = sorted((h for h in host if not h[2].startswith(RUNTIME_CALLS)), key=lambda h: (h[0], -h[1]))  # outer first
     starts = [h[0] for h in ops]
-    by_op: dict[tuple[str, str], list[float]] = {}
-    for g0, g1 in gaps:  # the latest-starting op that still runs at g1 is the innermost one
-        i = bisect.bisect_right(starts, g1) - 1
-        while i >= 0 and ops[i][1] < g1:
+    def running(t: float) -> tuple[str, str]:  # the latest-starting op that still runs at t is the innermost one
+        i = bisect.bisect_right(starts, t) - 1
+        while i >= 0 and ops[i][1] < t:
             i -= 1
-        name, root = ops[i][2:] if i >= 0 else ("(no host op)", "")
-        acc = by_op.setdefault((name, root), [0.0, 0])
+        return ops[i][2:] if i >= 0 else ("(no host op)", "")
+
+    by_op: dict[tuple[str, str], list[float]] = {}
+    for g0, g1 in gaps:
+        acc = by_op.setdefault(running(g1), [0.0, 0])
         acc[0], acc[1] = acc[0] + (g1 - g0), acc[1] + 1
     first_host = min((h[0] for h in host), default=spans[0][0])
     ranked = sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]
+    kernel_starts = [a for a, _ in spans]
+
+    def gap_row(g0: float, g1: float) -> dict:
+        row = {"at_ms": (g0 - first_host) / 1e3, "ms": (g1 - g0) / 1e3,
+               "began_in": " / ".join(running(g0)), "ended_in": " / ".join(running(g1))}  # fmt: skip
+        if names is not None:
+            i = bisect.bisect_left(kernel_starts, g1)
+            row["after_kernel"] = names[i - 1][:60] if i else ""
+            row["before_kernel"] = names[i][:60] if i < len(names) else ""
+        return row
     return {"before_first_kernel_ms": max(0.0, spans[0][0] - first_host) / 1e3,
             "in_gaps_ms": sum(g1 - g0 for g0, g1 in gaps) / 1e3, "gaps": len(gaps),
             "by_host_op": [{"op": name, "outermost": root, "ms": us / 1e3, "gaps": n}
-                           for (name, root), (us, n) in ranked]}  # fmt: skip
+                           for (name, root), (us, n) in ranked],
+            "longest": [gap_row(g0, g1) for g0, g1 in sorted(gaps, key=lambda g: g[0] - g[1])[:top]]}  # fmt: skip
 
 
 def idle_line(idle: dict) -> str:
-    """``device_idle`` as one report line."""
+    """``device_idle`` as report lines: the totals and host ops, then the longest gaps."""
     ops = "; ".join(f"{o['op']} ({o['outermost']}) {o['ms']:.1f} ms in {o['gaps']}" for o in idle["by_host_op"])
+    def around(g: dict) -> str:
+        return f"; after {g['after_kernel']}, before {g['before_kernel']}" if "after_kernel" in g else ""
+
+    gaps = "; ".join(f"{g['ms']:.2f} ms at {g['at_ms']:.1f} ms ({g['began_in']} -> {g['ended_in']}{around(g)})"
+                     for g in idle.get("longest", []))  # fmt: skip
     return (f"GPU idle: {idle['before_first_kernel_ms']:.1f} ms before the first kernel, {idle['in_gaps_ms']:.1f} ms "
-            f"in {idle['gaps']} gaps; by the host op running as a gap ended: {ops}")  # fmt: skip
+            f"in {idle['gaps']} gaps; by the host op running as a gap ended: {ops}"
+            + (f"\nlongest gaps (host op as it began -> as it ended): {gaps}" if gaps else ""))  # fmt: skip
 
 
 def count_fwd_bwd_syncs(learner, batch) -> dict:

@@ -237,13 +237,20 @@ def test_device_idle_charges_each_gap_to_the_host_op_running_as_it_ended(bench):
         (599, 601, "cudaGraphLaunch", "step"),
     ]
     assert bench._union(kernels) == [(10, 30), (35, 40), (100, 160), (400, 410), (600, 610)]  # touching ones merge
-    idle = bench.device_idle(kernels, host, min_gap_us=20.0)
+    idle = bench.device_idle(kernels, host, min_gap_us=20.0, names=[f"k{i}" for i in range(len(kernels))])
     assert idle["before_first_kernel_ms"] == 10 / 1e3
     assert idle["gaps"] == 3 and abs(idle["in_gaps_ms"] - (60 + 240 + 190) / 1e3) < 1e-12  # 30..35 is under 20 us
     assert [(o["op"], o["gaps"]) for o in idle["by_host_op"]] == [("aten::mm", 1), ("Optimizer.step", 1),
                                                                   ("LogprobEntropyBackward", 1)]  # fmt: skip
     assert idle["by_host_op"][0]["outermost"] == "step"
-    assert "GPU idle: 0.0 ms before the first kernel, 0.5 ms in 3 gaps" in bench.idle_line(idle)
+    # the longest gaps first, each placed in the step: 160..400, 410..600, 40..100
+    assert [(g["at_ms"], g["ms"]) for g in idle["longest"]] == [(0.16, 0.24), (0.41, 0.19), (0.04, 0.06)]
+    assert idle["longest"][0] == {"at_ms": 0.16, "ms": 0.24, "began_in": "LogprobEntropyBackward / step",
+                                  "ended_in": "aten::mm / step", "after_kernel": "k4", "before_kernel": "k5"}  # fmt: skip
+    assert idle["longest"][2]["began_in"] == "forward / step" and idle["longest"][2]["before_kernel"] == "k3"
+    line = bench.idle_line(idle)
+    assert "GPU idle: 0.0 ms before the first kernel, 0.5 ms in 3 gaps" in line
+    assert "0.24 ms at 0.2 ms (LogprobEntropyBackward / step -> aten::mm / step; after k4, before k5)" in line
 
 
 def test_device_busy_reads_a_real_profile(bench):
@@ -257,4 +264,5 @@ def test_device_busy_reads_a_real_profile(bench):
             x = (x @ x).tanh()
     busy = bench.device_busy(prof, kind=torch.autograd.DeviceType.CPU)
     assert busy["device_kernels"] > 0 and 0 < busy["device_busy_frac"] <= 1
-    assert set(busy["device_idle"]) == {"before_first_kernel_ms", "in_gaps_ms", "gaps", "by_host_op"}
+    assert set(busy["device_idle"]) == {"before_first_kernel_ms", "in_gaps_ms", "gaps", "by_host_op", "longest"}
+    assert all("after_kernel" in g for g in busy["device_idle"]["longest"])  # the kernels' names were passed
