@@ -1,4 +1,6 @@
-"""What a session under vLLM's async scheduler needs from the scheduler, on the vLLM versions we run.
+"""What our engines need from vLLM's scheduler, on the vLLM versions we run: a session's rollback under the async
+scheduler, and a decode step's KV-cache slots without vLLM's walk over its cache groups (the second half of this
+module, ``install_decode_allocation``). The plugin applies both at registration.
 
 The async scheduler plans step N+1 before step N's tokens are known. When a resumable request (a session,
 ``rollout.sessions``) stops at step N, step N+1 is already in flight for it: it feeds the stop token and
@@ -162,7 +164,7 @@ def _table_lengths(manager, rid: str) -> list[int]:
 
 def _check_same(rid: str, blocks, before: list[int], after: list[int]) -> None:
     if blocks is None or any(blocks.blocks):
-        raise AssertionError(f"decode fast path: vLLM allocated {blocks} for {rid} where the fast path had none")
+        raise AssertionError(f"decode fast path: vLLM answered {blocks} for {rid} where the fast path had room")
     if before != after:
         raise AssertionError(f"decode fast path: vLLM changed {rid}'s block tables {before} -> {after}")
 

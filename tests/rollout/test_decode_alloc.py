@@ -133,7 +133,7 @@ def test_every_other_case_goes_to_vllm(case):
 def test_check_mode_raises_where_vllm_would_allocate():
     m = _manager(_group("FullAttentionManager", 128, 4))
     grown = fast_decode_allocate(lambda self, req, n: SimpleNamespace(blocks=([object()],)), "check")
-    with pytest.raises(AssertionError, match="vLLM allocated"):
+    with pytest.raises(AssertionError, match="vLLM answered"):
         grown(m, _request(100), 1)
 
     def extends(self, req, n):
