@@ -845,6 +845,9 @@ def reuse_results(run: Run, runs: dict, out: dict, turns: int) -> None:
     out["tokens_identical_across_modes"] = len({json.dumps(r.tokens) for r in done}) == 1 if done else None
     out["summary"] = reuse_summary(out.get("turns", {}))
     out["bar"] = reuse_bar(out["summary"], turns, out.get("speedup_vs_none_median"))
+    from rollout.vllm_compat import DECODE_ALLOC_COUNTS
+
+    out["allocate_slots_calls"] = dict(DECODE_ALLOC_COUNTS)  # answered by the decode fast path / by vLLM, this process
     log(f"reuse bar: {out['bar']}")
     run.save()
 
