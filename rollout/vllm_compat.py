@@ -102,20 +102,26 @@ def decode_alloc_mode() -> str:
 
 
 def _decode_groups(manager) -> tuple | None:
-    """(group manager, the most tokens its block may hold and free nothing) per cache group when every group
-    is of a kind the fast path knows and prefix caching is off; else None."""
-    if manager.enable_caching:
-        return None
-    groups = []
-    for m in manager.coordinator.single_type_managers:
-        kind = type(m).__name__
-        if kind == "FullAttentionManager":
-            groups.append((m, float("inf")))
-        elif kind == "MambaManager" and m.mamba_cache_mode != "align" and not m.num_speculative_blocks:
-            groups.append((m, m.block_size))
-        else:
+    """(group manager, the most tokens its block may hold and free nothing, its pending copy-on-write requests) per
+    cache group when every group is of a kind the fast path knows and prefix caching is off; else None (also for a
+    vLLM whose manager lacks what the fast path reads: its own path then, always)."""
+    try:
+        if manager.enable_caching:
             return None
-    return tuple(groups)
+        groups = []
+        for m in manager.coordinator.single_type_managers:
+            kind = type(m).__name__
+            _ = (m.block_size, m.req_to_blocks)  # what every call reads: missing, this is another vLLM's manager
+            if kind == "FullAttentionManager":
+                most = float("inf")
+            elif kind == "MambaManager" and m.mamba_cache_mode != "align" and not m.num_speculative_blocks:
+                most = m.block_size
+            else:
+                return None
+            groups.append((m, most, getattr(m, "_partial_hit_reqs", {})))  # no such dict: no copy-on-write either
+        return tuple(groups)
+    except AttributeError:
+        return None
 
 
 def _has_slots(manager, request, num_new_tokens: int, running) -> bool:
@@ -124,13 +130,15 @@ def _has_slots(manager, request, num_new_tokens: int, running) -> bool:
     groups = manager.__dict__.get("_decode_groups", False)
     if groups is False:
         groups = manager._decode_groups = _decode_groups(manager)
+    if groups is None or request.status != running:
+        return False
     need = request.num_computed_tokens + num_new_tokens
-    if groups is None or need > manager.max_model_len or request.status != running:
+    if need > manager.max_model_len:
         return False
     rid = request.request_id
-    for m, most in groups:
+    for m, most, copies in groups:
         blocks = m.req_to_blocks.get(rid)
-        if not blocks or need > len(blocks) * m.block_size or need > most or rid in m._partial_hit_reqs:
+        if not blocks or need > len(blocks) * m.block_size or need > most or rid in copies:
             return False
     return True
 
@@ -159,7 +167,7 @@ def fast_decode_allocate(allocate: Callable, mode: str = "fast") -> Callable:
 
 
 def _table_lengths(manager, rid: str) -> list[int]:
-    return [len(m.req_to_blocks.get(rid, ())) for m, _ in manager._decode_groups]
+    return [len(m.req_to_blocks.get(rid, ())) for m, *_ in manager._decode_groups]
 
 
 def _check_same(rid: str, blocks, before: list[int], after: list[int]) -> None:

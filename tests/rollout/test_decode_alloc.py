@@ -43,7 +43,7 @@ def test_the_plugin_installs_the_fast_path(session_worker):
     assert KVCacheManager.allocate_slots.decode_fast_path == "fast"
     km = session_worker.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
     groups = vllm_compat._decode_groups(km)  # the tiny model: a recurrent-state group and an MLA group
-    assert sorted(type(m).__name__ for m, _ in groups) == ["FullAttentionManager", "MambaManager"]
+    assert sorted(type(m).__name__ for m, *_ in groups) == ["FullAttentionManager", "MambaManager"]
 
 
 def test_every_fast_answer_is_vllm_s_own(session_worker, alloc_mode):
@@ -105,11 +105,15 @@ def test_a_decode_token_inside_its_blocks_is_answered_without_vllm():
     m = _manager(_group("MambaManager", 1024, 1), _group("FullAttentionManager", 128, 4))
     assert _calls(m, _request(511)) == "fast"
     assert _calls(m, _request(511), num_lookahead_tokens=0) == "fast"
+    older = _group("FullAttentionManager", 128, 4)
+    del older._partial_hit_reqs  # a vLLM without copy-on-write of partial hits
+    assert _calls(_manager(older), _request(511)) == "fast"
 
 
 @pytest.mark.parametrize("case", ["block full", "state block passed", "caching on", "other kind", "align mode",
                                   "speculative blocks", "copy-on-write pending", "waiting request", "lookahead",
-                                  "prefix hit", "positional", "unknown request", "past max_model_len"])  # fmt: skip
+                                  "prefix hit", "positional", "unknown request", "past max_model_len",
+                                  "a manager of another vLLM"])  # fmt: skip
 def test_every_other_case_goes_to_vllm(case):
     state = dict(mamba_cache_mode="align") if case == "align mode" else {}
     state |= dict(num_speculative_blocks=1) if case == "speculative blocks" else {}
@@ -117,6 +121,8 @@ def test_every_other_case_goes_to_vllm(case):
               _group("SlidingWindowManager" if case == "other kind" else "FullAttentionManager", 128, 4)]  # fmt: skip
     if case == "copy-on-write pending":
         groups[1]._partial_hit_reqs["r"] = (3, object())
+    if case == "a manager of another vLLM":
+        del groups[0].mamba_cache_mode
     m = _manager(*groups, caching=case == "caching on")
     request = _request(512 if case == "block full" else 300, running=case != "waiting request")
     if case == "unknown request":
