@@ -714,6 +714,7 @@ def device_idle(
     gaps = [(b0, a1) for (_, b0), (a1, _) in itertools.pairwise(_union(spans)) if a1 - b0 >= min_gap_us]
     ops = sorted((h for h in host if not h[2].startswith(RUNTIME_CALLS)), key=lambda h: (h[0], -h[1]))  # outer first
     starts = [h[0] for h in ops]
+
     def running(t: float) -> tuple[str, str]:  # the latest-starting op that still runs at t is the innermost one
         i = bisect.bisect_right(starts, t) - 1
         while i >= 0 and ops[i][1] < t:
@@ -746,6 +747,7 @@ def device_idle(
 def idle_line(idle: dict) -> str:
     """``device_idle`` as report lines: the totals and host ops, then the longest gaps."""
     ops = "; ".join(f"{o['op']} ({o['outermost']}) {o['ms']:.1f} ms in {o['gaps']}" for o in idle["by_host_op"])
+
     def around(g: dict) -> str:
         return f"; after {g['after_kernel']}, before {g['before_kernel']}" if "after_kernel" in g else ""
 
