@@ -89,16 +89,19 @@ def _request(computed: int, running: bool = True):
     return SimpleNamespace(request_id="r", num_computed_tokens=computed, status=status)
 
 
-def _calls(manager, request, new: int = 1, mode: str = "fast", **kwargs):
-    """Which path answered one call: "fast" or "vllm"."""
+def _calls(manager, request, new: int = 1, **kwargs):
+    """Which path answered one call: "fast" (the manager's empty answer, vLLM's method not called) or "vllm"."""
     seen = []
 
     def vllm_allocate(self, req, n, *args, **kw):
-        seen.append("vllm")
+        seen.append(n)
         return SimpleNamespace(blocks=((),) * len(self.coordinator.single_type_managers))
 
-    out = fast_decode_allocate(vllm_allocate, mode)(manager, request, new, **kwargs)
-    return seen[0] if seen and mode != "check" else ("fast" if out is manager.empty_kv_cache_blocks else "vllm")
+    out = fast_decode_allocate(vllm_allocate)(manager, request, new, **kwargs)
+    if seen:
+        return "vllm"
+    assert out is manager.empty_kv_cache_blocks
+    return "fast"
 
 
 def test_a_decode_token_inside_its_blocks_is_answered_without_vllm():
