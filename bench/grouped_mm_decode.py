@@ -8,14 +8,16 @@ replayed CUDA graph (10 calls a graph; a decode step runs its GEMMs in one), wit
 over that time. ``--sweep``: our kernel's launch (``SmallTiles``: tile rows, columns and k, warps, pipeline stages)
 over a grid at the decode sizes, each checked against CUTLASS, the fastest listed beside the default. ``--layout``:
 the route layout before the GEMMs, the engine's two-launch ``route_tensors_small`` against ``route_tensors`` compiled
-(what the engine's MoE block ran before it), the router's top-k, ``top_experts_small`` against the sort, and its
-whole selection from the logits, ``select_experts_small`` against the gate's steps compiled.
+(what the engine's MoE block ran before it; past 128 tokens, a prefill step's, ``route_tensors_large`` against
+the eager sort path), the router's top-k, ``top_experts_small`` against the sort, and its whole selection from the
+logits, ``select_experts_small`` against the gate's steps (compiled; eager past 128 tokens), each in a graph and
+issued eagerly (the host's launches included).
 ``--situ``: the permute, the gate/up product and the SiTU activation in one launch (``permute_situ_small``) against
 the three steps. CUDA only.
 
     python3 bench/grouped_mm_decode.py [--out DIR]           # DIR/grouped_mm_decode.json
     python3 bench/grouped_mm_decode.py --sweep --tokens 64   # DIR/grouped_mm_decode_sweep.json
-    python3 bench/grouped_mm_decode.py --layout              # DIR/grouped_mm_decode_layout.json
+    python3 bench/grouped_mm_decode.py --layout --tokens 64,16384  # DIR/grouped_mm_decode_layout.json
     python3 bench/grouped_mm_decode.py --situ --tokens 8,64,128  # DIR/grouped_mm_decode_situ.json
 """
 
@@ -39,6 +41,7 @@ from kernels.moe.triton import (
     SmallTiles,
     grouped_mm_small,
     permute_situ_small,
+    route_tensors_large,
     route_tensors_small,
     select_experts_small,
     situ_tiles,
@@ -65,7 +68,19 @@ L2_BYTES = 60 << 20  # more than an H100's or H200's L2 (50 MB)
 
 def random_routes(tokens: int, dev: torch.device) -> torch.Tensor:
     """[tokens, TOP_K] distinct random experts a token."""
-    return torch.stack([torch.randperm(EXPERTS, device=dev)[:TOP_K] for _ in range(tokens)])
+    return torch.rand(tokens, EXPERTS, device=dev).argsort(dim=1)[:, :TOP_K].contiguous()
+
+
+def issued_us(fn, calls: int = 50) -> float:
+    """Microseconds a call of ``fn`` issued back to back outside any graph, the host's launch work included (the
+    larger of the host's and the device's time a call): what an engine step that runs eagerly (a prefill) pays."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / calls
 
 
 def problem(tokens: int, n: int, k: int):
@@ -126,32 +141,40 @@ def sweep(tokens: int, n: int, k: int) -> dict:
 
 
 def layout(tokens: int) -> dict:
-    """The route layout of ``tokens`` random top-8 routes: the two-launch kernels against the compiled
-    ``route_tensors`` (counting ranks, as the engine's compiled block traced it), the same groups, us a call."""
+    """The route layout of ``tokens`` random top-8 routes, the router's top-k and its whole selection: the engine's
+    Triton launches against what they replace, the same groups / experts, us a call in a graph and issued eagerly.
+    Up to ``ROUTE_SMALL_MAX`` slots (a decode step, replayed in the engine's CUDA graphs) against the compiled steps
+    (the layout with counting ranks, as the engine's compiled block traced it); past it (a prefill step, run
+    eagerly) the three-launch layout and the one-launch selection against the eager steps the engine's ops ran
+    there before (the layout ranking by sort)."""
     dev = torch.device("cuda")
     experts = random_routes(tokens, dev)
     align = grouped_mm_alignment(dev, torch.bfloat16)
-    compiled = torch.compile(route_tensors, dynamic=False)
-    traced = lambda: compiled(experts, EXPERTS, align, 1 << 25)
-    small = lambda: route_tensors_small(experts, EXPERTS, align)
-    equal = same_groups(traced(), small())
-    us_c, us_s = graph_us(traced), graph_us(small)
+    decode = tokens * TOP_K <= ROUTE_SMALL_MAX
+    if decode:
+        compiled = torch.compile(route_tensors, dynamic=False)
+        ref_layout = lambda: compiled(experts, EXPERTS, align, 1 << 25)
+    else:
+        ref_layout = lambda: route_tensors(experts, EXPERTS, align, 0)
+    ours = route_tensors_small if decode else route_tensors_large
+    fast_layout = lambda: ours(experts, EXPERTS, align)
+    row = dict(tokens=tokens, slots=tokens * TOP_K, reference="compiled" if decode else "eager",
+               equal=same_groups(ref_layout(), fast_layout()))  # fmt: skip
     # the router's top-k before it: the sort the compiled block calls (``model.moe.top_experts``) and the kernel
     scores = torch.rand(tokens, EXPERTS, device=dev)
     sort, top = lambda: top_experts(scores, TOP_K), lambda: top_experts_small(scores, TOP_K)
-    top_equal = all(torch.equal(a, b) for a, b in zip(sort(), top(), strict=True))
-    us_sort, us_top = graph_us(sort), graph_us(top)
-    # the whole selection from the logits: the gate's sigmoid, sort and weights compiled, against the one launch
+    row["top_equal"] = all(torch.equal(a, b) for a, b in zip(sort(), top(), strict=True))
+    # the whole selection from the logits: the gate's sigmoid, sort and weights, against the one launch
     logits, bias = 3 * torch.randn(tokens, EXPERTS, device=dev), 0.1 * torch.randn(EXPERTS, device=dev)
-    steps = torch.compile(select_experts, dynamic=False)  # gpu_1b: renormalised, scaling 1
+    steps = torch.compile(select_experts, dynamic=False) if decode else select_experts  # gpu_1b: renormalised
     gate = lambda: steps(logits, bias, TOP_K, True, 1.0)
     select = lambda: select_experts_small(logits, bias, TOP_K, True, 1.0)
-    select_equal = torch.equal(gate()[0], select()[0])
-    us_gate, us_select = graph_us(gate), graph_us(select)
-    return dict(tokens=tokens, slots=tokens * TOP_K, equal=equal, compiled_us=us_c, small_us=us_s, speedup=us_c / us_s,
-                top_equal=top_equal, sort_us=us_sort, top_us=us_top, top_speedup=us_sort / us_top,
-                select_equal=select_equal, gate_us=us_gate, select_us=us_select,
-                select_speedup=us_gate / us_select)  # fmt: skip
+    row["select_equal"] = torch.equal(gate()[0], select()[0])
+    for name, ref, fast in (("layout", ref_layout, fast_layout), ("top", sort, top), ("select", gate, select)):
+        for how, timer in (("graph", graph_us), ("issued", issued_us)):
+            r, f = timer(ref), timer(fast)
+            row[f"{name}_{how}_us"] = dict(reference=r, ours=f, speedup=r / f)
+    return row
 
 
 def same_groups(want: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...]) -> bool:
@@ -232,14 +255,13 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.layout:
         res = []
-        for t in (int(v) for v in args.tokens.split(",") if int(v) * TOP_K <= ROUTE_SMALL_MAX):
+        for t in (int(v) for v in args.tokens.split(",")):
             res.append(layout(t))
             r = res[-1]
-            print(f"T={t} ({r['slots']} slots): equal {r['equal']}; us a call in a graph: compiled route_tensors "
-                  f"{r['compiled_us']:.1f}, two launches {r['small_us']:.1f}: {r['speedup']:.2f}x; top-{TOP_K} equal "
-                  f"{r['top_equal']}: sort {r['sort_us']:.1f}, one launch {r['top_us']:.1f}: {r['top_speedup']:.2f}x; "
-                  f"selection equal {r['select_equal']}: compiled steps {r['gate_us']:.1f}, one launch "
-                  f"{r['select_us']:.1f}: {r['select_speedup']:.2f}x", flush=True)  # fmt: skip
+            times = "; ".join(f"{k[:-3]} {v['reference']:.1f} -> {v['ours']:.1f} us ({v['speedup']:.2f}x)"
+                              for k, v in r.items() if k.endswith("_us"))  # fmt: skip
+            print(f"T={t} ({r['slots']} slots, against the {r['reference']} steps): layout equal {r['equal']}, "
+                  f"top-{TOP_K} equal {r['top_equal']}, selection equal {r['select_equal']}; {times}", flush=True)
         (args.out / "grouped_mm_decode_layout.json").write_text(json.dumps(dict(env=env, sizes=res), indent=1))
         return
     if args.situ:

@@ -151,14 +151,15 @@ DECODE_ROUTE_LAYOUTS = ("compiled", "triton")
 
 def route_decode_steps_in_single_launches(model: nn.Module) -> None:
     """Every router of ``model`` selects its experts and weights from its logits with
-    ``kernels.moe.triton.select_experts_engine`` (a decode step's sigmoid, top-k and weights in one Triton launch,
-    where the compiled block ran the sigmoid, a single-block radix sort and the weights' gather as three kernels;
-    larger steps as the gate computes them), its top-k with ``top_experts_engine`` where routes are replayed, and
-    every grouped MoE of SiTU experts runs the permute, the gate/up product and the activation with
+    ``kernels.moe.triton.select_experts_engine`` (a step's sigmoid, top-k and weights in one Triton launch, where
+    the compiled block ran the sigmoid, a single-block radix sort and the weights' gather as three kernels in a
+    decode step, and a prefill step ran about ten eager ops), its top-k with ``top_experts_engine`` where routes are
+    replayed, and every grouped MoE of SiTU experts runs the permute, the gate/up product and the activation with
     ``kernels.moe.triton.permute_situ_engine`` (a decode step's in one launch, where they were three kernels), and
     lays out its routes with ``kernels.moe.triton.route_tensors_engine`` (two launches, where the compiled layout is
     about eight kernels a MoE layer: 4.7 against 8.4 us at 64 sequences on an H100, bench/grouped_mm_decode.py
-    --layout); ``LONGHORIZON_DECODE_ROUTE_LAYOUT=compiled`` keeps the compiled layout. Inside a MoE block compiled
+    --layout; a prefill step's in three, where the eager sort path ran about 25 ops);
+    ``LONGHORIZON_DECODE_ROUTE_LAYOUT=compiled`` keeps the compiled layout. Inside a MoE block compiled
     whole (the engine's scope on CUDA) the block's graph calls the ops; a scope that compiles the layout as a region
     of its own (``model.compile``'s "regions") swaps that back to the compiled ``route_tensors``."""
     from kernels.moe.triton import (

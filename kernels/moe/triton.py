@@ -394,6 +394,42 @@ def _route_rows(experts_ptr, src_row_ptr, row_of_slot_ptr, offs_ptr, counts_ptr,
         tl.store(src_row_ptr + row, (t // k).to(tl.int64), mask=tm)
 
 
+@triton.jit(do_not_specialize=["T", "P"])
+def _route_starts(src_row_ptr, offs_ptr, counts_ptr, start_ptr, T, P, align, E, BE: tl.constexpr,
+                  BP: tl.constexpr):  # fmt: skip
+    """A large step's groups from the counts ``_route_ranks`` left, in one program: the padded groups' ends and
+    starts, T in each group's padding rows and in the tail rows past the last group (every row no slot takes), the
+    counts reset to zero for the next step. ``_route_place`` puts the slots in their rows after it."""
+    e = tl.arange(0, BE)
+    em = e < E
+    counts = tl.load(counts_ptr + e, mask=em, other=0)
+    tl.store(counts_ptr + e, tl.full([BE], 0, tl.int32), mask=em)
+    padded = (counts + align - 1) // align * align
+    ends = tl.associative_scan(padded, 0, _sum_combine)
+    starts = ends - padded
+    tl.store(offs_ptr + e, ends, mask=em)
+    tl.store(start_ptr + e, starts, mask=em)
+    for j in range(0, align - 1):  # a group's padding rows: at most align - 1 past its slots
+        row = starts + counts + j
+        tl.store(src_row_ptr + row, tl.full([BE], 0, tl.int64) + T, mask=em & (row < ends))
+    last = tl.reduce(tl.where(em, padded, 0), 0, _sum_combine)  # the last group's end
+    for p0 in range(0, P, BP):
+        p = p0 + tl.arange(0, BP)
+        tl.store(src_row_ptr + p, tl.full([BP], 0, tl.int64) + T, mask=(p >= last) & (p < P))
+
+
+@triton.jit(do_not_specialize=["S"])
+def _route_place(experts_ptr, src_row_ptr, row_of_slot_ptr, start_ptr, S, k, BS: tl.constexpr):
+    """Each slot's row (its group's start from ``_route_starts`` plus the rank ``_route_ranks`` left in
+    ``row_of_slot``) and the token feeding that row."""
+    t = tl.program_id(0) * BS + tl.arange(0, BS)
+    tm = t < S
+    ex = tl.load(experts_ptr + t, mask=tm, other=0).to(tl.int32)
+    row = tl.load(start_ptr + ex, mask=tm, other=0) + tl.load(row_of_slot_ptr + t, mask=tm, other=0)
+    tl.store(row_of_slot_ptr + t, row.to(tl.int64), mask=tm)
+    tl.store(src_row_ptr + row, (t // k).to(tl.int64), mask=tm)
+
+
 _ROUTE_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -434,20 +470,48 @@ def route_tensors_small(experts_TK: torch.Tensor, num_experts: int, align: int) 
     return src_row_P, row_of_slot_S, offs_E
 
 
+def route_tensors_large(experts_TK: torch.Tensor, num_experts: int, align: int) -> tuple[torch.Tensor, ...]:
+    """``route_tensors_small`` for any number of slots (a prefill step's: 16K tokens x 8 = 131K at gpu_1b), in
+    three launches: the ranks by atomic adds (``_route_ranks``), the groups (``_route_starts``, one program over
+    the experts), then the slots' rows, a program per 1,024 slots (``_route_place``), where the eager sort path
+    ran about 25 ops a MoE layer (~0.9 ms of a slow host's time a layer in a prefill step). The same groups, group
+    ends, padding rows and dtypes as ``route_tensors``, the rows inside a group in any order."""
+    T, k = experts_TK.shape
+    S = T * k
+    if num_experts < 1 or align < 1:
+        raise ValueError(f"route_tensors_large: experts and align >= 1; got {num_experts} experts, align {align}")
+    dev = experts_TK.device
+    P = S + num_experts * (align - 1)
+    src_row_P = torch.empty(P, dtype=torch.long, device=dev)
+    row_of_slot_S = torch.empty(S, dtype=torch.long, device=dev)
+    offs_E = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    counts, starts = _route_scratch(dev, num_experts)
+    flat = experts_TK.reshape(-1)
+    bs = 1024
+    if S:
+        _route_ranks[(triton.cdiv(S, bs),)](flat, row_of_slot_S, counts, S, BS=bs, num_warps=4)
+    _route_starts[(1,)](src_row_P, offs_E, counts, starts, T, P, align, num_experts,
+                        BE=triton.next_power_of_2(num_experts), BP=1024, num_warps=4)  # fmt: skip
+    if S:
+        _route_place[(triton.cdiv(S, bs),)](flat, src_row_P, row_of_slot_S, starts, S, max(k, 1), BS=bs, num_warps=4)
+    return src_row_P, row_of_slot_S, offs_E
+
+
 @torch.library.custom_op(op_name("route_tensors_engine"), mutates_args=())
 def route_tensors_engine(
     experts_TK: torch.Tensor, num_experts: int, align: int, counting_max: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``kernels.moe.route_tensors`` for the rollout engine's MoE blocks (``model.serving.prepare_for_serving`` on
-    CUDA): a step of up to ``ROUTE_SMALL_MAX`` slots on ``route_tensors_small``, a larger one (prefill chunks) on
-    ``route_tensors`` ranking by sort (one radix sort, where the counting path would hold an [E, S] prefix sum
-    eagerly). A custom op, so the choice is made when it runs: a rule on the traced slot count in a compiled MoE
-    block would be a guard, and a step across it a second compile. ``counting_max``: unused (the signature of
-    ``route_tensors``, which ``kernels.moe.route_layout`` calls)."""
+    CUDA): a step of up to ``ROUTE_SMALL_MAX`` slots on ``route_tensors_small`` (two launches), a larger one (prefill
+    chunks) on ``route_tensors_large`` (three); off CUDA ``route_tensors`` ranking by sort. A custom op, so the
+    choice is made when it runs: a rule on the traced slot count in a compiled MoE block would be a guard, and a
+    step across it a second compile. ``counting_max``: unused (the signature of ``route_tensors``, which
+    ``kernels.moe.route_layout`` calls)."""
     from kernels.moe import route_tensors
 
-    if experts_TK.is_cuda and experts_TK.numel() <= ROUTE_SMALL_MAX:
-        return route_tensors_small(experts_TK, num_experts, align)
+    if experts_TK.is_cuda:
+        small = experts_TK.numel() <= ROUTE_SMALL_MAX
+        return (route_tensors_small if small else route_tensors_large)(experts_TK, num_experts, align)
     return route_tensors(experts_TK, num_experts, align, 0)
 
 
@@ -458,9 +522,9 @@ def _(experts_TK, num_experts, align, counting_max):
     return rows, experts_TK.new_empty(S, dtype=torch.long), experts_TK.new_empty(num_experts, dtype=torch.int32)
 
 
-# experts up to which ``top_experts_engine`` selects a decode step's top-k in one Triton launch (a row a program)
+# experts up to which ``top_experts_engine`` and ``select_experts_engine`` select a step's top-k in one Triton launch
+# (a row a program, any number of rows)
 TOP_SMALL_MAX_EXPERTS = 1024
-TOP_SMALL_MAX_ROWS = 1024
 
 
 @triton.jit
@@ -488,20 +552,20 @@ def _top_small(x_ptr, vals_ptr, idx_ptr, E, sx, N: tl.constexpr, BE: tl.constexp
 
 
 def top_small_takes(biased_TE: torch.Tensor, n: int) -> bool:
-    """Whether ``top_experts_small`` takes these scores: fp32 [T <= TOP_SMALL_MAX_ROWS, E <= TOP_SMALL_MAX_EXPERTS],
-    1 <= n <= E."""
-    T, E = biased_TE.shape
-    return biased_TE.dtype == torch.float32 and 1 <= n <= E <= TOP_SMALL_MAX_EXPERTS and T <= TOP_SMALL_MAX_ROWS
+    """Whether ``top_experts_small`` takes these scores: fp32 [T, E <= TOP_SMALL_MAX_EXPERTS], 1 <= n <= E."""
+    E = biased_TE.shape[1]
+    return biased_TE.dtype == torch.float32 and 1 <= n <= E <= TOP_SMALL_MAX_EXPERTS
 
 
 def top_experts_small(biased_TE: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``model.moe.top_experts`` (the same values, experts and order) in one launch, a program a row, for up to
-    ``TOP_SMALL_MAX_ROWS`` rows of up to ``TOP_SMALL_MAX_EXPERTS`` fp32 scores: a decode step's, where the sort
-    took a single-block radix sort a MoE layer. A NaN score counts as -inf (a sort would order it first): a CUDA
-    graph's padding rows, whose values nothing reads, still get expert ids in range."""
+    """``model.moe.top_experts`` (the same values, experts and order) in one launch, a program a row, for rows of
+    up to ``TOP_SMALL_MAX_EXPERTS`` fp32 scores: a decode step's, where the sort took a single-block radix sort a
+    MoE layer, and a prefill step's, where it took a segmented sort and its setup. A NaN score counts as -inf (a
+    sort would order it first): a CUDA graph's padding rows, whose values nothing reads, still get expert ids in
+    range."""
     T, E = biased_TE.shape
     if not top_small_takes(biased_TE, n):
-        raise ValueError(f"top_experts_small: fp32 scores [T <= {TOP_SMALL_MAX_ROWS}, E <= {TOP_SMALL_MAX_EXPERTS}] "
+        raise ValueError(f"top_experts_small: fp32 scores [T, E <= {TOP_SMALL_MAX_EXPERTS}] "
                          f"and 1 <= n <= E, got {biased_TE.dtype} {tuple(biased_TE.shape)} and n = {n}")  # fmt: skip
     vals = torch.empty(T, n, dtype=torch.float32, device=biased_TE.device)
     idx = torch.empty(T, n, dtype=torch.long, device=biased_TE.device)
@@ -545,7 +609,7 @@ def select_experts_small(
     shapes ``top_small_takes`` takes; a NaN logit's expert counts as -inf (``top_experts_small``)."""
     T, E = logits_TE.shape
     if not top_small_takes(logits_TE, n) or bias_E.shape != (E,):
-        raise ValueError(f"select_experts_small: fp32 logits [T <= {TOP_SMALL_MAX_ROWS}, E <= {TOP_SMALL_MAX_EXPERTS}]"
+        raise ValueError(f"select_experts_small: fp32 logits [T, E <= {TOP_SMALL_MAX_EXPERTS}]"
                          f", bias [E] and 1 <= n <= E, got {logits_TE.dtype} {tuple(logits_TE.shape)}, bias "
                          f"{tuple(bias_E.shape)} and n = {n}")  # fmt: skip
     idx = torch.empty(T, n, dtype=torch.long, device=logits_TE.device)
@@ -562,9 +626,10 @@ def select_experts_small(
 def select_experts_engine(
     logits_TE: torch.Tensor, bias_E: torch.Tensor, n: int, renormalize: bool, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``MoEGate``'s selection from its logits for the rollout engine's routers (``model.serving`` on CUDA): a
-    decode step's rows in ``select_experts_small``'s one launch, larger steps as the gate computes them
-    (``model.moe.select_experts``). A custom op: the rule on the row count is made when it runs."""
+    """``MoEGate``'s selection from its logits for the rollout engine's routers (``model.serving`` on CUDA): every
+    step's rows in ``select_experts_small``'s one launch (a prefill step's too, where the gate's sigmoid, sort and
+    weights were about ten ops a MoE layer); off CUDA, or scores it does not take, as the gate computes them
+    (``model.moe.select_experts``). A custom op: the rule is made when it runs."""
     if logits_TE.is_cuda and top_small_takes(logits_TE, n):
         return select_experts_small(logits_TE, bias_E, n, renormalize, scaling)
     from model.moe import select_experts
@@ -582,8 +647,8 @@ def _(logits_TE, bias_E, n, renormalize, scaling):
 @torch.library.custom_op(op_name("top_experts_engine"), mutates_args=())
 def top_experts_engine(biased_TE: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``model.moe.top_experts`` for the rollout engine's routers (``model.serving.prepare_for_serving`` on CUDA):
-    a decode step's rows on ``top_experts_small``, larger steps sorted as ``top_experts`` sorts. A custom op: the
-    rule on the row count is made when it runs, not a guard in the compiled MoE block."""
+    every step's rows on ``top_experts_small``; off CUDA, or scores it does not take, sorted as ``top_experts``
+    sorts. A custom op: the rule is made when it runs, not a guard in the compiled MoE block."""
     from model.moe import top_experts
 
     if biased_TE.is_cuda and top_small_takes(biased_TE, n):

@@ -350,6 +350,38 @@ def test_expert_nodes_on_the_triton_grouped_mm_equal_the_loop(monkeypatch):
         assert_close(name, a, b, 1e-5)
 
 
+def _skewed_routing(T: int, k: int, E: int, skew: bool) -> torch.Tensor:
+    """``_routing``; ``skew``: every token's first slot on expert 3 (ranks past a tile)."""
+    experts = _routing(T, k, E, seed=T * 31 + E)
+    if skew:
+        experts[:, 0] = 3
+    return experts
+
+
+def _assert_layout_equal_up_to_group_order(got, experts: torch.Tensor, E: int, align: int) -> None:
+    """``got`` (src_row_P, row_of_slot_S, offs_E) against ``route_tensors``: the same dtypes, shapes, group ends
+    and padding rows (T), every slot in its expert's group on a row that reads its token, each group the same
+    tokens (its rows in any order), and the grouped product and combine through it equal, bit for bit."""
+    T, k = experts.shape
+    want = moe_kernels.route_tensors(experts, E, align)
+    assert all(g.dtype == w.dtype and g.shape == w.shape for g, w in zip(got, want, strict=True))
+    (src, rows, offs), (want_src, _, want_offs) = got, want
+    assert torch.equal(offs, want_offs)
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]]).long()
+    slot_ex = experts.reshape(-1)
+    assert bool(((rows >= starts[slot_ex]) & (rows < offs.long()[slot_ex])).all())  # in its expert's group
+    assert torch.equal(src[rows], torch.arange(T * k) // k)  # the row reads its slot's token
+    for e in range(E):
+        group = slice(int(starts[e]), int(offs[e]))
+        assert torch.equal(src[group].sort().values, want_src[group].sort().values)
+    assert bool((src[int(offs[-1]) :] == T).all())
+    z, w = torch.randn(T, 16), torch.randn(E, 8, 16)
+    lay = lambda t: moe_kernels.RouteLayout(*t, T, k)
+    ys = [moe_kernels.combine(grouped_mm_naive(moe_kernels.permute(z, lay(t)), w, t[2]), lay(t), torch.ones(T, k))
+          for t in (want, got)]  # fmt: skip
+    assert torch.equal(*ys)
+
+
 @pytest.mark.parametrize(
     "T, k, E, align, skew",
     [(64, 8, 128, 8, False),  # a decode step of gpu_1b: 512 slots, 8 tiles of 64
@@ -358,35 +390,43 @@ def test_expert_nodes_on_the_triton_grouped_mm_equal_the_loop(monkeypatch):
      (1, 1, 4, 4, False)],  # one slot
 )  # fmt: skip
 def test_route_tensors_small_equal_the_torch_layout_up_to_the_order_inside_groups(monkeypatch, T, k, E, align, skew):
-    """The engine's two-launch route layout under TRITON_INTERPRET=1 against ``route_tensors``: the same dtypes,
-    group ends and padding rows (T), every slot in its expert's group on a row that reads its token, each group the
-    same tokens (its rows in any order: the ranks come from atomic adds); twice in a row (the counts left at zero);
-    and the grouped product and combine through it equal to theirs through ``route_tensors``, bit for bit."""
+    """The engine's two-launch route layout under TRITON_INTERPRET=1 against ``route_tensors``
+    (``_assert_layout_equal_up_to_group_order``: the ranks come from atomic adds); twice in a row (the counts left
+    at zero)."""
     mod = _interpreted_triton_module()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    torch.manual_seed(T * 31 + E)
-    experts = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
-    if skew:
-        experts[:, 0] = 3  # every token's first slot on expert 3: 65 ranks of one expert
-    want = moe_kernels.route_tensors(experts, E, align)
+    experts = _skewed_routing(T, k, E, skew)
     for _ in range(2):
-        got = mod.route_tensors_small(experts, E, align)
-        assert all(g.dtype == w.dtype and g.shape == w.shape for g, w in zip(got, want, strict=True))
-        (src, rows, offs), (want_src, _, want_offs) = got, want
-        assert torch.equal(offs, want_offs)
-        starts = torch.cat([offs.new_zeros(1), offs[:-1]]).long()
-        slot_ex = experts.reshape(-1)
-        assert bool(((rows >= starts[slot_ex]) & (rows < offs.long()[slot_ex])).all())  # in its expert's group
-        assert torch.equal(src[rows], torch.arange(T * k) // k)  # the row reads its slot's token
-        for e in range(E):
-            group = slice(int(starts[e]), int(offs[e]))
-            assert torch.equal(src[group].sort().values, want_src[group].sort().values)
-        assert bool((src[int(offs[-1]) :] == T).all())
-    z, w = torch.randn(T, 16), torch.randn(E, 8, 16)
-    lay = lambda t: moe_kernels.RouteLayout(*t, T, k)
-    ys = [moe_kernels.combine(grouped_mm_naive(moe_kernels.permute(z, lay(t)), w, t[2]), lay(t), torch.ones(T, k))
-          for t in (want, got)]  # fmt: skip
-    assert torch.equal(*ys)
+        _assert_layout_equal_up_to_group_order(mod.route_tensors_small(experts, E, align), experts, E, align)
+
+
+@pytest.mark.parametrize(
+    "T, k, E, align, skew",
+    [(300, 8, 128, 8, False),  # past ROUTE_SMALL_MAX: 2,400 slots, three programs of 1,024, gpu_1b's experts
+     (200, 8, 20, 1, True),  # no padding, E not a power of two, one expert in every token
+     (130, 8, 16, 16, False),  # groups padded to 16: tail rows past the last group
+     (129, 8, 128, 8, True),  # 1,032 slots: just past the small layout's limit, one expert in every token
+     (2, 2, 5, 4, False)],  # fewer slots than a program
+)  # fmt: skip
+def test_route_tensors_large_equal_the_torch_layout_up_to_the_order_inside_groups(monkeypatch, T, k, E, align, skew):
+    """The engine's three-launch route layout for prefill steps under TRITON_INTERPRET=1 against ``route_tensors``
+    (``_assert_layout_equal_up_to_group_order``); twice in a row (the counts left at zero), the rows poisoned
+    before the second (every row written: the slots', the groups' padding and the tail), and after a small
+    layout on the same scratch counts."""
+    mod = _interpreted_triton_module()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    experts = _skewed_routing(T, k, E, skew)
+    torch_empty = torch.empty
+    poisoned = lambda *a, **kw: torch_empty(*a, **kw).fill_(-7)
+    for poison in (False, True):
+        monkeypatch.setattr(mod.torch, "empty", poisoned if poison else torch_empty)
+        _assert_layout_equal_up_to_group_order(mod.route_tensors_large(experts, E, align), experts, E, align)
+    monkeypatch.setattr(mod.torch, "empty", torch_empty)
+    small = _skewed_routing(4, 2, E, False)
+    _assert_layout_equal_up_to_group_order(mod.route_tensors_small(small, E, align), small, E, align)
+    _assert_layout_equal_up_to_group_order(mod.route_tensors_large(experts, E, align), experts, E, align)
+    with pytest.raises(ValueError, match="route_tensors_large"):
+        mod.route_tensors_large(experts, E, 0)
 
 
 def test_route_tensors_small_refuses_a_prefill_size_and_the_engine_op_takes_torch_there(monkeypatch):
@@ -403,7 +443,8 @@ def test_route_tensors_small_refuses_a_prefill_size_and_the_engine_op_takes_torc
     torch.library.opcheck(mod.route_tensors_engine, (experts[:4], 128, 8, 0))
 
 
-@pytest.mark.parametrize("T, E, n", [(64, 128, 8), (5, 20, 3), (3, 7, 7)])  # gpu_1b's decode; E not a power of 2
+# gpu_1b's decode; E not a power of 2; n = E; more rows than a decode step (a prefill step's: the engine's op takes it)
+@pytest.mark.parametrize("T, E, n", [(64, 128, 8), (5, 20, 3), (3, 7, 7), (1100, 8, 2)])
 def test_top_experts_small_equal_the_sort(monkeypatch, T, E, n):
     """The engine's one-launch top-k under TRITON_INTERPRET=1: the values, experts and order of ``top_experts``
     (a stable descending sort's first n), with ties (to the lower expert) and -inf scores (group-limited routers)
@@ -501,7 +542,7 @@ def test_permute_situ_engine_off_cuda_takes_the_three_steps(monkeypatch):
 
 
 @pytest.mark.parametrize("T, E, n, renormalize, scaling", [(64, 128, 8, True, 1.0), (5, 20, 3, False, 2.5),
-                                                           (3, 7, 7, True, 0.5)])  # fmt: skip
+                                                           (3, 7, 7, True, 0.5), (1100, 8, 2, True, 2.5)])  # fmt: skip
 def test_select_experts_small_equals_the_gates_steps(monkeypatch, T, E, n, renormalize, scaling):
     """The engine's one-launch selection under TRITON_INTERPRET=1 against the gate's sigmoid, sort and weights: the
     same experts in the same order (ties in scores + bias to the lower expert), weights to fp32 rounding; E not a
