@@ -147,31 +147,40 @@ def prepare_for_serving(model: nn.Module, max_step_tokens: int) -> None:
 
 
 DECODE_ROUTE_LAYOUTS = ("compiled", "triton")
+PREFILL_ROUTINGS = ("torch", "triton")
 
 
 def route_decode_steps_in_single_launches(model: nn.Module) -> None:
     """Every router of ``model`` selects its experts and weights from its logits with
-    ``kernels.moe.triton.select_experts_engine`` (a step's sigmoid, top-k and weights in one Triton launch, where
-    the compiled block ran the sigmoid, a single-block radix sort and the weights' gather as three kernels in a
-    decode step, and a prefill step ran about ten eager ops), its top-k with ``top_experts_engine`` where routes are
-    replayed, and every grouped MoE of SiTU experts runs the permute, the gate/up product and the activation with
-    ``kernels.moe.triton.permute_situ_engine`` (a decode step's in one launch, where they were three kernels), and
-    lays out its routes with ``kernels.moe.triton.route_tensors_engine`` (two launches, where the compiled layout is
-    about eight kernels a MoE layer: 4.7 against 8.4 us at 64 sequences on an H100, bench/grouped_mm_decode.py
-    --layout; a prefill step's in three, where the eager sort path ran about 25 ops);
-    ``LONGHORIZON_DECODE_ROUTE_LAYOUT=compiled`` keeps the compiled layout. Inside a MoE block compiled
-    whole (the engine's scope on CUDA) the block's graph calls the ops; a scope that compiles the layout as a region
-    of its own (``model.compile``'s "regions") swaps that back to the compiled ``route_tensors``."""
+    ``kernels.moe.triton.select_experts_engine`` (a decode step's sigmoid, top-k and weights in one Triton launch,
+    where the compiled block ran the sigmoid, a single-block radix sort and the weights' gather as three kernels),
+    its top-k with ``top_experts_engine`` where routes are replayed, and every grouped MoE of SiTU experts runs the
+    permute, the gate/up product and the activation with ``kernels.moe.triton.permute_situ_engine`` (a decode
+    step's in one launch, where they were three kernels), and lays out its routes with
+    ``kernels.moe.triton.route_tensors_engine`` (two launches, where the compiled layout is about eight kernels a
+    MoE layer: 4.7 against 8.4 us at 64 sequences on an H100, bench/grouped_mm_decode.py --layout);
+    ``LONGHORIZON_DECODE_ROUTE_LAYOUT=compiled`` keeps the compiled layout. ``LONGHORIZON_PREFILL_ROUTING=triton``
+    takes a prefill step's selection and layout on the same kernels too (the layout in three launches,
+    ``route_tensors_large``), where the ops otherwise run the torch steps eagerly (about 35 ops a MoE layer, ~1.4 ms
+    of a slow host's time); opt-in (``torch``, the default) until an engine run on a GPU has timed it. Inside a MoE
+    block compiled whole (the engine's scope on CUDA) the block's graph calls the ops; a scope that compiles the
+    layout as a region of its own (``model.compile``'s "regions") swaps that back to the compiled
+    ``route_tensors``."""
     from kernels.moe.triton import (
         permute_situ_engine,
         route_tensors_engine,
         select_experts_engine,
+        set_prefill_routing,
         top_experts_engine,
     )
 
     layout = os.environ.get("LONGHORIZON_DECODE_ROUTE_LAYOUT", "triton")
     if layout not in DECODE_ROUTE_LAYOUTS:
         raise ValueError(f"LONGHORIZON_DECODE_ROUTE_LAYOUT must be one of {DECODE_ROUTE_LAYOUTS}, got {layout!r}")
+    prefill = os.environ.get("LONGHORIZON_PREFILL_ROUTING", "torch")
+    if prefill not in PREFILL_ROUTINGS:
+        raise ValueError(f"LONGHORIZON_PREFILL_ROUTING must be one of {PREFILL_ROUTINGS}, got {prefill!r}")
+    set_prefill_routing(prefill == "triton")
     for m in model.modules():
         if isinstance(m, GroupedExperts):
             if layout == "triton":

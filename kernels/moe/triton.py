@@ -358,6 +358,18 @@ _sum_combine = tl.standard._sum_combine  # tl.sum / tl.cumsum are jit functions 
 # to 128 sequences at top-8
 ROUTE_SMALL_MAX = 1024
 
+# Whether the engine's routing ops take a prefill step (more than ``ROUTE_SMALL_MAX`` slots or
+# ``TOP_SMALL_MAX_ROWS`` rows) on the Triton kernels too (``route_tensors_large``, the one-launch selections), where
+# they otherwise run the torch steps eagerly: ``model.serving`` sets it from ``LONGHORIZON_PREFILL_ROUTING``
+# (opt-in until an engine run on a GPU has timed it; the kernels are held to the torch steps under the interpreter).
+_PREFILL_ON_TRITON = False
+
+
+def set_prefill_routing(on_triton: bool) -> None:
+    """Route the engine's prefill steps on the Triton kernels (True) or the torch steps (False, the default)."""
+    global _PREFILL_ON_TRITON
+    _PREFILL_ON_TRITON = bool(on_triton)
+
 
 @triton.jit(do_not_specialize=["S"])
 def _route_ranks(experts_ptr, rank_ptr, counts_ptr, S, BS: tl.constexpr):
@@ -503,15 +515,17 @@ def route_tensors_engine(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``kernels.moe.route_tensors`` for the rollout engine's MoE blocks (``model.serving.prepare_for_serving`` on
     CUDA): a step of up to ``ROUTE_SMALL_MAX`` slots on ``route_tensors_small`` (two launches), a larger one (prefill
-    chunks) on ``route_tensors_large`` (three); off CUDA ``route_tensors`` ranking by sort. A custom op, so the
+    chunks) on ``route_tensors_large`` (three) with prefill routing on Triton (``set_prefill_routing``), else and off
+    CUDA on ``route_tensors`` ranking by sort. A custom op, so the
     choice is made when it runs: a rule on the traced slot count in a compiled MoE block would be a guard, and a
     step across it a second compile. ``counting_max``: unused (the signature of ``route_tensors``, which
     ``kernels.moe.route_layout`` calls)."""
     from kernels.moe import route_tensors
 
-    if experts_TK.is_cuda:
-        small = experts_TK.numel() <= ROUTE_SMALL_MAX
-        return (route_tensors_small if small else route_tensors_large)(experts_TK, num_experts, align)
+    if experts_TK.is_cuda and experts_TK.numel() <= ROUTE_SMALL_MAX:
+        return route_tensors_small(experts_TK, num_experts, align)
+    if experts_TK.is_cuda and _PREFILL_ON_TRITON:
+        return route_tensors_large(experts_TK, num_experts, align)
     return route_tensors(experts_TK, num_experts, align, 0)
 
 
@@ -523,9 +537,9 @@ def _(experts_TK, num_experts, align, counting_max):
 
 
 # experts up to which ``top_experts_engine`` and ``select_experts_engine`` select a step's top-k in one Triton launch
-# (a row a program, any number of rows)
+# (a row a program, any number of rows); rows up to which they do so for every engine: a decode step's
 TOP_SMALL_MAX_EXPERTS = 1024
-
+TOP_SMALL_MAX_ROWS = 1024
 
 @triton.jit
 def _take_largest(x, taken, e, BE: tl.constexpr):
@@ -555,6 +569,13 @@ def top_small_takes(biased_TE: torch.Tensor, n: int) -> bool:
     """Whether ``top_experts_small`` takes these scores: fp32 [T, E <= TOP_SMALL_MAX_EXPERTS], 1 <= n <= E."""
     E = biased_TE.shape[1]
     return biased_TE.dtype == torch.float32 and 1 <= n <= E <= TOP_SMALL_MAX_EXPERTS
+
+
+def _engine_takes_rows(x_TE: torch.Tensor, n: int) -> bool:
+    """Whether the engine's one-launch top-k / selection takes these scores: on CUDA, the kernel takes them, and a
+    decode step's rows (or any, with prefill routing on Triton)."""
+    rows_ok = x_TE.shape[0] <= TOP_SMALL_MAX_ROWS or _PREFILL_ON_TRITON
+    return x_TE.is_cuda and rows_ok and top_small_takes(x_TE, n)
 
 
 def top_experts_small(biased_TE: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -626,11 +647,12 @@ def select_experts_small(
 def select_experts_engine(
     logits_TE: torch.Tensor, bias_E: torch.Tensor, n: int, renormalize: bool, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``MoEGate``'s selection from its logits for the rollout engine's routers (``model.serving`` on CUDA): every
-    step's rows in ``select_experts_small``'s one launch (a prefill step's too, where the gate's sigmoid, sort and
-    weights were about ten ops a MoE layer); off CUDA, or scores it does not take, as the gate computes them
-    (``model.moe.select_experts``). A custom op: the rule is made when it runs."""
-    if logits_TE.is_cuda and top_small_takes(logits_TE, n):
+    """``MoEGate``'s selection from its logits for the rollout engine's routers (``model.serving`` on CUDA): a
+    decode step's rows in ``select_experts_small``'s one launch, a prefill step's too with prefill routing on Triton
+    (``set_prefill_routing``; the gate's sigmoid, sort and weights are about ten ops a MoE layer there); otherwise,
+    off CUDA, or for scores it does not take, as the gate computes them (``model.moe.select_experts``). A custom op:
+    the rule is made when it runs."""
+    if _engine_takes_rows(logits_TE, n):
         return select_experts_small(logits_TE, bias_E, n, renormalize, scaling)
     from model.moe import select_experts
 
@@ -647,11 +669,12 @@ def _(logits_TE, bias_E, n, renormalize, scaling):
 @torch.library.custom_op(op_name("top_experts_engine"), mutates_args=())
 def top_experts_engine(biased_TE: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``model.moe.top_experts`` for the rollout engine's routers (``model.serving.prepare_for_serving`` on CUDA):
-    every step's rows on ``top_experts_small``; off CUDA, or scores it does not take, sorted as ``top_experts``
-    sorts. A custom op: the rule is made when it runs, not a guard in the compiled MoE block."""
+    a decode step's rows on ``top_experts_small``, a prefill step's too with prefill routing on Triton; otherwise
+    sorted as ``top_experts`` sorts. A custom op: the rule is made when it runs, not a guard in the compiled MoE
+    block."""
     from model.moe import top_experts
 
-    if biased_TE.is_cuda and top_small_takes(biased_TE, n):
+    if _engine_takes_rows(biased_TE, n):
         return top_experts_small(biased_TE, n)
     vals, idx = top_experts(biased_TE, n)
     return vals.contiguous(), idx.contiguous()

@@ -588,3 +588,24 @@ def test_one_launch_selections_give_expert_ids_in_range_for_nan_rows(monkeypatch
         assert all(len(set(row.tolist())) == 4 for row in idx)
         assert torch.equal(idx[1], torch.arange(4))  # all NaN: the lowest experts
         assert bool((idx[2] % 2 == 1).all())  # the finite (odd) experts first
+
+
+def test_the_engines_selection_takes_prefill_rows_only_with_prefill_routing_on_triton(monkeypatch):
+    """The engine's top-k / selection ops take a decode step's rows on the one-launch kernels, and a prefill step's
+    (past ``TOP_SMALL_MAX_ROWS``) only with ``set_prefill_routing(True)`` (``LONGHORIZON_PREFILL_ROUTING=triton``);
+    never off CUDA or for scores the kernel does not take."""
+    from types import SimpleNamespace
+
+    mod = _interpreted_triton_module()
+    monkeypatch.setattr(mod, "_PREFILL_ON_TRITON", False)
+    scores = lambda rows, cuda=True, dtype=torch.float32: SimpleNamespace(
+        shape=(rows, 128), is_cuda=cuda, dtype=dtype)
+    assert mod._engine_takes_rows(scores(64), 8) and mod._engine_takes_rows(scores(mod.TOP_SMALL_MAX_ROWS), 8)
+    assert not mod._engine_takes_rows(scores(mod.TOP_SMALL_MAX_ROWS + 1), 8)
+    mod.set_prefill_routing(True)
+    assert mod._engine_takes_rows(scores(16384), 8)
+    assert not mod._engine_takes_rows(scores(16384, cuda=False), 8)
+    assert not mod._engine_takes_rows(scores(16384, dtype=torch.bfloat16), 8)
+    assert not mod._engine_takes_rows(scores(64), 129)
+    mod.set_prefill_routing(False)
+    assert not mod._engine_takes_rows(scores(16384), 8)
