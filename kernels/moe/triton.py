@@ -515,11 +515,10 @@ def route_tensors_engine(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``kernels.moe.route_tensors`` for the rollout engine's MoE blocks (``model.serving.prepare_for_serving`` on
     CUDA): a step of up to ``ROUTE_SMALL_MAX`` slots on ``route_tensors_small`` (two launches), a larger one (prefill
-    chunks) on ``route_tensors_large`` (three) with prefill routing on Triton (``set_prefill_routing``), else and off
-    CUDA on ``route_tensors`` ranking by sort. A custom op, so the
-    choice is made when it runs: a rule on the traced slot count in a compiled MoE block would be a guard, and a
-    step across it a second compile. ``counting_max``: unused (the signature of ``route_tensors``, which
-    ``kernels.moe.route_layout`` calls)."""
+    chunks) on ``route_tensors_large`` (three) with prefill routing on Triton (``set_prefill_routing``), otherwise
+    (and off CUDA) on ``route_tensors`` ranking by sort. A custom op, so the choice is made when it runs: a rule on
+    the traced slot count in a compiled MoE block would be a guard, and a step across it a second compile.
+    ``counting_max``: unused (the signature of ``route_tensors``, which ``kernels.moe.route_layout`` calls)."""
     from kernels.moe import route_tensors
 
     if experts_TK.is_cuda and experts_TK.numel() <= ROUTE_SMALL_MAX:
@@ -540,6 +539,7 @@ def _(experts_TK, num_experts, align, counting_max):
 # (a row a program, any number of rows); rows up to which they do so for every engine: a decode step's
 TOP_SMALL_MAX_EXPERTS = 1024
 TOP_SMALL_MAX_ROWS = 1024
+
 
 @triton.jit
 def _take_largest(x, taken, e, BE: tl.constexpr):
