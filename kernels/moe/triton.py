@@ -455,6 +455,15 @@ def _route_scratch(device: torch.device, num_experts: int) -> tuple[torch.Tensor
     return _ROUTE_SCRATCH[key]
 
 
+def _layout_buffers(experts_TK: torch.Tensor, num_experts: int, align: int):
+    """A Triton layout's outputs, unwritten (src_row_P [S + E (align - 1)], row_of_slot_S, offs_E), and its scratch
+    (counts, starts)."""
+    S, dev = experts_TK.numel(), experts_TK.device
+    outs = (torch.empty(S + num_experts * (align - 1), dtype=torch.long, device=dev),
+            torch.empty(S, dtype=torch.long, device=dev), torch.empty(num_experts, dtype=torch.int32, device=dev))  # fmt: skip
+    return outs, _route_scratch(dev, num_experts)
+
+
 def route_tensors_small(experts_TK: torch.Tensor, num_experts: int, align: int) -> tuple[torch.Tensor, ...]:
     """``kernels.moe.route_tensors`` in two launches for up to ``ROUTE_SMALL_MAX`` slots (a decode step's layout,
     where the compiled one ran about eight kernels, ~12 us a MoE layer on an H100): the slots' ranks by atomic adds
@@ -466,13 +475,8 @@ def route_tensors_small(experts_TK: torch.Tensor, num_experts: int, align: int) 
     if S > ROUTE_SMALL_MAX or num_experts < 1 or align < 1:
         raise ValueError(f"route_tensors_small: at most {ROUTE_SMALL_MAX} slots, experts and align >= 1; got "
                          f"[T, k] = [{T}, {k}], {num_experts} experts, align {align}")  # fmt: skip
-    dev = experts_TK.device
-    P = S + num_experts * (align - 1)
-    src_row_P = torch.empty(P, dtype=torch.long, device=dev)
-    row_of_slot_S = torch.empty(S, dtype=torch.long, device=dev)
-    offs_E = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    counts, starts = _route_scratch(dev, num_experts)
-    flat = experts_TK.reshape(-1)
+    (src_row_P, row_of_slot_S, offs_E), (counts, starts) = _layout_buffers(experts_TK, num_experts, align)
+    P, flat = src_row_P.shape[0], experts_TK.reshape(-1)
     if S:
         _route_ranks[(triton.cdiv(S, 128),)](flat, row_of_slot_S, counts, S, BS=128, num_warps=4)
     _route_rows[(1,)](
@@ -492,14 +496,8 @@ def route_tensors_large(experts_TK: torch.Tensor, num_experts: int, align: int) 
     S = T * k
     if num_experts < 1 or align < 1:
         raise ValueError(f"route_tensors_large: experts and align >= 1; got {num_experts} experts, align {align}")
-    dev = experts_TK.device
-    P = S + num_experts * (align - 1)
-    src_row_P = torch.empty(P, dtype=torch.long, device=dev)
-    row_of_slot_S = torch.empty(S, dtype=torch.long, device=dev)
-    offs_E = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    counts, starts = _route_scratch(dev, num_experts)
-    flat = experts_TK.reshape(-1)
-    bs = 1024
+    (src_row_P, row_of_slot_S, offs_E), (counts, starts) = _layout_buffers(experts_TK, num_experts, align)
+    P, flat, bs = src_row_P.shape[0], experts_TK.reshape(-1), 1024
     if S:
         _route_ranks[(triton.cdiv(S, bs),)](flat, row_of_slot_S, counts, S, BS=bs, num_warps=4)
     _route_starts[(1,)](src_row_P, offs_E, counts, starts, T, P, align, num_experts,
