@@ -459,9 +459,10 @@ def _layout_buffers(experts_TK: torch.Tensor, num_experts: int, align: int):
     """A Triton layout's outputs, unwritten (src_row_P [S + E (align - 1)], row_of_slot_S, offs_E), and its scratch
     (counts, starts)."""
     S, dev = experts_TK.numel(), experts_TK.device
-    outs = (torch.empty(S + num_experts * (align - 1), dtype=torch.long, device=dev),
-            torch.empty(S, dtype=torch.long, device=dev), torch.empty(num_experts, dtype=torch.int32, device=dev))  # fmt: skip
-    return outs, _route_scratch(dev, num_experts)
+    src_row_P = torch.empty(S + num_experts * (align - 1), dtype=torch.long, device=dev)
+    row_of_slot_S = torch.empty(S, dtype=torch.long, device=dev)
+    offs_E = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    return (src_row_P, row_of_slot_S, offs_E), _route_scratch(dev, num_experts)
 
 
 def route_tensors_small(experts_TK: torch.Tensor, num_experts: int, align: int) -> tuple[torch.Tensor, ...]:
