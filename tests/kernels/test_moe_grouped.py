@@ -420,8 +420,9 @@ def test_route_tensors_large_equal_the_torch_layout_up_to_the_order_inside_group
     poisoned = lambda *a, **kw: torch_empty(*a, **kw).fill_(-7)
     for poison in (False, True):
         monkeypatch.setattr(mod.torch, "empty", poisoned if poison else torch_empty)
-        _assert_layout_equal_up_to_group_order(mod.route_tensors_large(experts, E, align), experts, E, align)
-    monkeypatch.setattr(mod.torch, "empty", torch_empty)
+        got = mod.route_tensors_large(experts, E, align)
+        monkeypatch.setattr(mod.torch, "empty", torch_empty)
+        _assert_layout_equal_up_to_group_order(got, experts, E, align)
     small = _skewed_routing(4, 2, E, False)
     _assert_layout_equal_up_to_group_order(mod.route_tensors_small(small, E, align), small, E, align)
     _assert_layout_equal_up_to_group_order(mod.route_tensors_large(experts, E, align), experts, E, align)
