@@ -425,9 +425,9 @@ def _route_starts(src_row_ptr, offs_ptr, counts_ptr, start_ptr, T, P, align, E, 
         row = starts + counts + j
         tl.store(src_row_ptr + row, tl.full([BE], 0, tl.int64) + T, mask=em & (row < ends))
     last = tl.reduce(tl.where(em, padded, 0), 0, _sum_combine)  # the last group's end
-    for p0 in range(0, P, BP):
+    for p0 in range(last, P, BP):  # the tail only: at most E (align - 1) rows, not the whole buffer
         p = p0 + tl.arange(0, BP)
-        tl.store(src_row_ptr + p, tl.full([BP], 0, tl.int64) + T, mask=(p >= last) & (p < P))
+        tl.store(src_row_ptr + p, tl.full([BP], 0, tl.int64) + T, mask=p < P)
 
 
 @triton.jit(do_not_specialize=["S"])

@@ -87,6 +87,17 @@ def _kernels():
           "counts_ptr": "*i32", "start_ptr": "*i32", **{n: "i32" for n in ("S", "T", "k", "P", "align", "E")},
           "BE": "constexpr", "BS": "constexpr", "BP": "constexpr"},
          {"BE": 128, "BS": 128, "BP": 1024}),
+        # a prefill step's route layout in three launches (LONGHORIZON_PREFILL_ROUTING=triton): ranks in 1,024-slot
+        # blocks, then the groups in one program (a tail loop from a computed start), then the slots' rows
+        (moe._route_ranks, {"experts_ptr": "*i64", "rank_ptr": "*i64", "counts_ptr": "*i32", "S": "i32",
+                            "BS": "constexpr"}, {"BS": 1024}),
+        (moe._route_starts,
+         {"src_row_ptr": "*i64", "offs_ptr": "*i32", "counts_ptr": "*i32", "start_ptr": "*i32",
+          **{n: "i32" for n in ("T", "P", "align", "E")}, "BE": "constexpr", "BP": "constexpr"},
+         {"BE": 128, "BP": 1024}),
+        (moe._route_place,
+         {"experts_ptr": "*i64", "src_row_ptr": "*i64", "row_of_slot_ptr": "*i64", "start_ptr": "*i32", "S": "i32",
+          "k": "i32", "BS": "constexpr"}, {"BS": 1024}),
         # the engine's decode expert selection from the router logits, a row a program
         (moe._select_small,
          {"x_ptr": "*fp32", "bias_ptr": "*fp32", "idx_ptr": "*i64", "w_ptr": "*fp32", "E": "i32", "sx": "i32",
@@ -117,7 +128,7 @@ def _kernels():
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("index", range(14))
+@pytest.mark.parametrize("index", range(17))
 def test_kernel_compiles_for_sm90(index):
     fn, signature, constexprs = _kernels()[index]
     # keyword order is the kernel's own: the signature must name every parameter
