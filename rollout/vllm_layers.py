@@ -263,9 +263,9 @@ class KDAStateLayer(nn.Module):
         conv_q, conv_k, conv_v, rec = self.kv_cache
         state = KDAState(rec[slots_N], conv_q[slots_N], conv_k[slots_N], conv_v[slots_N])
         if has_init_N is not None:  # a fresh sequence starts from zero state, not from a recycled slot
-            keep_N = has_init_N.to(torch.bool)  # masked on the device: no host read of the flags
+            fresh_N = ~has_init_N.to(torch.bool)  # masked on the device: no host read of the flags; negated once
             for t in (state.recurrent_NHKV, state.conv_q_NCW, state.conv_k_NCW, state.conv_v_NCW):
-                t.masked_fill_(~keep_N.view(-1, *[1] * (t.ndim - 1)), 0)
+                t.masked_fill_(fresh_N.view(-1, *[1] * (t.ndim - 1)), 0)
         B, T, _ = x_BTD.shape
         if layout is None:
             layout = seq_layout(B, T, cu_seqlens, x_BTD.device)
