@@ -380,38 +380,10 @@ def _route_ranks(experts_ptr, rank_ptr, counts_ptr, S, BS: tl.constexpr):
     tl.store(rank_ptr + s, tl.atomic_add(counts_ptr + ex, 1, mask=sm).to(tl.int64), mask=sm)
 
 
-@triton.jit(do_not_specialize=["S", "T", "P"])  # one compile for every decode batch size
-def _route_rows(experts_ptr, src_row_ptr, row_of_slot_ptr, offs_ptr, counts_ptr, start_ptr, S, T, k, P, align, E,
-                BE: tl.constexpr, BS: tl.constexpr, BP: tl.constexpr):  # fmt: skip
-    """The layout from the counts and ranks ``_route_ranks`` left (the ranks in ``row_of_slot``), in one program:
-    the padded groups' ends, T in every row, each slot's row (its group's start plus its rank) and the token feeding
-    it; the counts reset to zero for the next step."""
-    e = tl.arange(0, BE)
-    counts = tl.load(counts_ptr + e, mask=e < E, other=0)
-    tl.store(counts_ptr + e, tl.full([BE], 0, tl.int32), mask=e < E)
-    padded = (counts + align - 1) // align * align
-    ends = tl.associative_scan(padded, 0, _sum_combine)
-    tl.store(offs_ptr + e, ends, mask=e < E)
-    tl.store(start_ptr + e, ends - padded, mask=e < E)
-    for p0 in range(0, P, BP):
-        p = p0 + tl.arange(0, BP)
-        tl.store(src_row_ptr + p, tl.full([BP], 0, tl.int64) + T, mask=p < P)
-    tl.debug_barrier()  # the starts and the tail rows' T stored before they are read or overwritten
-    for s0 in range(0, S, BS):
-        t = s0 + tl.arange(0, BS)
-        tm = t < S
-        ex = tl.load(experts_ptr + t, mask=tm, other=0).to(tl.int32)
-        row = tl.load(start_ptr + ex, mask=tm, other=0) + tl.load(row_of_slot_ptr + t, mask=tm, other=0)
-        tl.store(row_of_slot_ptr + t, row.to(tl.int64), mask=tm)
-        tl.store(src_row_ptr + row, (t // k).to(tl.int64), mask=tm)
-
-
-@triton.jit(do_not_specialize=["T", "P"])
-def _route_starts(src_row_ptr, offs_ptr, counts_ptr, start_ptr, T, P, align, E, BE: tl.constexpr,
-                  BP: tl.constexpr):  # fmt: skip
-    """A large step's groups from the counts ``_route_ranks`` left, in one program: the padded groups' ends and
-    starts, T in each group's padding rows and in the tail rows past the last group (every row no slot takes), the
-    counts reset to zero for the next step. ``_route_place`` puts the slots in their rows after it."""
+@triton.jit
+def _route_groups(offs_ptr, counts_ptr, start_ptr, align, E, BE: tl.constexpr):
+    """The padded groups from the counts ``_route_ranks`` left: their ends (``offs``) and starts stored, the counts
+    reset to zero for the next step. Returns (counts, padded sizes, ends, starts) over ``BE`` lanes (zero past E)."""
     e = tl.arange(0, BE)
     em = e < E
     counts = tl.load(counts_ptr + e, mask=em, other=0)
@@ -421,10 +393,46 @@ def _route_starts(src_row_ptr, offs_ptr, counts_ptr, start_ptr, T, P, align, E, 
     starts = ends - padded
     tl.store(offs_ptr + e, ends, mask=em)
     tl.store(start_ptr + e, starts, mask=em)
+    return counts, padded, ends, starts
+
+
+@triton.jit
+def _place_slots(experts_ptr, src_row_ptr, row_of_slot_ptr, start_ptr, t, tm, k):
+    """Slots ``t`` (mask ``tm``) in their rows: each one's group start plus the rank ``_route_ranks`` left in
+    ``row_of_slot``, and the token feeding that row."""
+    ex = tl.load(experts_ptr + t, mask=tm, other=0).to(tl.int32)
+    row = tl.load(start_ptr + ex, mask=tm, other=0) + tl.load(row_of_slot_ptr + t, mask=tm, other=0)
+    tl.store(row_of_slot_ptr + t, row.to(tl.int64), mask=tm)
+    tl.store(src_row_ptr + row, (t // k).to(tl.int64), mask=tm)
+
+
+@triton.jit(do_not_specialize=["S", "T", "P"])  # one compile for every decode batch size
+def _route_rows(experts_ptr, src_row_ptr, row_of_slot_ptr, offs_ptr, counts_ptr, start_ptr, S, T, k, P, align, E,
+                BE: tl.constexpr, BS: tl.constexpr, BP: tl.constexpr):  # fmt: skip
+    """The layout from the counts and ranks ``_route_ranks`` left (the ranks in ``row_of_slot``), in one program:
+    the padded groups' ends (``_route_groups``), T in every row, then each slot's row and the token feeding it
+    (``_place_slots``)."""
+    _route_groups(offs_ptr, counts_ptr, start_ptr, align, E, BE)
+    for p0 in range(0, P, BP):
+        p = p0 + tl.arange(0, BP)
+        tl.store(src_row_ptr + p, tl.full([BP], 0, tl.int64) + T, mask=p < P)
+    tl.debug_barrier()  # the starts and the tail rows' T stored before they are read or overwritten
+    for s0 in range(0, S, BS):
+        t = s0 + tl.arange(0, BS)
+        _place_slots(experts_ptr, src_row_ptr, row_of_slot_ptr, start_ptr, t, t < S, k)
+
+
+@triton.jit(do_not_specialize=["T", "P"])
+def _route_starts(src_row_ptr, offs_ptr, counts_ptr, start_ptr, T, P, align, E, BE: tl.constexpr,
+                  BP: tl.constexpr):  # fmt: skip
+    """A large step's groups (``_route_groups``) in one program, and T in each group's padding rows and in the tail
+    rows past the last group (every row no slot takes). ``_route_place`` puts the slots in their rows after it."""
+    counts, padded, ends, starts = _route_groups(offs_ptr, counts_ptr, start_ptr, align, E, BE)
+    em = tl.arange(0, BE) < E
     for j in range(0, align - 1):  # a group's padding rows: at most align - 1 past its slots
         row = starts + counts + j
         tl.store(src_row_ptr + row, tl.full([BE], 0, tl.int64) + T, mask=em & (row < ends))
-    last = tl.reduce(tl.where(em, padded, 0), 0, _sum_combine)  # the last group's end
+    last = tl.reduce(padded, 0, _sum_combine)  # the last group's end (padded is zero past E)
     for p0 in range(last, P, BP):  # the tail only: at most E (align - 1) rows, not the whole buffer
         p = p0 + tl.arange(0, BP)
         tl.store(src_row_ptr + p, tl.full([BP], 0, tl.int64) + T, mask=p < P)
@@ -432,14 +440,9 @@ def _route_starts(src_row_ptr, offs_ptr, counts_ptr, start_ptr, T, P, align, E, 
 
 @triton.jit(do_not_specialize=["S"])
 def _route_place(experts_ptr, src_row_ptr, row_of_slot_ptr, start_ptr, S, k, BS: tl.constexpr):
-    """Each slot's row (its group's start from ``_route_starts`` plus the rank ``_route_ranks`` left in
-    ``row_of_slot``) and the token feeding that row."""
+    """``_place_slots`` for a program's ``BS`` slots, after ``_route_starts``."""
     t = tl.program_id(0) * BS + tl.arange(0, BS)
-    tm = t < S
-    ex = tl.load(experts_ptr + t, mask=tm, other=0).to(tl.int32)
-    row = tl.load(start_ptr + ex, mask=tm, other=0) + tl.load(row_of_slot_ptr + t, mask=tm, other=0)
-    tl.store(row_of_slot_ptr + t, row.to(tl.int64), mask=tm)
-    tl.store(src_row_ptr + row, (t // k).to(tl.int64), mask=tm)
+    _place_slots(experts_ptr, src_row_ptr, row_of_slot_ptr, start_ptr, t, t < S, k)
 
 
 _ROUTE_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
