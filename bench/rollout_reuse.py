@@ -465,10 +465,12 @@ class ModeRun:
     def record_turn(
         self, t: int, new: int, context: int, computed: int, seconds: float, steps: dict | None = None
     ) -> None:
-        """Turn ``t``'s row: new tokens, the whole context, the prefill the engine computed, wall seconds, and
-        where a ``ModeRun``'s seconds went (``StepTimer.summary``)."""
+        """Turn ``t``'s row: new tokens, the whole context, the prefill the engine computed, wall seconds, when
+        it ended (Unix seconds: for lining turns up with a host's own logs), and where a ``ModeRun``'s seconds
+        went (``StepTimer.summary``)."""
         self.turns.append(
             {"turn": t + 1, "new": new, "context": context, "computed": computed, "seconds": seconds,
+             "ended_at": round(time.time(), 3),
              "hit_rate": 1 - computed / context, **({"steps": steps} if steps else {})}
         )  # fmt: skip
 
