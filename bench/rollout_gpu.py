@@ -881,6 +881,7 @@ def reuse_turns(run: Run, runs: list, out: dict, rep: int = 0) -> None:
                 f"{'; steps ' + json.dumps(x['steps']) if 'steps' in x else ''}")
         last = sum(r.turns[-1]["seconds"] for r in runs)
         out.setdefault("turns", {}).update({r.mode: r.turns for r in runs})
+        out.setdefault("turns_by_repeat", {}).update({r.mode: r.reps for r in runs})  # every repeat's rows
         run.save()
 
 
