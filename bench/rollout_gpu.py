@@ -40,6 +40,8 @@ Parts (each a function; ``--parts`` picks a subset, in the order given):
   alternate (not with ``--async-sessions``, which needs the core in this process). ``--host-phases`` splits each
   turn's decode steps into vLLM's host phases (scheduling, input preparation, the launch, the wait for the sampled
   tokens, output processing; ``rollout_reuse.HostPhases``): where the wait is near zero the host sets the step.
+  ``--host-samples`` lines each turn up with what the host's CPUs did meanwhile (bench/host_sampler.py: the
+  main thread's CPU share and cores, other busy threads, steal time; ``host_by_turn``).
 
 The router weights are scaled so that router logits have a std of about 3 (the rollout tests scale them
 too; a random init's are 0.2-0.6). That does not separate near-tied expert sets: the router runs in fp32
@@ -700,6 +702,7 @@ def part_reuse(run: Run) -> None:
                     record_logprobs=a.logprobs_from == "records", **run.gpu_share()),
     )  # fmt: skip
     out = run.results.setdefault("reuse", {"config": {**vars(cfg), "async_sessions": a.async_sessions}})
+    sampler = HostSampler(run.out / "host_samples.jsonl") if a.host_samples else None
     chunks = reuse.episode_chunks(cfg, ChatRenderer())
     out["new_tokens_per_turn"] = [sum(len(c[t]) for c in chunks) for t in range(cfg.turns)]
     modes = [m for m in a.modes.split(",") if m]
@@ -766,6 +769,32 @@ def part_reuse(run: Run) -> None:
         reuse_turns(run, [runs[m]], out)
         shutdown_mode(run, runs[m])
         reuse_results(run, runs, out, cfg.turns)
+    if sampler is not None:
+        out["host_by_turn"] = sampler.stop(out.get("turns_by_repeat", {}))
+        run.save()
+
+
+class HostSampler:
+    """bench/host_sampler.py watching this process from a child process, from construction to ``stop``."""
+
+    def __init__(self, path: Path) -> None:
+        import subprocess
+
+        self.path = path
+        cmd = [sys.executable, str(ROOT / "bench/host_sampler.py"), "watch", "--pid", str(os.getpid())]
+        cmd += ["--out", str(path)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        log(f"host samples: {path} (pid {self.proc.pid})")
+
+    def stop(self, turns_by_repeat: dict) -> list[dict] | str:
+        """The reuse turns beside the samples (``host_sampler.turn_rows``), or why there are none."""
+        import host_sampler
+
+        if self.proc.poll() is not None:  # it stopped early: say why
+            return f"the watcher exited with {self.proc.returncode}: {self.proc.stderr.read().strip()[-500:]}"
+        self.proc.terminate()
+        self.proc.wait(10)
+        return host_sampler.turn_rows(turns_by_repeat, host_sampler.load(self.path)) if self.path.exists() else []
 
 
 def last_turn_parity(run: Run, mode_run, n: int = 4) -> dict:
@@ -1555,6 +1584,9 @@ def main() -> None:
     p.add_argument("--profile-host-steps", type=int, default=0, metavar="N",
                    help="reuse part: the first N engine steps of turns 3-8 in the first repeat under cProfile, their "
                         "top functions in the turn's steps.host_top (the first repeat's slow reused turns)")
+    p.add_argument("--host-samples", action="store_true",
+                   help="reuse part: sample this process's threads and the host's CPUs (bench/host_sampler.py) "
+                        "and line them up with each turn (host_by_turn)")
     p.add_argument("--host-phases", action="store_true",
                    help="reuse part: each turn's decode steps split into the engine's host phases (scheduling, input "
                         "preparation, launch, waiting for the sampled tokens, output processing), medians in the "
