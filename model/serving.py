@@ -162,9 +162,9 @@ def route_decode_steps_in_single_launches(model: nn.Module) -> None:
     ``LONGHORIZON_DECODE_ROUTE_LAYOUT=compiled`` keeps the compiled layout. ``LONGHORIZON_PREFILL_ROUTING=triton``
     takes a prefill step's selection and layout on the same kernels too (the layout in three launches,
     ``route_tensors_large``), where the ops otherwise run the torch steps eagerly (about 35 ops a MoE layer, ~1.4 ms
-    of a slow host's time); opt-in (``torch``, the default) until an engine run on a GPU has timed it. Inside a MoE
-    block compiled whole (the engine's scope on CUDA) the block's graph calls the ops; a scope that compiles the
-    layout as a region of its own (``model.compile``'s "regions") swaps that back to the compiled
+    of a slow host's time); opt-in (``torch``, the default) until its layouts are compared with the torch steps on a
+    GPU. Inside a MoE block compiled whole (the engine's scope on CUDA) the block's graph calls the ops; a scope
+    that compiles the layout as a region of its own (``model.compile``'s "regions") swaps that back to the compiled
     ``route_tensors``."""
     from kernels.moe.triton import (
         permute_situ_engine,

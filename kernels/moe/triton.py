@@ -361,7 +361,8 @@ ROUTE_SMALL_MAX = 1024
 # Whether the engine's routing ops take a prefill step (more than ``ROUTE_SMALL_MAX`` slots or
 # ``TOP_SMALL_MAX_ROWS`` rows) on the Triton kernels too (``route_tensors_large``, the one-launch selections), where
 # they otherwise run the torch steps eagerly: ``model.serving`` sets it from ``LONGHORIZON_PREFILL_ROUTING``
-# (opt-in until an engine run on a GPU has timed it; the kernels are held to the torch steps under the interpreter).
+# (opt-in until its layouts are compared with the torch steps on a GPU; the kernels are held to them under the
+# interpreter).
 _PREFILL_ON_TRITON = False
 
 

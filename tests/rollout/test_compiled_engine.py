@@ -186,6 +186,7 @@ def test_the_engines_routing_ops_trace_in_a_compiled_moe_block_and_change_nothin
     monkeypatch.delenv("LONGHORIZON_DECODE_ROUTE_LAYOUT")
     import kernels.moe.triton as moe_triton
 
+    monkeypatch.setattr(moe_triton, "_PREFILL_ON_TRITON", False)  # restored after the test, whatever it sets
     monkeypatch.setenv("LONGHORIZON_PREFILL_ROUTING", "triton")
     route_decode_steps_in_single_launches(compiled)
     assert moe_triton._PREFILL_ON_TRITON
