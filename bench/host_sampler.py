@@ -103,8 +103,8 @@ def window(samples: list[dict], start: float, end: float) -> dict | None:
     before = {t[0]: t for t in a["threads"]}
     share = {t[0]: (t[2] - before[t[0]][2]) / TICKS / dt for t in b["threads"] if t[0] in before}
     main = b["pid"]
-    busy_threads = [(round(share.get(t[0], 0.0), 2), t[1]) for t in b["threads"] if t[0] != main]
-    others = sorted((x for x in busy_threads if x[0] > 0.02), reverse=True)
+    other_shares = [(round(share.get(t[0], 0.0), 2), t[1]) for t in b["threads"] if t[0] != main]
+    others = sorted((x for x in other_shares if x[0] > 0.02), reverse=True)
     ran_on = Counter(t[3] for s in inside for t in s["threads"] if t[0] == main)
     busy = sum(b["cpus"][c][0] - a["cpus"][c][0] for c in b["cpus"] if c in a["cpus"]) / TICKS / dt
     steal = sum(b["cpus"][c][1] - a["cpus"][c][1] for c in b["cpus"] if c in a["cpus"]) / TICKS / dt
