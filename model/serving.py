@@ -147,7 +147,7 @@ def prepare_for_serving(model: nn.Module, max_step_tokens: int) -> None:
 
 
 DECODE_ROUTE_LAYOUTS = ("compiled", "triton")
-PREFILL_ROUTINGS = ("torch", "triton")
+PREFILL_ROUTINGS = ("triton", "torch")
 
 
 def route_decode_steps_in_single_launches(model: nn.Module) -> None:
@@ -159,11 +159,11 @@ def route_decode_steps_in_single_launches(model: nn.Module) -> None:
     step's in one launch, where they were three kernels), and lays out its routes with
     ``kernels.moe.triton.route_tensors_engine`` (two launches, where the compiled layout is about eight kernels a
     MoE layer: 4.7 against 8.4 us at 64 sequences on an H100, bench/grouped_mm_decode.py --layout);
-    ``LONGHORIZON_DECODE_ROUTE_LAYOUT=compiled`` keeps the compiled layout. ``LONGHORIZON_PREFILL_ROUTING=triton``
-    takes a prefill step's selection and layout on the same kernels too (the layout in three launches,
-    ``route_tensors_large``), where the ops otherwise run the torch steps eagerly (about 35 ops a MoE layer, ~1.4 ms
-    of a slow host's time); opt-in (``torch``, the default) until its layouts are compared with the torch steps on a
-    GPU. Inside a MoE block compiled whole (the engine's scope on CUDA) the block's graph calls the ops; a scope
+    ``LONGHORIZON_DECODE_ROUTE_LAYOUT=compiled`` keeps the compiled layout. A prefill step's selection and layout take
+    the same kernels too (the layout in three launches, ``route_tensors_large``: the same groups as the torch steps
+    on an H100, 4-10x faster at 2K-16K tokens, bench/grouped_mm_decode.py --layout), where the ops would run the
+    torch steps eagerly (about 35 ops a MoE layer, ~1.4 ms of a slow host's time);
+    ``LONGHORIZON_PREFILL_ROUTING=torch`` keeps those. Inside a MoE block compiled whole (the engine's scope on CUDA) the block's graph calls the ops; a scope
     that compiles the layout as a region of its own (``model.compile``'s "regions") swaps that back to the compiled
     ``route_tensors``."""
     from kernels.moe.triton import (
@@ -177,7 +177,7 @@ def route_decode_steps_in_single_launches(model: nn.Module) -> None:
     layout = os.environ.get("LONGHORIZON_DECODE_ROUTE_LAYOUT", "triton")
     if layout not in DECODE_ROUTE_LAYOUTS:
         raise ValueError(f"LONGHORIZON_DECODE_ROUTE_LAYOUT must be one of {DECODE_ROUTE_LAYOUTS}, got {layout!r}")
-    prefill = os.environ.get("LONGHORIZON_PREFILL_ROUTING", "torch")
+    prefill = os.environ.get("LONGHORIZON_PREFILL_ROUTING", "triton")
     if prefill not in PREFILL_ROUTINGS:
         raise ValueError(f"LONGHORIZON_PREFILL_ROUTING must be one of {PREFILL_ROUTINGS}, got {prefill!r}")
     set_prefill_routing(prefill == "triton")

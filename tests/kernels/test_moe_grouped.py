@@ -593,8 +593,8 @@ def test_one_launch_selections_give_expert_ids_in_range_for_nan_rows(monkeypatch
 
 def test_the_engines_selection_takes_prefill_rows_only_with_prefill_routing_on_triton(monkeypatch):
     """The engine's top-k / selection ops take a decode step's rows on the one-launch kernels, and a prefill step's
-    (past ``TOP_SMALL_MAX_ROWS``) only with ``set_prefill_routing(True)`` (``LONGHORIZON_PREFILL_ROUTING=triton``);
-    never off CUDA or for scores the kernel does not take."""
+    (past ``TOP_SMALL_MAX_ROWS``) only with ``set_prefill_routing(True)`` (an engine's default;
+    ``LONGHORIZON_PREFILL_ROUTING=torch`` sets False); never off CUDA or for scores the kernel does not take."""
     from types import SimpleNamespace
 
     mod = _interpreted_triton_module()

@@ -87,7 +87,7 @@ def _kernels():
           "counts_ptr": "*i32", "start_ptr": "*i32", **{n: "i32" for n in ("S", "T", "k", "P", "align", "E")},
           "BE": "constexpr", "BS": "constexpr", "BP": "constexpr"},
          {"BE": 128, "BS": 128, "BP": 1024}),
-        # a prefill step's route layout in three launches (LONGHORIZON_PREFILL_ROUTING=triton): ranks in 1,024-slot
+        # a prefill step's route layout in three launches (the engine's default prefill routing): ranks in 1,024-slot
         # blocks, then the groups in one program (a tail loop from a computed start), then the slots' rows
         (moe._route_ranks, {"experts_ptr": "*i64", "rank_ptr": "*i64", "counts_ptr": "*i32", "S": "i32",
                             "BS": "constexpr"}, {"BS": 1024}),

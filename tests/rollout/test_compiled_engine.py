@@ -155,8 +155,8 @@ def test_the_engines_routing_ops_trace_in_a_compiled_moe_block_and_change_nothin
     same experts and integers, the same bf16 products). On CPU the ops take their torch paths; their Triton paths
     are held to the gate's steps, ``route_tensors`` and the permuted product's SiTU in
     tests/kernels/test_moe_grouped.py. The layout op is the default (``LONGHORIZON_DECODE_ROUTE_LAYOUT=compiled``
-    keeps the compiled layout; another value is a ValueError), prefill steps on the torch steps unless
-    ``LONGHORIZON_PREFILL_ROUTING=triton``. bf16: the grouped GEMM traces on the CPU only in bf16."""
+    keeps the compiled layout; another value is a ValueError), prefill steps on the Triton kernels too unless
+    ``LONGHORIZON_PREFILL_ROUTING=torch``. bf16: the grouped GEMM traces on the CPU only in bf16."""
     import copy
 
     from model.compile import compile_regions
@@ -186,16 +186,16 @@ def test_the_engines_routing_ops_trace_in_a_compiled_moe_block_and_change_nothin
     monkeypatch.delenv("LONGHORIZON_DECODE_ROUTE_LAYOUT")
     import kernels.moe.triton as moe_triton
 
-    monkeypatch.setattr(moe_triton, "_PREFILL_ON_TRITON", False)  # restored after the test, whatever it sets
-    monkeypatch.setenv("LONGHORIZON_PREFILL_ROUTING", "triton")
+    monkeypatch.setattr(moe_triton, "_PREFILL_ON_TRITON", True)  # restored after the test, whatever it sets
+    monkeypatch.setenv("LONGHORIZON_PREFILL_ROUTING", "torch")
     route_decode_steps_in_single_launches(compiled)
-    assert moe_triton._PREFILL_ON_TRITON
+    assert not moe_triton._PREFILL_ON_TRITON
     monkeypatch.setenv("LONGHORIZON_PREFILL_ROUTING", "sorted")
     with pytest.raises(ValueError, match="LONGHORIZON_PREFILL_ROUTING"):
         route_decode_steps_in_single_launches(compiled)
     monkeypatch.delenv("LONGHORIZON_PREFILL_ROUTING")
     route_decode_steps_in_single_launches(engine)  # the defaults
-    assert not moe_triton._PREFILL_ON_TRITON
+    assert moe_triton._PREFILL_ON_TRITON
 
     assert all(m.route_fn is route_tensors_engine for m in engine.modules() if isinstance(m, GroupedExperts))
     gates = [m for m in engine.modules() if isinstance(m, MoEGate)]
