@@ -39,7 +39,10 @@ Tasks of an engine (``name:task+task``):
   mismatch (or ``--check-replay``) the check runs again with routing taken out: each prompt alone, every
   position, prompt and generated, routed to the experts the reference chose there (the fast engine is
   built with ``LONGHORIZON_ROUTE_TABLE=1``: a device table its forward, captured decode graphs included,
-  reads by position), tokens compared with the reference's and logprobs beside them.
+  reads by position), tokens compared with the reference's and logprobs beside them. Where the free-running
+  engines chose other experts, the first such token-layer of each prompt is placed on the learner's router after
+  the engines (``Parent.flip_gaps``, ``route_ties.flip_gap``): the gap between its k-th and (k+1)-th selection
+  score and that gap's quantile among all of the prompt's selections up to it (near 0: a near-tie).
 * ``time``: per concurrency N (``--concurrency``): N requests submitted at once, prompt lengths uniform in
   [``--prompt-min``, ``--prompt-max``] random token ids, each generating a length uniform in
   [``--gen-min``, ``--gen-max``] with ``ignore_eos`` (temperature 1, as in RL; fixed seeds, the same
@@ -127,6 +130,8 @@ log = rollout_gpu.log
 RESULTS = "rollout_throughput"
 BAR_RATIO, BAR_CONCURRENCY, BAR_FIRST_CALL_S = 0.8, (64, 128), 60.0
 MIN_CHILD_S = 45.0  # do not start an engine with less budget left than this
+FLIP_GAPS_S = 30.0  # after the engines: the learner in fp32 and a forward a check prompt (``Parent.flip_gaps``)
+FLIP_GAPS_S = 30.0  # the learner in fp32 and one forward a check prompt, after the engines
 # budget an engine leaves for a later timing run of the engines the bar needs (start, warm-up, 3 batches)
 RESERVE_S = {"ours_fast": 150.0, "ours_fast_moe": 150.0, "ours_fast_no_warmup": 150.0, "ours_fast_latent": 150.0, "ours_fast_expanded": 150.0, "ours_fast_cutlass": 150.0, "ours_fast_mix_compiled": 150.0, "peer": 300.0}  # the peer: its cold first call alone took 213 s and > 170 s on the H200
 PEER_FALLBACK_BACKEND = "TRITON_MLA"  # the peer's attention backend if vLLM's pick does not start
@@ -454,6 +459,45 @@ class Parent:
                 self.engine_run(
                     f"{key}#{PEER_FALLBACK_BACKEND.lower()}", name, tasks, reserve, PEER_FALLBACK_BACKEND
                 )
+        self.flip_gaps()
+
+    def flip_gaps(self) -> None:
+        """Where a fast engine's check found other expert sets, how near a tie the first of each prompt was:
+        ``route_ties.flip_gap`` on the learner's router (the checkpoint in fp32, this process), against every
+        selection of the prompt up to it (``check.routes.prompts[i].first_gap``). Errors are reported, not raised."""
+        for key, r in self.results["engines"].items():
+            routes = (r.get("check") or {}).get("routes")
+            ref_file = self.reference(r.get("dtype"), "check_routes_file")
+            if not routes or not ref_file or not any(row["first"] for row in routes["prompts"]):
+                continue
+            if self.left() < FLIP_GAPS_S:
+                routes["first_gaps_skipped"] = f"budget: {self.left():.0f} s left, about {FLIP_GAPS_S:.0f} needed"
+                continue
+            try:
+                self._flip_gaps(routes, ref_file)
+            except Exception as e:  # the engines' results stand without it
+                routes["first_gaps_error"] = f"{type(e).__name__}: {e}"
+            log(f"{key}: first changed sets' selection gaps: "
+                f"{[row.get('first_gap') for row in routes['prompts']]}")  # fmt: skip
+            self.save()
+
+    def _flip_gaps(self, routes: dict, ref_file: str) -> None:
+        import torch
+        from route_ties import flip_gap
+
+        from model.modeling import HybridForCausalLM
+
+        device = torch.device("cuda" if self.cuda else "cpu")
+        model = HybridForCausalLM.from_pretrained(self.ckpts["ours"]).float().eval().to(device)
+        try:
+            ref = np.load(ref_file)
+            for i, (prompt, row) in enumerate(zip(check_prompts(self.sz, self.ckpts["vocab_size"]), routes["prompts"])):
+                if row["first"]:
+                    row["first_gap"] = flip_gap(model, [*prompt, *ref[f"t{i}"].tolist()], *row["first"])
+        finally:
+            del model
+            if self.cuda:
+                torch.cuda.empty_cache()
 
     def engine_run(self, key: str, name: str, tasks: list[str], reserve: float, backend: str | None) -> None:
         """One child for ``key`` with the budget left past ``reserve``; its results saved."""
@@ -1086,7 +1130,7 @@ def markdown(res: dict) -> str:
             rep = chk["replayed"]
             check += (f"; routes replayed: {'equal' if rep.get('equal') else rep.get('first_mismatch')}, logprob max abs "
                       f"{rep.get('logprob_max_abs', float('nan')):.1e}, applied {rep.get('routes_applied')}")  # fmt: skip
-            check += f" ({chk['routes']['other_sets']} token-layers with other experts)"
+            check += f" ({chk['routes']['other_sets']} token-layers with other experts{_gaps(chk['routes'])})"
         lines.append(
             f"| {key} | {v.get('enforce_eager')} | {v.get('dtype')} | {_f(v.get('first_call_s'))} | {_f(v.get('engine_init_s'))} | "
             f"{_f(mem.get('max_allocated_gib'), 2)} | {kv.get('num_blocks')} x {kv.get('block_size')} "
@@ -1126,6 +1170,14 @@ def markdown(res: dict) -> str:
     lines += ["", f"check in fp32 ({s.get('fast_engine')}_fp32 vs ours_eager_fp32 greedy): {s.get('check_fp32')}",
               f"check in the run's dtype (ours_fast vs ours_eager greedy): {s.get('check')}", f"bar: {s.get('bar')}"]
     return "\n".join(lines) + "\n"
+
+
+def _gaps(routes: dict) -> str:
+    """The first changed sets' selection gaps (``Parent.flip_gaps``): gap, its quantile among the prompt's gaps."""
+    gaps = [r["first_gap"] for r in routes["prompts"] if r.get("first_gap")]
+    if not gaps:
+        return ""
+    return "; first ones' selection gaps " + ", ".join(f"{g['gap']:.1e} (quantile {g['quantile']:.1e})" for g in gaps)
 
 
 def _f(x, digits: int = 1) -> str:

@@ -16,6 +16,9 @@ Per relative error: the fraction of decisions whose set changed, with the count 
 of ``--check-decisions`` token-layers (the 2026-12-06 fp32 check: 4 prompts x ~1.6K tokens x 15 MoE
 layers) the expected number of changed sets and the chance that none changes (Poisson). Results:
 ``<out>/route_ties.json`` and the table on stdout.
+
+``selection_gaps`` / ``flip_gap`` read the other side off a real model: how near a tie a given token-layer's
+selection was (bench/rollout_throughput.py reports it for each check prompt's first changed set).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from model.config import HybridConfig  # noqa: E402
-from model.moe import top_experts  # noqa: E402
+from model.moe import MoEGate, top_experts  # noqa: E402
 
 
 def changed_sets(logits_TE: torch.Tensor, error: float, k: int, gen: torch.Generator) -> int:
@@ -55,6 +58,50 @@ def rate(
         changed += changed_sets(logits_TE, error, k, gen)
         done += n
     return {"error": error, "decisions": done, "changed": changed, "per_decision": changed / done}
+
+
+def selection_gaps(model, tokens: list[int]) -> torch.Tensor:
+    """[T, L]: how far each token's expert set is from a tie at each MoE layer, as ``model`` (a learner, eval mode, its
+    own dtype and device) routes ``tokens`` in one forward: the gap between the k-th and the (k+1)-th selection score
+    (sigmoid of the logit plus the selection bias, what the top-k ranks). A set two engines chose differently with a
+    gap near the floor of the gaps here was a near-tie; one with a typical gap would point at a defect."""
+    gates = [m for m in model.modules() if isinstance(m, MoEGate)]
+    if not gates:
+        raise ValueError("selection_gaps: the model has no MoE router")
+    gaps: dict[int, torch.Tensor] = {}
+
+    def capturing(i: int, top):
+        def top_fn(biased_TE: torch.Tensor, n: int):
+            vals_TE = biased_TE.sort(dim=-1, descending=True).values
+            gaps[i] = (vals_TE[:, n - 1] - vals_TE[:, n]).float().cpu()
+            return top(biased_TE, n)
+
+        return top_fn
+
+    saved = [(g.top_fn, g.select_fn) for g in gates]
+    try:
+        for i, g in enumerate(gates):
+            g.top_fn, g.select_fn = capturing(i, g.top_fn), None  # the selection in steps, through top_fn
+        with torch.no_grad():
+            model(torch.tensor([tokens], device=next(model.parameters()).device))
+    finally:
+        for g, (top, select) in zip(gates, saved):
+            g.top_fn, g.select_fn = top, select
+    return torch.stack([gaps[i] for i in range(len(gates))], dim=1)
+
+
+def flip_gap(model, tokens: list[int], position: int, layer: int) -> dict:
+    """The selection gap where two engines first chose different experts (``position`` in ``tokens``, the
+    ``layer``-th MoE layer), against every gap of the sequence up to it: its quantile among them (0: the
+    nearest tie of all) and their median."""
+    if not 0 <= position < len(tokens):
+        raise ValueError(f"flip_gap: position {position} outside the {len(tokens)} tokens")
+    gaps_TL = selection_gaps(model, tokens[: position + 1])
+    if not 0 <= layer < gaps_TL.shape[1]:
+        raise ValueError(f"flip_gap: MoE layer {layer} outside the model's {gaps_TL.shape[1]}")
+    gap = float(gaps_TL[position, layer])
+    return {"position": position, "layer": layer, "gap": gap, "median_gap": float(gaps_TL.median()),
+            "quantile": int((gaps_TL < gap).sum()) / gaps_TL.numel(), "token_layers": gaps_TL.numel()}  # fmt: skip
 
 
 def main() -> int:

@@ -310,3 +310,36 @@ def test_startup_line_lists_a_regions_compiles_by_frame():
     line = startup_probe.breakdown_line(res)
     assert "sparse_moe_forward 2 x 79.4 s [3/0 41.0, 3/1 38.4]" in line
     assert "rms_norm 1 x 2.7 s," not in line and line.endswith("rms_norm 1 x 2.7 s")
+
+
+def test_flip_gaps_place_each_prompts_first_changed_set(bench, tiny_ckpt, tmp_path):
+    """After the engines, each check prompt's first token-layer with other experts (``check.routes``, hand-made
+    here) gets the learner's selection gap there, from the checkpoint in fp32 and the reference's tokens
+    (``route_ties.flip_gap``); prompts without one get none, and a failure is reported beside the routes."""
+    import time
+    from types import SimpleNamespace
+
+    import numpy as np
+    from route_ties import flip_gap
+
+    path, model = tiny_ckpt
+    parent = object.__new__(bench.Parent)
+    parent.args, parent.t0, parent.cuda, parent.save = SimpleNamespace(budget_s=600), time.monotonic(), False, lambda: None
+    parent.sz = bench.Sizes(concurrency=[2], prompt_min=24, prompt_max=40, gen_min=4, gen_max=4, check_prompts=2,
+                            check_gen=4, max_model_len=512, kv_bytes=64 << 20, dtype="float32")  # fmt: skip
+    parent.ckpts = {"ours": str(path), "vocab_size": 1024}
+    prompts = bench.check_prompts(parent.sz, 1024)
+    generated = [np.array([7, 8, 9, 10]), np.array([11, 12, 13, 14])]
+    np.savez(tmp_path / "ref.npz", t0=generated[0], t1=generated[1])
+    first = [len(prompts[0]) + 2, 1]  # a generated position, the second MoE layer
+    check = {"routes": {"prompts": [{"first": first}, {"first": None}]}}
+    parent.results = {"engines": {"ours_eager_fp32": {"dtype": "float32", "check_routes_file": str(tmp_path / "ref.npz")},
+                                  "ours_fast_fp32": {"dtype": "float32", "check": check}}}  # fmt: skip
+    parent.flip_gaps()
+    rows = check["routes"]["prompts"]
+    assert rows[0]["first_gap"] == flip_gap(model.float(), [*prompts[0], *generated[0].tolist()], *first)
+    assert 0 <= rows[0]["first_gap"]["quantile"] <= 1 and "first_gap" not in rows[1]
+    assert f"{rows[0]['first_gap']['gap']:.1e}" in bench._gaps(check["routes"])  # the report's check column
+    rows[0] = {"first": [len(prompts[0]) + 2, 99]}  # a layer the model does not have
+    parent.flip_gaps()
+    assert "MoE layer 99 outside" in check["routes"]["first_gaps_error"]
