@@ -131,7 +131,6 @@ RESULTS = "rollout_throughput"
 BAR_RATIO, BAR_CONCURRENCY, BAR_FIRST_CALL_S = 0.8, (64, 128), 60.0
 MIN_CHILD_S = 45.0  # do not start an engine with less budget left than this
 FLIP_GAPS_S = 30.0  # after the engines: the learner in fp32 and a forward a check prompt (``Parent.flip_gaps``)
-FLIP_GAPS_S = 30.0  # the learner in fp32 and one forward a check prompt, after the engines
 # budget an engine leaves for a later timing run of the engines the bar needs (start, warm-up, 3 batches)
 RESERVE_S = {"ours_fast": 150.0, "ours_fast_moe": 150.0, "ours_fast_no_warmup": 150.0, "ours_fast_latent": 150.0, "ours_fast_expanded": 150.0, "ours_fast_cutlass": 150.0, "ours_fast_mix_compiled": 150.0, "peer": 300.0}  # the peer: its cold first call alone took 213 s and > 170 s on the H200
 PEER_FALLBACK_BACKEND = "TRITON_MLA"  # the peer's attention backend if vLLM's pick does not start

@@ -163,9 +163,9 @@ def route_decode_steps_in_single_launches(model: nn.Module) -> None:
     the same kernels too (the layout in three launches, ``route_tensors_large``: the same groups as the torch steps
     on an H100, 4-10x faster at 2K-16K tokens, bench/grouped_mm_decode.py --layout), where the ops would run the
     torch steps eagerly (about 35 ops a MoE layer, ~1.4 ms of a slow host's time);
-    ``LONGHORIZON_PREFILL_ROUTING=torch`` keeps those. Inside a MoE block compiled whole (the engine's scope on CUDA) the block's graph calls the ops; a scope
-    that compiles the layout as a region of its own (``model.compile``'s "regions") swaps that back to the compiled
-    ``route_tensors``."""
+    ``LONGHORIZON_PREFILL_ROUTING=torch`` keeps those. Inside a MoE block compiled whole (the engine's scope on CUDA)
+    the block's graph calls the ops; a scope that compiles the layout as a region of its own (``model.compile``'s
+    "regions") swaps that back to the compiled ``route_tensors``."""
     from kernels.moe.triton import (
         permute_situ_engine,
         route_tensors_engine,

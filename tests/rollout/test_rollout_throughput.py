@@ -324,7 +324,8 @@ def test_flip_gaps_place_each_prompts_first_changed_set(bench, tiny_ckpt, tmp_pa
 
     path, model = tiny_ckpt
     parent = object.__new__(bench.Parent)
-    parent.args, parent.t0, parent.cuda, parent.save = SimpleNamespace(budget_s=600), time.monotonic(), False, lambda: None
+    parent.args, parent.t0, parent.cuda = SimpleNamespace(budget_s=600), time.monotonic(), False
+    parent.save = lambda: None
     parent.sz = bench.Sizes(concurrency=[2], prompt_min=24, prompt_max=40, gen_min=4, gen_max=4, check_prompts=2,
                             check_gen=4, max_model_len=512, kv_bytes=64 << 20, dtype="float32")  # fmt: skip
     parent.ckpts = {"ours": str(path), "vocab_size": 1024}
@@ -333,8 +334,8 @@ def test_flip_gaps_place_each_prompts_first_changed_set(bench, tiny_ckpt, tmp_pa
     np.savez(tmp_path / "ref.npz", t0=generated[0], t1=generated[1])
     first = [len(prompts[0]) + 2, 1]  # a generated position, the second MoE layer
     check = {"routes": {"prompts": [{"first": first}, {"first": None}]}}
-    parent.results = {"engines": {"ours_eager_fp32": {"dtype": "float32", "check_routes_file": str(tmp_path / "ref.npz")},
-                                  "ours_fast_fp32": {"dtype": "float32", "check": check}}}  # fmt: skip
+    eager = {"dtype": "float32", "check_routes_file": str(tmp_path / "ref.npz")}
+    parent.results = {"engines": {"ours_eager_fp32": eager, "ours_fast_fp32": {"dtype": "float32", "check": check}}}
     parent.flip_gaps()
     rows = check["routes"]["prompts"]
     assert rows[0]["first_gap"] == flip_gap(model.float(), [*prompts[0], *generated[0].tolist()], *first)
