@@ -51,6 +51,14 @@ def test_gpu_fields_are_plain_config_fields(tmp_path):
         WorkerConfig(model_path=path, mla_cache_form="compressed")
 
 
+def test_turn_outputs_default_to_final_and_bad_values_are_refused(tmp_path):
+    path = _checkpoint(tmp_path, 32, 16)
+    assert WorkerConfig(model_path=path).turn_outputs == "final"
+    assert WorkerConfig(model_path=path, turn_outputs="delta").turn_outputs == "delta"
+    with pytest.raises(ValueError, match=r"turn_outputs must be one of \('final', 'delta'\), got 'cumulative'"):
+        WorkerConfig(model_path=path, turn_outputs="cumulative")
+
+
 def test_capture_sizes_are_checked_and_name_a_vllm_field(tmp_path):
     """``cudagraph_capture_sizes`` goes to vLLM as ``compilation_config``: a field vLLM's CompilationConfig
     has (a vLLM that renamed it fails here, not in a GPU run); bad lists are refused up front."""
