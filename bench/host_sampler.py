@@ -106,8 +106,11 @@ def window(samples: list[dict], start: float, end: float) -> dict | None:
     other_shares = [(round(share.get(t[0], 0.0), 2), t[1]) for t in b["threads"] if t[0] != main]
     others = sorted((x for x in other_shares if x[0] > 0.02), reverse=True)
     ran_on = Counter(t[3] for s in inside for t in s["threads"] if t[0] == main)
-    busy = sum(b["cpus"][c][0] - a["cpus"][c][0] for c in b["cpus"] if c in a["cpus"]) / TICKS / dt
-    steal = sum(b["cpus"][c][1] - a["cpus"][c][1] for c in b["cpus"] if c in a["cpus"]) / TICKS / dt
+
+    def host_cpus(field: int) -> float:  # CPUs' worth of busy (0) or steal (1) ticks over the window
+        return sum(b["cpus"][c][field] - a["cpus"][c][field] for c in b["cpus"] if c in a["cpus"]) / TICKS / dt
+
+    busy, steal = host_cpus(0), host_cpus(1)
     return {
         "main_share": round(share.get(main, 0.0), 2),
         "main_cpus": dict(sorted(ran_on.items())),
