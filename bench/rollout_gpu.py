@@ -874,9 +874,10 @@ def reuse_results(run: Run, runs: dict, out: dict, turns: int) -> None:
     out["tokens_identical_across_modes"] = len({json.dumps(r.tokens) for r in done}) == 1 if done else None
     out["summary"] = reuse_summary(out.get("turns", {}))
     out["bar"] = reuse_bar(out["summary"], turns, out.get("speedup_vs_none_median"))
-    from rollout.vllm_compat import DECODE_ALLOC_COUNTS
+    from rollout.vllm_compat import DECODE_ALLOC_COUNTS, INPUT_IDS_COUNTS
 
     out["allocate_slots_calls"] = dict(DECODE_ALLOC_COUNTS)  # answered by the decode fast path / by vLLM, this process
+    out["input_ids_steps"] = dict(INPUT_IDS_COUNTS)  # steps whose input ids the fast path / vLLM prepared
     log(f"reuse bar: {out['bar']}")
     run.save()
 

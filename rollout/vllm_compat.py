@@ -1,6 +1,7 @@
-"""What our engines need from vLLM's scheduler, on the vLLM versions we run: a session's rollback under the async
-scheduler, and a decode step's KV-cache slots without vLLM's walk over its cache groups (the second half of this
-module, ``install_decode_allocation``). The plugin applies both at registration.
+"""What our engines need from vLLM's scheduler and model runner, on the vLLM versions we run: a session's rollback
+under the async scheduler, a decode step's KV-cache slots without vLLM's walk over its cache groups (the second part
+of this module, ``install_decode_allocation``), and an async step's input ids without vLLM's loop over the batch
+(the third, ``install_input_ids``). The plugin applies all three at registration.
 
 The async scheduler plans step N+1 before step N's tokens are known. When a resumable request (a session,
 ``rollout.sessions``) stops at step N, step N+1 is already in flight for it: it feeds the stop token and
@@ -193,4 +194,65 @@ def install_decode_allocation(mode: str | None = None) -> str:
         fast = fast_decode_allocate(original, mode)
         fast.__wrapped__ = original
         KVCacheManager.allocate_slots = fast
+    return mode
+
+
+# --- a step's input ids under the async scheduler --------------------------------------------------------------
+# Under async scheduling the tokens a running request sampled in the step before are still on the device, and
+# ``GPUModelRunner._prepare_input_ids`` finds which requests of this step ran in that one with a Python loop over
+# the batch (142 us for 64 requests on an H100 host's CPU, every decode step). Without speculative tokens, prompt
+# embeddings or a pipeline's pending receive, that loop's lists are selections of the step's arrays: the fast path
+# takes them with numpy and issues the same copies (one slice copy when the batch kept its order, else the same
+# scatter); every other case goes to vLLM's method. ``LONGHORIZON_INPUT_IDS=off`` leaves vLLM's in place.
+INPUT_IDS_ENV = "LONGHORIZON_INPUT_IDS"
+INPUT_IDS_MODES = ("fast", "off")
+INPUT_IDS_COUNTS = {"fast": 0, "vllm": 0}  # steps each path prepared (tests read them)
+
+
+def fast_prepare_input_ids(prepare: Callable) -> Callable:
+    """``GPUModelRunner._prepare_input_ids`` wrapped with the vectorised path above (``prepare``: vLLM's)."""
+    import numpy as np
+    import torch
+    from vllm.v1.worker.gpu_model_runner import PIN_MEMORY as pin
+
+    def _prepare_input_ids(self, scheduler_output, num_reqs, total_num_scheduled_tokens, cu_num_tokens) -> None:
+        prev = self.input_batch.prev_sampled_token_ids
+        if (prev is None or scheduler_output.scheduled_spec_decode_tokens or self.enable_prompt_embeds
+                or getattr(self, "_pp_recv_work", None) is not None):  # fmt: skip
+            INPUT_IDS_COUNTS["vllm"] += 1
+            return prepare(self, scheduler_output, num_reqs, total_num_scheduled_tokens, cu_num_tokens)
+        INPUT_IDS_COUNTS["fast"] += 1
+        prev_positions = self.prev_positions.np[:num_reqs]
+        common = prev_positions >= 0
+        rows = prev_positions[common]  # each common request's row in the step before
+        n = len(rows)
+        if n < total_num_scheduled_tokens:  # new requests or prefill chunks: their ids come from the host
+            self.input_ids.copy_to_gpu(total_num_scheduled_tokens)
+        if n == 0:
+            return
+        last = np.asarray(cu_num_tokens[:num_reqs])[common] - 1  # each common request's last token in this step
+        if last.max() == n - 1 and np.array_equal(rows, last):  # the batch kept its order: one slice
+            self.input_ids.gpu[:n].copy_(prev[:n, 0], non_blocking=True)
+            return
+        index = torch.tensor(last, dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True)
+        src = torch.tensor(rows, dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True)
+        self.input_ids.gpu.scatter_(dim=0, index=index, src=prev[src, 0])
+
+    _prepare_input_ids.__wrapped__ = prepare
+    return _prepare_input_ids
+
+
+def install_input_ids(mode: str | None = None) -> str:
+    """Put the fast path above in ``GPUModelRunner._prepare_input_ids`` (once; ``mode`` None: the
+    ``LONGHORIZON_INPUT_IDS`` environment variable, "fast" by default), or take it out ("off"). Returns the mode."""
+    import os
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    mode = os.environ.get(INPUT_IDS_ENV, "fast") if mode is None else mode
+    if mode not in INPUT_IDS_MODES:
+        raise ValueError(f"{INPUT_IDS_ENV} must be one of {INPUT_IDS_MODES}, got {mode!r}")
+    current = GPUModelRunner._prepare_input_ids
+    original = getattr(current, "__wrapped__", current)
+    GPUModelRunner._prepare_input_ids = original if mode == "off" else fast_prepare_input_ids(original)
     return mode

@@ -123,11 +123,12 @@ def register() -> None:
     from vllm import ModelRegistry
 
     from model.config import HybridConfig  # registers the config with AutoConfig
-    from rollout.vllm_compat import backport_session_rollback, install_decode_allocation
+    from rollout.vllm_compat import backport_session_rollback, install_decode_allocation, install_input_ids
 
     _register_arch_convertor(HybridConfig.model_type)
     backport_session_rollback()  # sessions under an async scheduler (rollout.vllm_compat)
     install_decode_allocation()  # a decode step's KV slots without vLLM's per-group walk (rollout.vllm_compat)
+    install_input_ids()  # an async step's input ids without vLLM's loop over the batch (rollout.vllm_compat)
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         from rollout.vllm_model import VllmHybridForCausalLM  # the class: no inspection subprocess
 

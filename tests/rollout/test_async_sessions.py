@@ -6,8 +6,9 @@ it back on (the platform's config hook wrapped while the engine starts): vLLM's 
 a decode step past each turn's stop token, and vLLM 0.32's rollback of a stopped session. With the guard, turns
 ending on stop tokens reuse their sessions exactly like a recompute and like the learner; with the guard
 switched off, the same episode parts from the recompute at its second turn (the stale step moved the parked
-state). Also: a decode token whose input is a guarded id leaves the recurrent state as it was, and the ids
-follow each generate call's requests.
+state). The async steps' input ids come from the plugin's fast path (``rollout.vllm_compat.install_input_ids``),
+so these equalities hold with it. Also: a decode token whose input is a guarded id leaves the recurrent state as it
+was, and the ids follow each generate call's requests.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from test_vllm_engine import (
 )
 
 from rollout.engine_hooks import set_turn_end_ids
+from rollout.vllm_compat import INPUT_IDS_COUNTS
 from rollout.worker import TurnRequest
 
 pytestmark = pytest.mark.vllm
@@ -68,8 +70,10 @@ def _guard_ids(worker) -> set[int]:
 
 def test_guarded_sessions_ending_on_stop_tokens_equal_a_recompute(guarded, stop, tiny_ckpt):
     _, model = tiny_ckpt
+    fast_steps = INPUT_IDS_COUNTS["fast"]
     reused = _episode(guarded, "rs", TURNS, fresh_each_turn=False, stop=stop)
     recomputed = _episode(guarded, "fs", TURNS, fresh_each_turn=True, stop=stop)
+    assert INPUT_IDS_COUNTS["fast"] > fast_steps  # the steps' input ids came from the fast path
     assert reused[0].finish_reason == "stop"
     for t, (a, b) in enumerate(zip(reused, recomputed)):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason, t

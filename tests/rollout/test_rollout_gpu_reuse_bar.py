@@ -53,11 +53,13 @@ def test_a_profiled_timeline_is_written_as_a_gzipped_chrome_trace_with_its_steps
     assert any(e.get("name") == "aten::matmul" for e in events)
 
 
-def test_the_results_count_the_slot_allocations_the_decode_fast_path_answered(bench, monkeypatch):
+def test_the_results_count_the_slot_allocations_and_input_ids_the_fast_paths_answered(bench, monkeypatch):
     from rollout import vllm_compat
 
     monkeypatch.setattr(vllm_compat, "DECODE_ALLOC_COUNTS", {"fast": 7, "vllm": 2})
+    monkeypatch.setattr(vllm_compat, "INPUT_IDS_COUNTS", {"fast": 5, "vllm": 1})
     saved = []
     out: dict = {"turns": {}}
     bench.reuse_results(SimpleNamespace(save=lambda: saved.append(True)), {}, out, turns=2)
     assert out["allocate_slots_calls"] == {"fast": 7, "vllm": 2} and saved == [True]
+    assert out["input_ids_steps"] == {"fast": 5, "vllm": 1}
