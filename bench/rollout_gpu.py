@@ -786,15 +786,20 @@ class HostSampler:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         log(f"host samples: {path} (pid {self.proc.pid})")
 
-    def stop(self, turns_by_repeat: dict) -> list[dict] | str:
-        """The reuse turns beside the samples (``host_sampler.turn_rows``), or why there are none."""
+    def stop(self, turns_by_repeat: dict) -> list[dict] | dict:
+        """The reuse turns beside the samples (``host_sampler.turn_rows``); where the watcher stopped early, the
+        rows of the samples it wrote before with why it stopped (``{"watcher_exited": ..., "rows": ...}``)."""
         import host_sampler
 
-        if self.proc.poll() is not None:  # it stopped early: say why
-            return f"the watcher exited with {self.proc.returncode}: {self.proc.stderr.read().strip()[-500:]}"
-        self.proc.terminate()
-        self.proc.wait(10)
-        return host_sampler.turn_rows(turns_by_repeat, host_sampler.load(self.path)) if self.path.exists() else []
+        early = self.proc.poll() is not None
+        if early:
+            why = f"the watcher exited with {self.proc.returncode}: {self.proc.stderr.read().strip()[-500:]}"
+        else:
+            self.proc.terminate()
+            self.proc.wait(10)
+        samples = host_sampler.load(self.path) if self.path.exists() else []
+        rows = host_sampler.turn_rows(turns_by_repeat, samples)
+        return {"watcher_exited": why, "rows": rows} if early else rows
 
 
 def last_turn_parity(run: Run, mode_run, n: int = 4) -> dict:

@@ -63,3 +63,23 @@ def test_the_results_count_the_slot_allocations_and_input_ids_the_fast_paths_ans
     bench.reuse_results(SimpleNamespace(save=lambda: saved.append(True)), {}, out, turns=2)
     assert out["allocate_slots_calls"] == {"fast": 7, "vllm": 2} and saved == [True]
     assert out["input_ids_steps"] == {"fast": 5, "vllm": 1}
+
+
+def test_a_watcher_that_stopped_early_keeps_the_rows_of_its_samples(bench, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    samples = [{"t": 100.0 + i, "pid": 7, "threads": [[7, "python3", 100 * i, 3]], "cpus": {"3": [100 * i, 0]}}
+               for i in range(5)]  # fmt: skip
+    path = tmp_path / "samples.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in samples) + "\n")
+    turns = {"session": [[{"turn": 1, "seconds": 2.0, "ended_at": 103.0, "steps": {"median_ms": 3.0}}]]}
+    sampler = object.__new__(bench.HostSampler)
+    sampler.path = path
+    sampler.proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stderr.write('no /proc'); sys.exit(2)"],
+                                    stderr=subprocess.PIPE, text=True)  # fmt: skip
+    sampler.proc.wait(20)
+    out = sampler.stop(turns)
+    assert out["watcher_exited"] == "the watcher exited with 2: no /proc"
+    assert len(out["rows"]) == 1 and out["rows"][0]["turn"] == 1 and out["rows"][0]["host"]["main_share"] == 1.0
