@@ -178,6 +178,19 @@ def _check_same(rid: str, blocks, before: list[int], after: list[int]) -> None:
         raise AssertionError(f"decode fast path: vLLM changed {rid}'s block tables {before} -> {after}")
 
 
+def rewrap(owner: type, name: str, wrap: Callable[[Callable], Callable] | None) -> None:
+    """Put ``wrap(vLLM's method)`` in ``owner.<name>`` (``__wrapped__``: vLLM's), or vLLM's own back for ``wrap``
+    None: a second install replaces the fast path, never wraps it again."""
+    current = getattr(owner, name)
+    original = getattr(current, "__wrapped__", current)
+    if wrap is None:
+        setattr(owner, name, original)
+        return
+    fast = wrap(original)
+    fast.__wrapped__ = original
+    setattr(owner, name, fast)
+
+
 def install_decode_allocation(mode: str | None = None) -> str:
     """Wrap this vLLM's ``KVCacheManager.allocate_slots`` with the decode fast path (once; ``mode`` None: the
     ``LONGHORIZON_DECODE_ALLOC`` environment variable, "fast" by default). Returns the mode in place."""
@@ -186,14 +199,7 @@ def install_decode_allocation(mode: str | None = None) -> str:
     mode = decode_alloc_mode() if mode is None else mode
     if mode not in DECODE_ALLOC_MODES:
         raise ValueError(f"decode allocation mode must be one of {DECODE_ALLOC_MODES}, got {mode!r}")
-    current = KVCacheManager.allocate_slots
-    original = getattr(current, "__wrapped__", current)
-    if mode == "off":
-        KVCacheManager.allocate_slots = original
-    else:
-        fast = fast_decode_allocate(original, mode)
-        fast.__wrapped__ = original
-        KVCacheManager.allocate_slots = fast
+    rewrap(KVCacheManager, "allocate_slots", None if mode == "off" else lambda vllm: fast_decode_allocate(vllm, mode))
     return mode
 
 
@@ -238,7 +244,6 @@ def fast_prepare_input_ids(prepare: Callable) -> Callable:
         src = torch.tensor(rows, dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True)
         self.input_ids.gpu.scatter_(dim=0, index=index, src=prev[src, 0])
 
-    _prepare_input_ids.__wrapped__ = prepare
     return _prepare_input_ids
 
 
@@ -252,7 +257,5 @@ def install_input_ids(mode: str | None = None) -> str:
     mode = os.environ.get(INPUT_IDS_ENV, "fast") if mode is None else mode
     if mode not in INPUT_IDS_MODES:
         raise ValueError(f"{INPUT_IDS_ENV} must be one of {INPUT_IDS_MODES}, got {mode!r}")
-    current = GPUModelRunner._prepare_input_ids
-    original = getattr(current, "__wrapped__", current)
-    GPUModelRunner._prepare_input_ids = original if mode == "off" else fast_prepare_input_ids(original)
+    rewrap(GPUModelRunner, "_prepare_input_ids", None if mode == "off" else fast_prepare_input_ids)
     return mode
