@@ -3,6 +3,11 @@
     python scripts/ray_local.py ports N        # N distinct free TCP ports on 127.0.0.1, one line
     python scripts/ray_local.py pids TEMP_DIR  # the cluster's processes, one pid a line
     python scripts/ray_local.py stop TEMP_DIR [--grace S]
+    python scripts/ray_local.py ready URL... [--timeout S]  # until each URL answers 200, or exit 1
+
+``ray start`` returns before the head node's dashboard agent is up; ``ray job submit`` in that window
+fails with "No available agent to submit job" once the dashboard's 10 s wait for the agent runs out
+(seen on a busy 2-core machine), so ray_local.sh waits for the dashboard and the agent's health check.
 
 ``ray stop`` has no option to pick a cluster (Ray 2.60: only --force, --grace-period): it ends every
 Ray process of the machine, other users' and other runs' clusters included. A cluster started with
@@ -19,6 +24,9 @@ import contextlib
 import os
 import socket
 import sys
+import time
+import urllib.error
+import urllib.request
 
 import psutil
 
@@ -79,6 +87,27 @@ def stop(temp_dir: str, grace: float = 3.0) -> int:
     return len(procs)
 
 
+def _answers(url: str) -> str | None:
+    """None when ``url`` answers 200, else what it answered (or why it did not)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return None if resp.status == 200 else f"HTTP {resp.status}"
+    except urllib.error.HTTPError as e:
+        return f"HTTP {e.code}"
+    except (OSError, ValueError) as e:  # refused, reset, timed out, bad URL
+        return str(getattr(e, "reason", e))
+
+
+def wait_ready(urls: list[str], timeout: float = 120.0, interval: float = 0.25) -> None:
+    """Return once every URL has answered 200 (each in turn); TimeoutError naming the first that did not."""
+    deadline = time.monotonic() + timeout
+    for url in urls:
+        while (why := _answers(url)) is not None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} did not answer within {timeout:g} s (last: {why})")
+            time.sleep(interval)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/ray_local.py", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -87,9 +116,18 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("stop")
     s.add_argument("temp_dir")
     s.add_argument("--grace", type=float, default=3.0)
+    r = sub.add_parser("ready")
+    r.add_argument("urls", nargs="+")
+    r.add_argument("--timeout", type=float, default=120.0)
     args = p.parse_args(argv)
     if args.cmd == "ports":
         print(" ".join(map(str, free_ports(args.n))))
+    elif args.cmd == "ready":
+        try:
+            wait_ready(args.urls, args.timeout)
+        except TimeoutError as e:
+            print(f"the Ray cluster is not ready: {e}", file=sys.stderr)
+            return 1
     elif args.cmd == "pids":
         print("\n".join(str(q.pid) for q in cluster_processes(args.temp_dir)))
     else:

@@ -10,7 +10,8 @@
 # socket paths inside it must stay under 108 bytes) and free ports for everything that would otherwise
 # take a fixed default (GCS 6379, dashboard 8265, client server 10001, dashboard agent 52365; the
 # others Ray picks at random). LH_GCS_PORT and LH_DASHBOARD_PORT pin those two. It listens on loopback
-# only. `ray stop` would end every Ray cluster of the machine (it has no per-cluster option):
+# only. ray_local_start returns once the dashboard and its job agent answer (LH_RAY_READY_TIMEOUT, 120 s).
+# `ray stop` would end every Ray cluster of the machine (it has no per-cluster option):
 # ray_local_stop ends the processes that name this cluster's temp dir, and their descendants
 # (scripts/ray_local.py), then removes the temp dir if ray_local_start made it.
 # After ray_local_start: RAY_LOCAL_DIR, RAY_LOCAL_GCS (host:port, for `ray status --address` or
@@ -38,6 +39,14 @@ ray_local_start() {
         ray_local_stop; return 1
     fi
     export RAY_LOCAL_GCS="127.0.0.1:$gcs" RAY_LOCAL_DASHBOARD="http://127.0.0.1:$dash"
+    # ray start returns before the dashboard agent that takes jobs is up (ray_local.py's docstring)
+    if ! python "$_RAY_LOCAL_PY" ready "$RAY_LOCAL_DASHBOARD/api/version" \
+            "http://127.0.0.1:$agent/api/healthz" --timeout "${LH_RAY_READY_TIMEOUT:-120}"; then
+        local logs; logs="$(mktemp -d /tmp/lh_ray_logs.XXXXXX)"
+        cp -r "$RAY_LOCAL_DIR/session_latest/logs/." "$logs/" 2>/dev/null || true
+        echo "its logs (dashboard*.log, dashboard_agent*.log): $logs" >&2
+        ray_local_stop; return 1
+    fi
     echo "ray cluster: temp dir $RAY_LOCAL_DIR, GCS $RAY_LOCAL_GCS, dashboard $RAY_LOCAL_DASHBOARD"
 }
 

@@ -2,6 +2,7 @@
 cluster of the machine as ``ray stop`` does: another cluster, started here with its own temp dir and
 ports as another user's or another run's would be, still runs after the quickstart's cleanup."""
 
+import http.server
 import importlib.util
 import os
 import re
@@ -9,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +48,46 @@ def test_stop_ends_the_processes_naming_the_temp_dir_and_their_children_only():
         for p in (head, inside, other):
             p.kill()
             p.wait()
+
+
+class _Flaky(http.server.BaseHTTPRequestHandler):
+    """Answers 503 to the first ``server.fails`` requests, then 200 (a dashboard agent starting up)."""
+
+    def do_GET(self):
+        self.server.seen += 1
+        self.send_response(503 if self.server.seen <= self.server.fails else 200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def flaky():
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Flaky)
+    server.seen, server.fails = 0, 3
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_ready_waits_until_every_url_answers(flaky):
+    url = f"http://127.0.0.1:{flaky.server_port}/api/healthz"
+    ray_local.wait_ready([url, url], timeout=30, interval=0.01)
+    assert flaky.seen == 5  # three 503s, then one 200 for each URL
+
+
+def test_ready_names_the_url_that_never_answered(flaky, capsys):
+    flaky.fails = 10**9
+    (closed,) = ray_local.free_ports(1)  # nothing listens there
+    up = f"http://127.0.0.1:{flaky.server_port}/api/healthz"
+    with pytest.raises(TimeoutError, match=f"{up} did not answer within 0.3 s .last: HTTP 503"):
+        ray_local.wait_ready([up], timeout=0.3, interval=0.01)
+    assert ray_local.main(["ready", f"http://127.0.0.1:{closed}/api/version", "--timeout", "0.3"]) == 1
+    err = capsys.readouterr().err
+    assert f"not ready: http://127.0.0.1:{closed}/api/version did not answer" in err and "refused" in err
 
 
 def test_free_ports_are_distinct_and_bindable():
