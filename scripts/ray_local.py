@@ -7,7 +7,9 @@
 
 ``ray start`` returns before the head node's dashboard agent is up; ``ray job submit`` in that window
 fails with "No available agent to submit job" once the dashboard's 10 s wait for the agent runs out
-(seen on a busy 2-core machine), so ray_local.sh waits for the dashboard and the agent's health check.
+(seen on a busy 2-core machine), so ray_local.sh waits for the dashboard and the agent's health check. Under
+token auth (``RAY_AUTH_MODE=token``, which a process's own local ``ray.init()`` sets in its environment) the
+requests carry the token as ``ray job submit``'s do.
 
 ``ray stop`` has no option to pick a cluster (Ray 2.60: only --force, --grace-period): it ends every
 Ray process of the machine, other users' and other runs' clusters included. A cluster started with
@@ -87,22 +89,31 @@ def stop(temp_dir: str, grace: float = 3.0) -> int:
     return len(procs)
 
 
-def _answers(url: str) -> str | None:
+def auth_headers() -> dict[str, str]:
+    """The header Ray's own clients send under token auth (RAY_AUTH_MODE=token), else none."""
+    try:
+        from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+    except ImportError:  # a Ray without token auth
+        return {}
+    return dict(get_auth_headers_if_auth_enabled({}))
+
+
+def _answers(url: str, headers: dict[str, str]) -> str | None:
     """None when ``url`` answers 200, else what it answered (or why it did not)."""
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as resp:
             return None if resp.status == 200 else f"HTTP {resp.status}"
     except urllib.error.HTTPError as e:
-        return f"HTTP {e.code}"
+        return f"HTTP {e.code}" + (" (token auth: no token or a wrong one)" if e.code == 401 else "")
     except (OSError, ValueError) as e:  # refused, reset, timed out, bad URL
         return str(getattr(e, "reason", e))
 
 
 def wait_ready(urls: list[str], timeout: float = 120.0, interval: float = 0.25) -> None:
     """Return once every URL has answered 200 (each in turn); TimeoutError naming the first that did not."""
-    deadline = time.monotonic() + timeout
+    deadline, headers = time.monotonic() + timeout, auth_headers()
     for url in urls:
-        while (why := _answers(url)) is not None:
+        while (why := _answers(url, headers)) is not None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{url} did not answer within {timeout:g} s (last: {why})")
             time.sleep(interval)

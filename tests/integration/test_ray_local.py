@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -55,7 +56,10 @@ class _Flaky(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):
         self.server.seen += 1
-        self.send_response(503 if self.server.seen <= self.server.fails else 200)
+        if self.server.token and self.headers.get("authorization") != f"Bearer {self.server.token}":
+            self.send_response(401)  # a dashboard under token auth
+        else:
+            self.send_response(503 if self.server.seen <= self.server.fails else 200)
         self.end_headers()
 
     def log_message(self, *args):
@@ -65,7 +69,7 @@ class _Flaky(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def flaky():
     server = http.server.HTTPServer(("127.0.0.1", 0), _Flaky)
-    server.seen, server.fails = 0, 3
+    server.seen, server.fails, server.token = 0, 3, None
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
@@ -88,6 +92,27 @@ def test_ready_names_the_url_that_never_answered(flaky, capsys):
     assert ray_local.main(["ready", f"http://127.0.0.1:{closed}/api/version", "--timeout", "0.3"]) == 1
     err = capsys.readouterr().err
     assert f"not ready: http://127.0.0.1:{closed}/api/version did not answer" in err and "refused" in err
+
+
+@pytest.mark.parametrize("sent", ["right", "wrong"])
+def test_ready_sends_the_token_under_token_auth(flaky, sent):
+    """As `ray job submit` does: the probes carry RAY_AUTH_TOKEN when RAY_AUTH_MODE=token (Ray's own loader, in a
+    process of its own as the script runs: the loader caches its token per process)."""
+    flaky.token, flaky.fails = uuid.uuid4().hex, 0
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": flaky.token if sent == "right" else "0" * 32,
+    }
+    url = f"http://127.0.0.1:{flaky.server_port}/api/version"
+    cmd = [sys.executable, str(ROOT / "scripts" / "ray_local.py"), "ready", url, "--timeout", "1"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    if sent == "right":
+        assert out.returncode == 0, out.stderr
+    else:
+        assert out.returncode == 1 and "HTTP 401 (token auth: no token or a wrong one)" in out.stderr, (
+            out.stderr
+        )
 
 
 def test_free_ports_are_distinct_and_bindable():
@@ -139,3 +164,21 @@ def test_quickstart_cleanup_leaves_another_cluster_running(other_cluster):
     status = subprocess.run([RAY, "status", "--address", gcs], env=env, capture_output=True, text=True,
                             timeout=120)  # fmt: skip
     assert status.returncode == 0 and "Active:" in status.stdout, status.stdout + status.stderr
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_job_is_taken_at_once_under_token_auth():
+    """ray_local_start under token auth (a test process's own ``ray.init()`` sets RAY_AUTH_MODE=token in its
+    environment, and a fixture's cluster inherits it): the readiness probes carry the token as `ray job submit`
+    does, and a job submitted right after the start runs (no "No available agent to submit job")."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex, "RAY_ADDRESS": ""}
+    env.pop("PYTHONPATH", None)
+    script = "source scripts/env.sh && source scripts/ray_local.sh && ray_local_start --num-cpus=1 " \
+             "--object-store-memory=100000000 && ray job submit --address $RAY_LOCAL_DASHBOARD -- " \
+             "python -c 'print(6 * 7)'; rc=$?; ray_local_stop; exit $rc"  # fmt: skip
+    out = subprocess.run(
+        ["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    log = out.stdout + out.stderr
+    assert out.returncode == 0 and "42" in log and "succeeded" in log, log[-3000:]
