@@ -198,13 +198,17 @@ def test_render_ansi_shows_the_conversation():
 
 
 class SlowEcho(ToolEnv):
-    """A tool with 0.3 s of latency: async steps over many episodes must overlap it."""
+    """An echo tool that returns only once ``together`` of its calls (over all instances) are in flight at once:
+    async steps over many episodes must overlap their tool calls, or the first call waits out its timeout."""
 
     env_name = "SlowEcho"
+    together, in_flight = 1, 0
 
     def make_tools(self):
         async def echo(text: str) -> str:
-            await asyncio.sleep(0.3)
+            SlowEcho.in_flight += 1
+            while SlowEcho.in_flight < SlowEcho.together:
+                await asyncio.sleep(0.01)
             return text
 
         params = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
@@ -220,15 +224,16 @@ class SlowEcho(ToolEnv):
         return protocol.format_answer(self.task.target)
 
 
-def test_gather_steps_overlaps_tool_latency_across_episodes():
+def test_gather_steps_overlaps_tool_latency_across_episodes(monkeypatch):
     group = [SlowEcho() for _ in range(8)]
     for i, e in enumerate(group):
         e.reset(seed=i)
-    t0 = time.monotonic()
+    # every call waits until all 8 are in flight (no clock involved): steps one after another never get there
+    monkeypatch.setattr(SlowEcho, "together", 8)
+    monkeypatch.setattr(SlowEcho, "in_flight", 0)
     results = step_concurrently(group, [e.expert_action() for e in group])
-    elapsed = time.monotonic() - t0
-    assert elapsed < 1.5, f"8 x 0.3 s tool calls took {elapsed:.2f} s: not concurrent"
     assert [r.obs["messages"][0]["content"] for r in results] == [e.task.target for e in group]
+    monkeypatch.setattr(SlowEcho, "together", 1)
     sync = SlowEcho()
     sync.reset(seed=0)
     assert sync.step(sync.expert_action()).obs == results[0].obs  # sync step runs async tools too
@@ -281,9 +286,9 @@ def test_sandboxed_tool_calls_of_many_episodes_run_concurrently():
     group = [make_env("Python") for _ in range(4)]
     for i, e in enumerate(group):
         e.reset(seed=i)
-    action = protocol.format_tool_call("python", {"code": "import time\ntime.sleep(1.0)\nprint('done')"})
-    t0 = time.monotonic()
-    results = step_concurrently(group, [action] * 4)
-    elapsed = time.monotonic() - t0
-    assert [r.obs["messages"][0]["content"] for r in results] == ["done"] * 4
-    assert elapsed < 3.0, f"4 x 1 s sandbox runs took {elapsed:.1f} s: not concurrent"
+    # each program prints when it started and ended its 1.5 s (the host's clock): all four ran at one moment
+    # when the last start came before the first end; a sandbox's own start-up and teardown do not count
+    code = "import time\nt0 = time.time()\ntime.sleep(1.5)\nprint(t0, time.time())"
+    results = step_concurrently(group, [protocol.format_tool_call("python", {"code": code})] * 4)
+    spans = [tuple(map(float, r.obs["messages"][0]["content"].split())) for r in results]
+    assert len(spans) == 4 and max(a for a, _ in spans) < min(b for _, b in spans), f"not concurrent: {spans}"
