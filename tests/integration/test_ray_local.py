@@ -52,7 +52,8 @@ def test_stop_ends_the_processes_naming_the_temp_dir_and_their_children_only():
 
 
 class _Flaky(http.server.BaseHTTPRequestHandler):
-    """Answers 503 to the first ``server.fails`` requests, then 200 (a dashboard agent starting up)."""
+    """Answers 503 to the first ``server.fails`` requests, then 200 (a dashboard agent starting up); with
+    ``server.token`` set, 401 to a request without that bearer token (a dashboard under token auth)."""
 
     def do_GET(self):
         self.server.seen += 1
